@@ -1,0 +1,227 @@
+"""Lowering: KernelSpec -> KernelPlan, the plain data a template renders.
+
+All arithmetic on sizes happens here (shared-memory layout, fragment counts, cp.async group
+bookkeeping, register estimates); templates only loop and branch over the plan's fields.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .version import __version__
+from .errors import SpecError
+from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
+
+SMEM_ALIGN = 128
+MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
+REGISTER_OVERHEAD = 40   # addresses, indices, loop state: measured ballpark from ptxas reports
+
+
+@dataclass(frozen=True)
+class Constant:
+    name: str
+    type: str        # int | bool | float | u32 | MaskKind
+    value: object
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A step of the kernel and the DSL line it came from, for `// [file.tile:LINE] what`."""
+    where: str
+    what: str
+
+
+@dataclass(frozen=True)
+class LoopOp:
+    kind: str                 # barrier | prefetch_kv | wait_k | wait_v | mma_qk | mask | online_softmax | mma_pv
+    where: str
+    what: str
+    pending: int = 0          # wait_*: cp.async groups allowed to stay in flight
+    distance: int = 0         # prefetch_kv: how many tiles ahead
+
+
+@dataclass(frozen=True)
+class Launch:
+    threads: int
+    smem_bytes: int
+    tile_q: int
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    kernel_name: str
+    family: str
+    template: str
+    tiledsl_version: str
+    source_file: str
+    config_hash: str
+    spec_lines: tuple[str, ...]
+    config_lines: tuple[str, ...]
+    dtype_ptx: str
+    constants: tuple[Constant, ...]
+    regions: dict
+    loop_body: tuple[LoopOp, ...]
+    min_blocks_per_sm: int
+    launch: Launch
+    register_estimate: int
+    notes: tuple[str, ...] = field(default=())
+
+
+def _align(n: int) -> int:
+    return (n + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
+
+
+def tile_row_bytes(dim: int) -> tuple[int, bool]:
+    """Bytes per shared-memory row of a 16-bit tile with `dim` columns, and whether it is swizzled.
+    Rows of a multiple of 64 elements are XOR-swizzled; others get one 16-byte pad."""
+    if dim % 64 == 0:
+        return dim * 2, True
+    return (dim + 8) * 2, False
+
+
+def _where(spec: KernelSpec, key: str) -> str:
+    span = spec.span_of(key)
+    if span is None:
+        return f"{Path(spec.source_file).name}"
+    return f"{Path(span.file).name}:{span.line}"
+
+
+def _spec_lines(spec: KernelSpec) -> tuple[str, ...]:
+    if spec.span is None or not spec.source_text:
+        return (f"(built in Python: {spec.name})",)
+    lines = spec.source_text.splitlines()[spec.span.line - 1: spec.span.end_line]
+    return tuple(line.rstrip() for line in lines)
+
+
+def _require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "") -> None:
+    if not cond:
+        raise SpecError(message, spec.span_of(key), spec.source_text, hint)
+
+
+def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
+    """The kv loop of FA2 in emission order. With 2+ stages, tile j+S-1 is prefetched while tile j
+    is computed; K and V are separate cp.async groups so QK^T starts before V has landed."""
+    pipe, tile, mask = _where(spec, "pipeline"), _where(spec, "tile"), _where(spec, "mask")
+    order = _where(spec, "order")
+    if stages == 1:
+        head = [LoopOp("barrier", pipe, "one stage: every warp is done with the buffer before it is refilled"),
+                LoopOp("prefetch_kv", pipe, "load K_j, V_j", distance=0),
+                LoopOp("wait_k", pipe, "wait for K_j", pending=1)]
+        wait_v = 0
+    else:
+        head = [LoopOp("wait_k", pipe, "wait for K_j (V_j and later tiles may still be in flight)", pending=2 * stages - 3),
+                LoopOp("prefetch_kv", pipe, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
+                       distance=stages - 1)]
+        wait_v = 2 * stages - 2
+    body = head + [
+        LoopOp("mma_qk", tile, "S = Q K_j^T (mma.sync m16n8k16, fp32 accumulate)"),
+        LoopOp("mask", mask, "mask keys outside the sequence / diagonal / window (only tiles that need it)"),
+        LoopOp("online_softmax", order, "m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O"),
+        LoopOp("wait_v", pipe, "wait for V_j", pending=wait_v),
+        LoopOp("mma_pv", tile, "O += P V_j (P from registers, V via ldmatrix.trans)"),
+    ]
+    return tuple(body)
+
+
+def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:
+    p, s = spec.problem, spec.schedule
+    _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
+             f"the fa2 template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
+    rows_per_warp = s.tile_q // s.warps
+    _require(rows_per_warp % 16 == 0 and rows_per_warp > 0, spec, "warps",
+             f"{s.warps} warps along q give {s.tile_q}/{s.warps} rows per warp; fa2 needs a multiple of 16")
+    _require(s.tile_kv % 16 == 0 and p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "tile",
+             "fa2 needs tile kv and head dims that are multiples of 16 (mma m16n8k16)")
+    m_tiles = rows_per_warp // 16
+    threads = s.warps * 32
+    qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
+    v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
+
+    acc_o, acc_s = m_tiles * p.head_dim_v // 2, m_tiles * s.tile_kv // 2
+    q_regs, k_frag = m_tiles * p.head_dim_qk // 4, s.tile_kv // 4
+    base_estimate = acc_o + acc_s + k_frag + REGISTER_OVERHEAD
+    if q_in_registers is None:
+        q_in_registers = base_estimate + q_regs <= 255
+    register_estimate = base_estimate + (q_regs if q_in_registers else 0)
+
+    q_bytes = s.tile_q * qk_row
+    k_stage, v_stage = s.tile_kv * qk_row, s.tile_kv * v_row
+    q_offset = 0
+    k_offset = _align(q_offset + q_bytes)
+    v_offset = _align(k_offset + s.stages * k_stage)
+    end = _align(v_offset + s.stages * v_stage)
+    # O is staged through Q's rows when the layouts match (each warp reuses only its own rows).
+    if (v_row, v_swizzle) == (qk_row, qk_swizzle):
+        o_offset = q_offset
+    else:
+        o_offset, end = end, _align(end + s.tile_q * v_row)
+    smem = end
+    if min_blocks_per_sm is None:
+        min_blocks_per_sm = 2 if register_estimate <= 128 - 8 and 2 * smem <= 232448 else 1
+
+    scale = p.scale
+    consts = [
+        Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("WARPS", "int", s.warps, "warps, split along q"),
+        Constant("THREADS", "int", threads),
+        Constant("ROWS_PER_WARP", "int", rows_per_warp),
+        Constant("M_TILES", "int", m_tiles, "16-row mma tiles per warp"),
+        Constant("S_TILES", "int", s.tile_kv // 8, "8-column mma tiles of S per row block"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
+        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
+        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
+        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V and O tiles"),
+        Constant("V_SWIZZLE", "bool", v_swizzle),
+        Constant("STAGES", "int", s.stages, "K/V buffers in flight (pipeline)"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_STAGE_BYTES", "u32", k_stage),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_STAGE_BYTES", "u32", v_stage),
+        Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
+        Constant("SMEM_BYTES", "u32", smem),
+        Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),
+        Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
+        Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
+        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
+        Constant("WINDOW_LEFT", "int", p.window_left),
+        Constant("WINDOW_RIGHT", "int", p.window_right),
+        Constant("SCALE", "float", scale, "softmax scale"),
+        Constant("SCALE_LOG2", "float", scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+    ]
+    regions = {
+        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
+        "load_q": Region(_where(spec, "tile"), f"load the {s.tile_q} x {p.head_dim_qk} Q tile (cp.async, zero-filled past the end)"),
+        "prologue": Region(_where(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
+        "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner"),
+        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
+    }
+    return KernelPlan(
+        kernel_name=spec.kernel_name, family=Family.FA2.value, template="fa2.cu.j2",
+        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
+        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
+        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
+        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
+        loop_body=fa2_loop_body(spec, s.stages), min_blocks_per_sm=min_blocks_per_sm,
+        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
+        register_estimate=register_estimate,
+    )
+
+
+LOWERINGS = {Family.FA2: lower_fa2}
+
+
+def lower(spec: KernelSpec, **overrides) -> KernelPlan:
+    """The plan for `spec`'s family; a family without a template is a SpecError naming it."""
+    lowering = LOWERINGS.get(spec.family)
+    if lowering is None:
+        built = ", ".join(f.value for f in LOWERINGS)
+        raise SpecError(f"the {spec.family.value} family has no CUDA template yet", spec.span, spec.source_text,
+                        f"families with templates: {built}")
+    return lowering(spec, **overrides)

@@ -1,0 +1,223 @@
+"""Runtime: compile a spec's CUDA for the GPU in hand, cache the cubin on disk, and launch it on
+tensors from any framework after checking them.
+
+Compilation goes through NVRTC (CuPy's bindings) for the device's own architecture (sm_90a on
+Hopper); the cubin is cached under ~/.cache/tiledsl (TILEDSL_CACHE_DIR overrides) by a sha256 of
+source, options, architecture and NVRTC version."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LaunchError, RuntimeInputError
+from .lower import KernelPlan, lower
+from .render import render
+from .spec import DType, KernelSpec
+from .tensors import TensorView, view
+
+NVRTC_OPTIONS = ("--std=c++17",)
+MAX_GRID_Y = 65535
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TILEDSL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiledsl")
+    return Path(root)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise LaunchError("running kernels needs CuPy (pip install 'tiledsl[gpu]')") from None
+    return cupy
+
+
+def device_arch() -> str:
+    """sm_XY of the current device, with the 'a' suffix on Hopper so wgmma/setmaxnreg are legal."""
+    cupy = _cupy()
+    major, minor = divmod(int(cupy.cuda.Device().compute_capability), 10)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def compile_cubin(source: str, name: str, arch: str) -> bytes:
+    """The cubin of `source` for `arch`, from the disk cache or NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+    options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",)
+    key = hashlib.sha256("\0".join([source, *options, arch, repr(nvrtc.getVersion())]).encode()).hexdigest()
+    path = cache_dir() / "cubin" / f"{name}-{key[:16]}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    program = nvrtc.createProgram(source, f"{name}.cu", (), ())
+    try:
+        nvrtc.compileProgram(program, list(options))
+    except Exception as err:
+        log = nvrtc.getProgramLog(program)
+        raise LaunchError(f"{name}: NVRTC failed for {arch}:\n{log or err}") from None
+    cubin = nvrtc.getCUBIN(program)
+    nvrtc.destroyProgram(program)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    tmp.replace(path)   # atomic: a concurrent reader sees the old file or the whole new one
+    return cubin
+
+
+@dataclass
+class Shapes:
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+
+
+class Kernel:
+    """A compiled attention kernel: `o, lse = kernel(q, k, v)` with q (batch, heads, q_len, d) and
+    k, v (batch, kv_heads, kv_len, d / dv); any strides whose last is 1."""
+
+    def __init__(self, spec: KernelSpec, plan: KernelPlan | None = None):
+        self.spec = spec
+        self.plan = plan or lower(spec)
+        self.source = render(self.plan)
+        self.name = self.plan.kernel_name
+        self._function = None
+
+    def __repr__(self) -> str:
+        return f"<tiledsl.Kernel {self.name}>"
+
+    def function(self):
+        if self._function is None:
+            cupy = _cupy()
+            cubin = compile_cubin(self.source, self.name, device_arch())
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            fn = module.get_function(self.name)
+            _allow_dynamic_shared(fn, self.plan.launch.smem_bytes)
+            self._module, self._function = module, fn
+        return self._function
+
+    # -- input checks ---------------------------------------------------------------------
+    def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
+        p = self.spec.problem
+        for t in (q, k, v):
+            if len(t.shape) != 4:
+                raise RuntimeInputError(f"{self.name}: {t.name} must be 4-d (batch, heads, seqlen, head_dim), got shape {t.shape}")
+            if t.dtype is not p.dtype:
+                raise RuntimeInputError(f"{self.name}: {t.name} is {getattr(t.dtype, 'value', t.dtype)}, the kernel was built for {p.dtype.value}")
+            if t.strides[3] != 1:
+                raise RuntimeInputError(f"{self.name}: {t.name} needs a unit stride on head_dim, got strides {t.strides}")
+            if any(s % 8 for s in t.strides[:3]) or t.pointer % 16:
+                raise RuntimeInputError(f"{self.name}: {t.name} rows must be 16-byte aligned (strides {t.strides} elements)")
+            if t.device_id != q.device_id:
+                raise RuntimeInputError(f"{self.name}: q is on GPU {q.device_id} but {t.name} on GPU {t.device_id}")
+        batch, heads, q_len, dq = q.shape
+        kb, kv_heads, kv_len, dk = k.shape
+        if dq != p.head_dim_qk or dk != p.head_dim_qk:
+            raise RuntimeInputError(f"{self.name}: built for head_dim {p.head_dim_qk}; q has {dq}, k has {dk}")
+        if v.shape[3] != p.head_dim_v:
+            raise RuntimeInputError(f"{self.name}: built for head_dim_v {p.head_dim_v}; v has {v.shape[3]}")
+        if kb != batch or v.shape[:3] != k.shape[:3]:
+            raise RuntimeInputError(f"{self.name}: shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}")
+        if kv_heads == 0 or heads % kv_heads:
+            raise RuntimeInputError(f"{self.name}: {heads} query heads are not a multiple of {kv_heads} kv heads")
+        if batch * heads > MAX_GRID_Y:
+            raise RuntimeInputError(f"{self.name}: batch*heads = {batch * heads} exceeds {MAX_GRID_Y} per launch")
+        if kv_lens is not None:
+            if kv_lens.dtype != "int32" or kv_lens.shape != (batch,) or kv_lens.strides != (1,):
+                raise RuntimeInputError(f"{self.name}: kv_lens must be a contiguous int32 array of shape ({batch},)")
+        return Shapes(batch, heads, kv_heads, q_len, kv_len)
+
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
+        qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
+        lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
+        shapes = self.check_inputs(qv, kvw, vv, lens)
+        if lens is not None:
+            _check_kv_lens(kv_lens, shapes.kv_len, self.name)
+        out, lse = _allocate_outputs(q, shapes, self.spec.problem, out, lse, self.name)
+        ov, lv = view(out, "out"), view(lse, "lse")
+        if ov.strides[3] != 1 or any(s % 8 for s in ov.strides[:3]):
+            raise RuntimeInputError(f"{self.name}: out needs unit stride on head_dim and 16-byte aligned rows")
+        self.launch(qv, kvw, vv, ov, lv, lens, shapes)
+        return out, lse
+
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        import numpy as np
+        cupy = _cupy()
+        fn = self.function()
+        plan = self.plan
+        grid = ((shapes.q_len + plan.launch.tile_q - 1) // plan.launch.tile_q, shapes.batch * shapes.heads, 1)
+        if grid[0] == 0 or shapes.batch * shapes.heads == 0:
+            return
+        i64 = np.int64
+        args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
+                np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
+                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
+                np.int32(shapes.heads // shapes.kv_heads),
+                *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
+                *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
+        try:
+            with cupy.cuda.Device(q.device_id):
+                fn(grid, (plan.launch.threads, 1, 1), args, shared_mem=plan.launch.smem_bytes, stream=stream)
+        except Exception as err:
+            raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
+                              f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
+
+
+def _allow_dynamic_shared(fn, nbytes: int) -> None:
+    """Raise the function's dynamic shared-memory limit (48 KB unless asked) to what it uses."""
+    try:
+        fn.max_dynamic_shared_size_bytes = nbytes
+    except AttributeError:
+        from cupy.cuda import driver
+        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+
+
+def _check_kv_lens(kv_lens, kv_len: int, name: str) -> None:
+    """Per-sequence lengths must lie in [0, kv_len]: checked on the host before launch, since an
+    out-of-range length would read past the cache."""
+    cupy = _cupy()
+    lens = cupy.asarray(kv_lens) if not hasattr(kv_lens, "cpu") else kv_lens
+    low, high = int(lens.min()), int(lens.max())
+    if low < 0 or high > kv_len:
+        raise RuntimeInputError(f"{name}: kv_lens must lie in [0, {kv_len}], got values in [{low}, {high}]")
+
+
+def _allocate_outputs(q, shapes: Shapes, problem, out, lse, name: str):
+    """O (batch, heads, q_len, dv) in q's dtype and LSE (batch, heads, q_len) fp32, in q's framework."""
+    o_shape = (shapes.batch, shapes.heads, shapes.q_len, problem.head_dim_v)
+    lse_shape = o_shape[:3]
+    if type(q).__module__.startswith("torch"):
+        import torch
+        out = out if out is not None else torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        lse = lse if lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        cupy = _cupy()
+        if problem.dtype is DType.BF16 and out is None:
+            raise RuntimeInputError(f"{name}: CuPy has no bfloat16 dtype; pass out= (e.g. a PyTorch tensor)")
+        out = out if out is not None else cupy.empty(o_shape, dtype=cupy.float16)
+        lse = lse if lse is not None else cupy.empty(lse_shape, dtype=cupy.float32)
+    ov, lv = view(out, "out"), view(lse, "lse")
+    if ov.shape != o_shape or ov.dtype is not problem.dtype:
+        raise RuntimeInputError(f"{name}: out must be {o_shape} {problem.dtype.value}, got {ov.shape}")
+    if lv.shape != lse_shape or lv.dtype is not DType.FP32 or lv.strides != (shapes.heads * shapes.q_len, shapes.q_len, 1):
+        raise RuntimeInputError(f"{name}: lse must be a contiguous fp32 array of shape {lse_shape}")
+    return out, lse
+
+
+def compile(spec_or_path, name: str | None = None, **overrides) -> Kernel:
+    """A Kernel from a KernelSpec, a .tile path or spec text (`name` picks one of several)."""
+    if isinstance(spec_or_path, KernelSpec):
+        spec = spec_or_path
+    else:
+        from .parse import load_specs
+        specs = load_specs(spec_or_path)
+        if name is not None:
+            specs = [s for s in specs if s.name == name]
+        if len(specs) != 1:
+            names = ", ".join(s.name for s in load_specs(spec_or_path))
+            raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
+        spec = specs[0]
+    return Kernel(spec, lower(spec, **overrides))

@@ -1,0 +1,209 @@
+"""KernelSpec: the checked, hashable description of one attention kernel (problem + schedule).
+
+This is the plain data every later stage reads. The parser and checker (parse.py, check.py)
+produce it; the graph, lowering, runtime and tuner consume it. Source spans ride along for
+error messages but take no part in equality or hashing: the same config written in two files
+is the same kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a piece of a spec came from: 1-based line and column, end exclusive."""
+    file: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+class Family(Enum):
+    """Kernel families; each has one template under templates/."""
+    FA1 = "fa1"            # kv outer, q inner; O, m, l round-trip through HBM
+    FA2 = "fa2"            # q outer; O stays on chip, normalised once
+    HOPPER = "hopper"      # warp-specialized producer/consumer (FA3-style)
+    DECODE = "decode"      # few queries per sequence, split-KV + merge
+
+
+class DType(Enum):
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+# One table per enum for its spellings (STYLE.md 3); a test checks every member has an entry.
+DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2, DType.FP32: 4}
+DTYPE_PTX = {DType.FP16: "f16", DType.BF16: "bf16", DType.FP32: "f32"}
+DTYPE_NUMPY = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
+
+
+class Mask(Enum):
+    NONE = "none"
+    CAUSAL = "causal"      # key j visible to query i iff j <= i + (kv_len - q_len): bottom-right aligned
+    WINDOW = "window"      # i + off - left <= j <= i + off + right, off = kv_len - q_len
+
+
+class LoopOrder(Enum):
+    Q_OUTER = "q, kv"      # FA2
+    KV_OUTER = "kv, q"     # FA1
+
+
+class Axis(Enum):
+    Q = "q"                # split-Q: each warp owns its query rows
+    KV = "kv"              # split-K: warps share rows, partial results combined on chip
+
+
+class CopyVia(Enum):
+    CP_ASYNC = "cp.async"
+    TMA = "tma"
+
+
+AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to compute."""
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: DType = DType.BF16
+    mask: Mask = Mask.NONE
+    window_left: int = 0            # only with Mask.WINDOW: keys visible before the diagonal
+    window_right: int = 0           # only with Mask.WINDOW: keys visible after the diagonal
+    softmax_scale: float | None = None   # None: 1/sqrt(head_dim_qk)
+    queries_per_seq: int | None = None   # decode: queries per sequence (1..16); None: prefill
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim_qk)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How to compute it. Defaults are the documented DSL defaults (README, "DSL reference")."""
+    order: LoopOrder = LoopOrder.Q_OUTER
+    tile_q: int = 128
+    tile_kv: int = 64
+    warps: int = 4
+    warp_axis: Axis = Axis.Q
+    stages: int = 2
+    copy: CopyVia = CopyVia.CP_ASYNC
+    producer_warpgroups: int = 0    # 0: no warp specialization
+    producer_regs: int = 0
+    consumer_warpgroups: int = 0
+    consumer_regs: int = 0
+    pingpong: bool = False
+    intra_overlap: bool = False
+    split_kv: int | str = 1         # 1: no split; N: N splits; AUTO: chosen at launch
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str                       # the name after `attention` in the DSL
+    problem: Problem
+    schedule: Schedule
+    source_file: str = field(default="<string>", compare=False)
+    source_text: str = field(default="", compare=False, repr=False)
+    # (key, Span) pairs, e.g. ("tile", Span(...)): where each setting was written.
+    spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+    span: Span | None = field(default=None, compare=False, repr=False)   # the whole block
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.problem, self.schedule)
+
+    @property
+    def kernel_name(self) -> str:
+        return kernel_name(self)
+
+    def span_of(self, key: str) -> Span | None:
+        """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's."""
+        for k, s in self.spans:
+            if k == key:
+                return s
+        return self.span
+
+    def config(self) -> dict:
+        """The full config as JSON-ready plain data (enums by value)."""
+        return {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
+                "problem": _plain(asdict(self.problem)), "schedule": _plain(asdict(self.schedule))}
+
+    @property
+    def config_hash(self) -> str:
+        """sha256 of the config: the same config always gives the same hash."""
+        blob = json.dumps({"problem": self.config()["problem"], "schedule": self.config()["schedule"]},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _plain(value):
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def family_of(problem: Problem, schedule: Schedule) -> Family:
+    """The template family a config selects. Warpgroups mean Hopper; queries per sequence mean
+    decode; kv outer means FA1; otherwise FA2."""
+    if schedule.producer_warpgroups or schedule.consumer_warpgroups:
+        return Family.HOPPER
+    if problem.queries_per_seq is not None:
+        return Family.DECODE
+    if schedule.order is LoopOrder.KV_OUTER:
+        return Family.FA1
+    return Family.FA2
+
+
+def _number(x: float) -> str:
+    return repr(float(x)).replace(".", "p").replace("-", "m")
+
+
+def kernel_name(spec: KernelSpec) -> str:
+    """A pure function of the config, e.g. fa2_d128_bf16_causal_q128_kv64_w4q_s2.
+
+    It keys the generated file and the compile cache, so every config field appears in it
+    (defaults included where they vary between families)."""
+    p, s = spec.problem, spec.schedule
+    fam = family_of(p, s)
+    parts = [fam.value, f"d{p.head_dim_qk}" + (f"v{p.head_dim_v}" if p.head_dim_v != p.head_dim_qk else ""),
+             p.dtype.value]
+    if p.mask is Mask.CAUSAL:
+        parts.append("causal")
+    elif p.mask is Mask.WINDOW:
+        parts.append(f"win{p.window_left}x{p.window_right}")
+    if p.softmax_scale is not None:
+        parts.append(f"scale{_number(p.softmax_scale)}")
+    if p.queries_per_seq is not None:
+        parts.append(f"nq{p.queries_per_seq}")
+    parts += [f"q{s.tile_q}", f"kv{s.tile_kv}"]
+    if fam is Family.HOPPER:
+        parts += [f"p{s.producer_warpgroups}r{s.producer_regs}", f"c{s.consumer_warpgroups}r{s.consumer_regs}"]
+        if s.pingpong:
+            parts.append("pingpong")
+        if s.intra_overlap:
+            parts.append("intra")
+    else:
+        parts.append(f"w{s.warps}{s.warp_axis.value}")
+    parts.append(f"s{s.stages}" + ("tma" if s.copy is CopyVia.TMA else ""))
+    if s.split_kv != 1:
+        parts.append(f"split{s.split_kv}")
+    return "_".join(parts)
+
+
+def spec_fields() -> list[str]:
+    """Names of every Problem and Schedule field (for docs and tests)."""
+    return [f.name for f in fields(Problem)] + [f.name for f in fields(Schedule)]
