@@ -1,0 +1,277 @@
+"""Spec text -> syntax tree (ast.py), and the front end's entry points.
+
+The grammar lives in grammar.lark (LALR, positions on). A Lark parse error becomes a SpecError
+that says, in words, what was expected after which token (`expected '=' after 'head_dim'`),
+with a caret under the offending text and, where the statement is known, an example of it.
+
+Entry points: parse_text / parse_file (one KernelSpec or SpecSpace per attention block) and
+load_specs (concrete kernels only: spaces expanded to their legal configs).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import re
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from . import ast
+from .check import EXAMPLES, PROBLEM_KEYS, SCHEDULE_KEYS, SpecSpace, check_module, did_you_mean
+from .errors import SpecError
+from .spec import KernelSpec, Span
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> Lark:
+    return Lark.open("grammar.lark", rel_to=__file__, parser="lalr", propagate_positions=True,
+                     maybe_placeholders=True)
+
+
+# ---- tree -> ast --------------------------------------------------------------------------------
+
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def _number_value(text: str) -> int | float:
+    try:
+        return int(text) if _INTEGER.fullmatch(text) else float(text)
+    except ValueError:        # more digits than Python converts: out of every range anyway
+        return float("inf")
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """Builds ast nodes; `file` goes into every Span."""
+
+    def __init__(self, file: str):
+        super().__init__()
+        self.file = file
+
+    def _span(self, meta) -> Span:
+        return Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok(self, tok: Token) -> Span:
+        return Span(self.file, tok.line, tok.column, tok.end_line, tok.end_column)
+
+    def _word(self, tok: Token) -> ast.Word:
+        return ast.Word(str(tok), self._tok(tok))
+
+    def _key(self, meta, keyword: str) -> ast.Word:
+        # The keyword itself is filtered out of the tree; it starts the statement.
+        return ast.Word(keyword, Span(self.file, meta.line, meta.column, meta.line, meta.column + len(keyword)))
+
+    def number(self, meta, children):
+        tok = children[0]
+        return ast.Number(_number_value(str(tok)), str(tok), self._tok(tok))
+
+    def word(self, meta, children):
+        return self._word(children[0])
+
+    def choice(self, meta, children):
+        return ast.Choice(tuple(children), self._span(meta))
+
+    def pair(self, meta, children):
+        return ast.Pair(self._word(children[0]), self._word(children[1]), self._span(meta))
+
+    def arg(self, meta, children):
+        return ast.Arg(self._word(children[0]), children[1], self._span(meta))
+
+    def call(self, meta, children):
+        args = tuple(a for a in children[1:] if a is not None)
+        return ast.Call(self._word(children[0]), args, self._span(meta))
+
+    def setting(self, meta, children):
+        return ast.Setting(self._word(children[0]), children[1], self._span(meta))
+
+    def dim(self, meta, children):
+        return ast.Dim(self._word(children[0]), children[1], self._span(meta))
+
+    def role(self, meta, children):
+        return ast.Role(self._word(children[0]), children[1], children[2], self._span(meta))
+
+    def order(self, meta, children):
+        return ast.Order(self._key(meta, "order"), children[0], self._span(meta))
+
+    def order_choice(self, meta, children):
+        span = self._span(meta)
+        # The choice starts at `in`, after the keyword and its space.
+        choice_span = Span(span.file, children[0].span.line, children[0].span.column - 2, span.end_line, span.end_column)
+        return ast.Order(self._key(meta, "order"), ast.Choice(tuple(children), choice_span), span)
+
+    def tile(self, meta, children):
+        return ast.Tile(self._key(meta, "tile"), tuple(children), self._span(meta))
+
+    def warps(self, meta, children):
+        return ast.Warps(self._key(meta, "warps"), children[0], children[1], self._span(meta))
+
+    def pipeline(self, meta, children):
+        return ast.Pipeline(self._key(meta, "pipeline"), children[0], children[1], self._span(meta))
+
+    def warpgroups(self, meta, children):
+        return ast.Warpgroups(self._key(meta, "warpgroups"), tuple(children), self._span(meta))
+
+    def overlap(self, meta, children):
+        return ast.Overlap(self._key(meta, "overlap"), tuple(self._word(t) for t in children), self._span(meta))
+
+    def split(self, meta, children):
+        return ast.Split(self._key(meta, "split"), children[0], self._span(meta))
+
+    def unknown_statement(self, meta, children):
+        return ast.UnknownStatement(self._word(children[0]), self._span(meta))
+
+    def schedule(self, meta, children):
+        return ast.ScheduleBlock(tuple(children), self._span(meta))
+
+    def attention(self, meta, children):
+        return ast.Attention(self._word(children[0]), tuple(children[1:]), self._span(meta))
+
+    def start(self, meta, children):
+        return ast.Module(tuple(children), self.file)
+
+
+# ---- parse errors in words ------------------------------------------------------------------------
+
+# How each terminal reads in a message; keywords and punctuation read as themselves, quoted.
+_TERMINAL_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "a new line", "$END": "the end of the file"}
+# Terminal sets that mean "a statement goes here": named as a whole rather than listed.
+_STATEMENT_STARTS = [
+    ({"ORDER", "TILE", "WARPS"}, "a schedule statement (" + ", ".join(SCHEDULE_KEYS) + ") or '}'"),
+    ({"SCHEDULE"}, "a setting `key = value`, `schedule {` or '}'"),
+    ({"ATTENTION"}, "`attention NAME {`"),
+]
+
+
+def _terminal_word(name: str) -> str:
+    if name in _TERMINAL_WORDS:
+        return _TERMINAL_WORDS[name]
+    for term in _parser().terminals:
+        if term.name == name and term.pattern.type == "str":
+            return repr(term.pattern.value)
+    return name.lower()
+
+
+def _expected_words(expected: set[str]) -> str:
+    for marker, words in _STATEMENT_STARTS:
+        if marker <= expected:
+            return words
+    words = sorted({_terminal_word(t) for t in expected if t != "IN"}, key=lambda w: (w[0] != "'", w))
+    if "IN" in expected:
+        words.append("'in {...}'")
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _found(tok: Token) -> str:
+    if tok.type == "_NL":
+        return "the end of the line"
+    if tok.type == "$END":
+        return "the end of the file"
+    return repr(str(tok))
+
+
+def _context_hint(text: str, line: int, prev: Token | None, expected: set[str], at_end: bool):
+    """(message or None, hint, span or None) from the statement's first word: a message and span
+    that replace the generic ones where the first word explains the error better."""
+    lines = text.split("\n")
+    words = re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", lines[line - 1]) if 1 <= line <= len(lines) else []
+    first = words[0] if words else ""
+    if at_end:
+        return None, "a '}' is missing: close every `{` with `}`" if "RBRACE" in expected else "", None
+    if prev is not None and str(prev) == first and expected == {"EQUAL"}:
+        # A word that started a setting in an attention block but wasn't followed by '='.
+        if first in SCHEDULE_KEYS:
+            return (f"'{first}' is a schedule statement; put it inside `schedule {{ ... }}`",
+                    f"schedule {{ {EXAMPLES[first]} }}", prev)
+        if first not in PROBLEM_KEYS and first != "attention":
+            suggestion = did_you_mean(first, PROBLEM_KEYS + ("schedule",))
+            return (f"unknown key '{first}'{suggestion}",
+                    "settings: " + ", ".join(PROBLEM_KEYS) + "; and `schedule { ... }`", prev)
+    if first in EXAMPLES:
+        return None, f"write it like: {EXAMPLES[first]}", None
+    return None, "", None
+
+
+def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
+    history = getattr(err, "token_history", None) or []
+    prev = history[-1] if history and isinstance(history[-1], Token) else None
+    expected = set(getattr(err, "allowed", None) or getattr(err, "expected", None) or ())
+    if getattr(err, "interactive_parser", None) is not None:
+        try:   # LALR's own set can hold terminals only valid after a default reduction
+            expected = set(err.interactive_parser.accepts()) or expected
+        except Exception:   # a best-effort refinement: fall back to Lark's own set
+            pass
+    tok = err.token if isinstance(err, UnexpectedToken) else Token("$END", "")
+    at_end = isinstance(err, (UnexpectedToken, UnexpectedEOF)) and (tok.type == "$END" or tok.line is None)
+    if isinstance(err, UnexpectedCharacters):
+        line, column, width = err.line, err.column, 1
+        found = repr(text[err.pos_in_stream]) if 0 <= err.pos_in_stream < len(text) else "a character"
+    elif at_end:
+        line = max(text.count("\n") + (0 if text.endswith("\n") else 1), 1)
+        line, column, width = line, len(text.split("\n")[line - 1]) + 1, 1
+        found = _found(Token("$END", ""))
+    else:
+        line, column, found = tok.line, tok.column, _found(tok)
+        width = 1 if tok.type == "_NL" else max(len(str(tok)), 1)
+    span = Span(file, line, column, line, column + width)
+    message, hint, at = _context_hint(text, line, prev, expected, at_end)
+    if at is not None:
+        span = Span(file, at.line, at.column, at.line, at.column + len(str(at)))
+    if message is None:
+        after = f" after {str(prev)!r}" if prev is not None else ""
+        message = f"expected {_expected_words(expected)}{after}, found {found}"
+    return SpecError(message, span, text, hint)
+
+
+def parse_ast(text: str, filename: str = "<string>") -> ast.Module:
+    """Parse spec text into its syntax tree; a syntax error is a SpecError."""
+    try:
+        tree = _parser().parse(text)
+    except (UnexpectedCharacters, UnexpectedToken, UnexpectedEOF) as err:
+        raise _syntax_error(err, text, filename) from None
+    return _ToAst(filename).transform(tree)
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+
+def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec | SpecSpace]:
+    """One KernelSpec per attention block, or a SpecSpace for a block with `in {...}` choices."""
+    return check_module(parse_ast(text, filename), text)
+
+
+def parse_file(path: str | os.PathLike) -> list[KernelSpec | SpecSpace]:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise SpecError(f"the file is not UTF-8 text (byte {err.start})",
+                        Span(str(path), line, 1, line, 2)) from None
+    return parse_text(text, str(path))
+
+
+def _looks_like_path(path_or_text) -> bool:
+    return isinstance(path_or_text, os.PathLike) or ("{" not in path_or_text and "\n" not in path_or_text)
+
+
+def load_specs(path_or_text: str | os.PathLike) -> list[KernelSpec]:
+    """Concrete kernels from a file path or spec text: spaces become their legal configs."""
+    if _looks_like_path(path_or_text):
+        items = parse_file(path_or_text)
+    else:
+        items = parse_text(path_or_text)
+    specs: list[KernelSpec] = []
+    for item in items:
+        specs.extend(item.expand()[0] if isinstance(item, SpecSpace) else [item])
+    return specs
+
+
+def load_spec(path_or_text: str | os.PathLike) -> KernelSpec:
+    """The one concrete kernel in a file or text; more than one (or a space) is a SpecError."""
+    specs = load_specs(path_or_text)
+    if len(specs) != 1:
+        where = str(path_or_text) if _looks_like_path(path_or_text) else "the spec text"
+        raise SpecError(f"{where} holds {len(specs)} kernels; expected exactly one",
+                        hint="pick one with load_specs(...)[i], or keep one attention block per file")
+    return specs[0]
