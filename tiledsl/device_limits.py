@@ -1,0 +1,77 @@
+"""Limits of the target GPU, as plain data.
+
+The legality pass checks a schedule's shared memory and register estimates against these
+numbers, the split-KV heuristic reads the SM count, and explain prints them. H200 (sm_90) is
+the default target; `read_device_limits()` asks a live device through CuPy when one is present,
+so a kernel built on the GPU box is checked against what that GPU really reports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    name: str
+    arch: str                       # e.g. "sm_90"
+    max_shared_per_block: int       # bytes of dynamic shared memory one block may opt in to
+    shared_per_sm: int              # bytes of shared memory per SM
+    registers_per_sm: int           # 32-bit registers per SM
+    max_registers_per_thread: int
+    max_threads_per_block: int
+    sm_count: int
+    l2_bytes: int
+    hbm_bytes_per_s: float = 0.0    # peak HBM bandwidth (0: unknown)
+    dense_flops_per_s: float = 0.0  # peak dense 16-bit tensor-core FLOP/s (0: unknown)
+    warp_size: int = 32
+
+
+# NVIDIA H200 SXM (Hopper, compute capability 9.0): 228 KB shared memory per SM of which 227 KB
+# one block can opt in to, 64 K registers per SM, 132 SMs, 50 MB L2, 4.8 TB/s HBM3e,
+# 989 TFLOP/s dense bf16.
+H200 = DeviceLimits(
+    name="NVIDIA H200",
+    arch="sm_90",
+    max_shared_per_block=227 * 1024,      # 232448
+    shared_per_sm=228 * 1024,             # 233472
+    registers_per_sm=65536,
+    max_registers_per_thread=255,
+    max_threads_per_block=1024,
+    sm_count=132,
+    l2_bytes=50 * 1024 * 1024,
+    hbm_bytes_per_s=4.8e12,
+    dense_flops_per_s=989e12,
+)
+
+
+def read_device_limits(device: int = 0) -> DeviceLimits | None:
+    """The limits a live GPU reports through CuPy, or None when CuPy or a GPU is not there.
+
+    Bandwidth and peak FLOP/s are not device attributes; they are kept from H200 when the
+    device is an sm_90 part and left 0 (unknown) otherwise."""
+    try:
+        import cupy   # optional: only the GPU box has it
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+    except Exception:   # no CuPy, no driver, no device: all mean "not present"
+        return None
+    arch = f"sm_{props['major']}{props['minor']}"
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    limits = DeviceLimits(
+        name=name,
+        arch=arch,
+        max_shared_per_block=int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"])),
+        shared_per_sm=int(props["sharedMemPerMultiprocessor"]),
+        registers_per_sm=int(props["regsPerMultiprocessor"]),
+        max_registers_per_thread=255,
+        max_threads_per_block=int(props["maxThreadsPerBlock"]),
+        sm_count=int(props["multiProcessorCount"]),
+        l2_bytes=int(props["l2CacheSize"]),
+    )
+    if arch == H200.arch:
+        limits = replace(limits, hbm_bytes_per_s=H200.hbm_bytes_per_s, dense_flops_per_s=H200.dense_flops_per_s)
+    return limits
+
+
+def current_limits(device: int = 0) -> DeviceLimits:
+    """The live device's limits when there is one, else the H200 defaults."""
+    return read_device_limits(device) or H200

@@ -1,0 +1,434 @@
+"""The scheduler graph: a networkx DiGraph of tile-level ops built from a KernelSpec.
+
+Nodes are keyed by stable names ("load_q", "mma_qk", "loop_kv", ...) and carry an `Op` (plain
+frozen data). Edges carry data dependencies within one loop trip ("data": the value that flows)
+and producer/consumer synchronisation ("sync"); dependencies that cross loop trips (the running
+m, l, O of the online softmax; a pipeline stage released for the next load) would make cycles,
+so they are recorded beside the DAG in `ScheduleGraph.carried`.
+
+Loop structure is explicit: every loop is a node of kind "loop", and every op lists its
+enclosing loops outer -> inner in `Op.loops`. So FA1 (kv outer; Q, O, m, l loaded and stored
+at every kv step) and FA2 (q outer; O on chip, normalised once) are different graphs, as are
+split-KV decode (a split loop, partials to HBM, a merge kernel) and Hopper's producer/consumer
+warpgroups (TMA loads and mbarrier arrive/wait between them).
+
+The graph decides what runs where and in which order; passes.py annotates it (sizes, budgets,
+pipeline buffers, roles, emission order) and later stages only read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import networkx as nx
+
+from .spec import AUTO, Axis, CopyVia, Family, KernelSpec, Mask
+
+
+class OpKind(str, Enum):
+    LOOP = "loop"
+    LOAD_Q = "load_q"
+    LOAD_K = "load_k"
+    LOAD_V = "load_v"
+    MMA_QK = "mma_qk"
+    MASK = "mask"
+    ONLINE_SOFTMAX = "online_softmax"
+    MMA_PV = "mma_pv"
+    COMBINE_WARPS = "combine_warps"     # split-K warps: merge per-warp partials through shared memory
+    RESCALE_O = "rescale_o"
+    LOAD_O_STATE = "load_o_state"       # FA1: O, m, l read back from HBM every kv step
+    STORE_O_STATE = "store_o_state"     # FA1: O, m, l written to HBM every kv step
+    NORMALIZE_O = "normalize_o"
+    STORE_O = "store_o"
+    STORE_LSE = "store_lse"
+    MERGE_SPLITS = "merge_splits"
+    ARRIVE = "arrive"
+    WAIT = "wait"
+
+
+class Space(str, Enum):
+    HBM = "hbm"
+    SHARED = "shared"
+    REGISTERS = "registers"
+    NONE = "none"            # loops and barriers hold no data
+
+
+class Role(str, Enum):
+    ALL = "all"              # every warp of the block
+    PRODUCER = "producer"    # the load warpgroup of a warp-specialized kernel
+    CONSUMER = "consumer"    # the MMA/softmax warpgroups
+
+
+class EdgeKind(str, Enum):
+    DATA = "data"
+    SYNC = "sync"
+
+
+@dataclass(frozen=True)
+class Access:
+    """One HBM access of an op, per trip: `rows` rows of the current q or kv tile ("q" | "kv")
+    times `cols` ("d" | "dv" | "1"), repeated `times` ("1" | "splits")."""
+    tensor: str              # Q K V O lse | O_state m l (FA1) | O_part lse_part (split-KV)
+    mode: str                # "read" | "write"
+    rows: str
+    cols: str
+    times: str = "1"
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    space: Space = Space.NONE          # where the op's result lives
+    shape: tuple[str, ...] = ()        # symbolic tile shape, e.g. ("Br", "d")
+    loops: tuple[str, ...] = ()        # enclosing loop nodes, outer -> inner
+    role: Role = Role.ALL
+    key: str = ""                      # the DSL setting whose span this op comes from
+    text: str = ""                     # one line of pseudo-code (explain, generated comments)
+    variant: str = ""                  # running | tile_local | normalized | unnormalized | mask kind
+    hbm: tuple[Access, ...] = ()
+    via: str = ""                      # copy mechanism of a load: cp.async | tma
+    barrier: str = ""                  # arrive/wait: the barrier's name, e.g. "k_full"
+    # loops only
+    var: str = ""                      # the tile index: "q" | "kv" | "split"
+    extent: str = ""                   # trip count, symbolic
+    grid: bool = False                 # one thread block per trip (else a serial loop in a block)
+    kernel: str = ""                   # top-level loops: which kernel launch ("attention", "merge")
+    init: tuple[tuple[str, str], ...] = ()   # state set before the first trip: (name, value)
+    init_space: Space = Space.NONE
+    # filled by passes
+    sizes: tuple[int, ...] = ()        # `shape` in elements (shape inference)
+    bytes: int = 0                     # one tile of the result in its space (shape inference)
+    stages: int = 0                    # pipeline depth of the buffer ring it uses (pipelining)
+    buffer: str = ""                   # which ring slot, e.g. "j % 2" (pipelining)
+
+
+@dataclass(frozen=True)
+class Carry:
+    """A dependency from one trip of `loop` to a later trip (kept out of the DAG)."""
+    loop: str
+    src: str
+    dst: str
+    value: str
+    kind: EdgeKind = EdgeKind.DATA
+
+
+class GraphError(ValueError):
+    """A malformed graph: a name defined twice, an edge to an unknown node. A compiler bug."""
+
+
+class ScheduleGraph:
+    """A DAG of tile ops plus loop structure, built from one KernelSpec."""
+
+    def __init__(self, spec: KernelSpec):
+        self.spec = spec
+        self.dag = nx.DiGraph()
+        self.carried: list[Carry] = []
+        self.facts: set[str] = set()            # what passes have established ("shapes", ...)
+        self.sizes: dict[str, int | None] = {}  # Br, Bc, d, dv, ... (shape inference)
+        self.budget = None                      # on-chip budget (legality)
+        self.roles: dict[str, dict] = {}        # role -> warps, threads, registers (warp roles)
+        self.order: tuple[str, ...] | None = None   # emission order (emission order pass)
+
+    # -- building
+    def add(self, name: str, op: Op) -> str:
+        if name in self.dag:
+            raise GraphError(f"node {name!r} defined twice")
+        for loop in op.loops:
+            if loop not in self.dag or self.op(loop).kind is not OpKind.LOOP:
+                raise GraphError(f"node {name!r}: enclosing loop {loop!r} is not a loop node")
+        self.dag.add_node(name, op=op, seq=len(self.dag))
+        return name
+
+    def connect(self, src: str, dst: str, value: str = "", kind: EdgeKind = EdgeKind.DATA) -> None:
+        for n in (src, dst):
+            if n not in self.dag:
+                raise GraphError(f"edge {src} -> {dst}: unknown node {n!r}")
+        self.dag.add_edge(src, dst, value=value, kind=kind)
+
+    def carry(self, loop: str, src: str, dst: str, value: str, kind: EdgeKind = EdgeKind.DATA) -> None:
+        self.carried.append(Carry(loop, src, dst, value, kind))
+
+    def update(self, name: str, **changes) -> None:
+        self.dag.nodes[name]["op"] = replace(self.op(name), **changes)
+
+    # -- reading
+    def op(self, name: str) -> Op:
+        return self.dag.nodes[name]["op"]
+
+    def seq(self, name: str) -> int:
+        """Insertion index: the stable tie-break of the emission order."""
+        return self.dag.nodes[name]["seq"]
+
+    def names(self, kind: OpKind | None = None) -> list[str]:
+        """Node names in insertion order, optionally of one kind."""
+        found = sorted(self.dag.nodes, key=self.seq)
+        return [n for n in found if kind is None or self.op(n).kind is kind]
+
+    def has(self, kind: OpKind) -> bool:
+        return any(self.op(n).kind is kind for n in self.dag.nodes)
+
+    def edges(self, kind: EdgeKind | None = None) -> list[tuple[str, str, dict]]:
+        return [(u, v, d) for u, v, d in self.dag.edges(data=True) if kind is None or d["kind"] is kind]
+
+    def loop_vars(self, name: str) -> tuple[str, ...]:
+        """Tile indices of the loops around `name`, outer -> inner."""
+        return tuple(self.op(loop).var for loop in self.op(name).loops)
+
+    def children(self, loop: str | None) -> list[str]:
+        """Ops and loops directly inside `loop` (None: the top level), in emission order."""
+        order = self.order if self.order is not None else tuple(self.names())
+        return [n for n in order if (self.op(n).loops[-1] if self.op(n).loops else None) == loop]
+
+    @property
+    def family(self) -> Family:
+        return self.spec.family
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.dag
+
+    def __len__(self) -> int:
+        return len(self.dag)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+
+
+def build_graph(spec: KernelSpec) -> ScheduleGraph:
+    """The graph of `spec`'s schedule: FA1 (kv outer) or q outer (FA2, Hopper, decode)."""
+    g = ScheduleGraph(spec)
+    if spec.family is Family.FA1:
+        _build_kv_outer(g)
+    else:
+        _build_q_outer(g)
+    g.facts.add("graph")
+    return g
+
+
+def kv_groups(spec: KernelSpec) -> int:
+    """Warps that split each kv tile's columns (FA1-style split-K); 1 when warps split rows."""
+    s = spec.schedule
+    if spec.family is Family.HOPPER or s.warp_axis is not Axis.KV:
+        return 1
+    return max(s.warps, 1)
+
+
+def has_split_loop(spec: KernelSpec) -> bool:
+    return spec.schedule.split_kv != 1 and spec.family is not Family.FA1
+
+
+class _Builder:
+    """Shared pieces of every family: the kv-tile loads and the per-tile math."""
+
+    def __init__(self, g: ScheduleGraph):
+        self.g = g
+        self.spec = g.spec
+        self.specialized = g.spec.family is Family.HOPPER
+        self.via = g.spec.schedule.copy.value
+        self.groups = kv_groups(g.spec)
+
+    def role(self, producer: bool) -> Role:
+        if not self.specialized:
+            return Role.ALL
+        return Role.PRODUCER if producer else Role.CONSUMER
+
+    def loop(self, name: str, loops: tuple[str, ...], var: str, extent: str, key: str, text: str, **kw) -> tuple[str, ...]:
+        self.g.add(name, Op(OpKind.LOOP, loops=loops, var=var, extent=extent, key=key, text=text, **kw))
+        return loops + (name,)
+
+    def load_q(self, loops: tuple[str, ...]) -> str:
+        """Q tile -> shared memory; returns the node that makes it visible to the MMA."""
+        g = self.g
+        g.add("load_q", Op(OpKind.LOAD_Q, Space.SHARED, ("Br", "d"), loops, self.role(True), "tile",
+                           "Q_i = Q[i*Br : (i+1)*Br] -> shared", hbm=(Access("Q", "read", "q", "d"),), via=self.via))
+        if not self.specialized:
+            return "load_q"
+        g.add("arrive_q_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
+                                  barrier="q_full", text="arrive q_full (TMA transaction bytes of Q_i)"))
+        g.add("wait_q_full", Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
+                                barrier="q_full", text="wait q_full"))
+        g.connect("load_q", "arrive_q_full", "Q_i", EdgeKind.SYNC)
+        g.connect("arrive_q_full", "wait_q_full", "q_full", EdgeKind.SYNC)
+        return "wait_q_full"
+
+    def load_kv(self, loops: tuple[str, ...]) -> None:
+        """K and V tiles -> shared memory (with the producer's barriers when specialized)."""
+        g = self.g
+        for t, kind, dim in (("k", OpKind.LOAD_K, "d"), ("v", OpKind.LOAD_V, "dv")):
+            name = f"load_{t}"
+            if self.specialized:
+                g.add(f"wait_{t}_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline",
+                                            barrier=f"{t}_empty", text=f"wait {t}_empty (slot free)"))
+            g.add(name, Op(kind, Space.SHARED, ("Bc", dim), loops, self.role(True), "pipeline",
+                           f"{t.upper()}_j = {t.upper()}[j*Bc : (j+1)*Bc] -> shared",
+                           hbm=(Access(t.upper(), "read", "kv", dim),), via=self.via))
+            if self.specialized:
+                g.add(f"arrive_{t}_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
+                                             barrier=f"{t}_full", text=f"arrive {t}_full (TMA transaction bytes)"))
+                g.connect(f"wait_{t}_empty", name, f"{t}_empty", EdgeKind.SYNC)
+                g.connect(name, f"arrive_{t}_full", f"{t.upper()}_j", EdgeKind.SYNC)
+
+    def wait_for(self, t: str, loops: tuple[str, ...]) -> str:
+        """The consumer's wait until the K or V tile has landed."""
+        g = self.g
+        if self.specialized:
+            name = f"wait_{t}_full"
+            g.add(name, Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
+                           barrier=f"{t}_full", text=f"wait {t}_full"))
+            g.connect(f"arrive_{t}_full", name, f"{t}_full", EdgeKind.SYNC)
+        else:
+            name = f"wait_{t}"
+            g.add(name, Op(OpKind.WAIT, loops=loops, key="pipeline", barrier=f"{t}_ready",
+                           text=f"wait until {t.upper()}_j has landed in shared memory"))
+            g.connect(f"load_{t}", name, f"{t.upper()}_j", EdgeKind.SYNC)
+        return name
+
+    def release(self, t: str, after: str, loops: tuple[str, ...], loop: str) -> None:
+        """Specialized only: the consumer frees the K/V slot for the producer's next load."""
+        if not self.specialized:
+            return
+        name = f"arrive_{t}_empty"
+        self.g.add(name, Op(OpKind.ARRIVE, loops=loops, role=Role.CONSUMER, key="pipeline",
+                            barrier=f"{t}_empty", text=f"arrive {t}_empty (slot free)"))
+        self.g.connect(after, name, "", EdgeKind.SYNC)
+        self.g.carry(loop, name, f"wait_{t}_empty", f"{t}_empty", EdgeKind.SYNC)
+
+    def tile_math(self, loops, wait_loops, q_ready: str, tile_local: bool, normalized: bool,
+                  state: str | None) -> dict[str, str]:
+        """S = QK^T, mask, online softmax, PV, rescale: one (q tile, kv tile) step.
+        Returns the node that last produced each of O, m, l."""
+        g, spec, role = self.g, self.spec, self.role(False)
+        kv_loop = next(l for l in loops if g.op(l).var == "kv")
+        wait_k = self.wait_for("k", wait_loops)
+        g.add("mma_qk", Op(OpKind.MMA_QK, Space.REGISTERS, ("Br", "Bc"), loops, role, "tile",
+                           "S = scale * Q_i K_j^T"))
+        g.connect(q_ready, "mma_qk", "Q_i")
+        g.connect("load_k", "mma_qk", "K_j")
+        g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
+        self.release("k", "mma_qk", loops, kv_loop)
+        g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, "mask",
+                         _MASK_TEXT[spec.problem.mask], variant=spec.problem.mask.value))
+        g.connect("mma_qk", "mask", "S")
+        softmax_text = ("m~ = rowmax S; P = exp(S - m~); l~ = rowsum P   (tile-local)" if tile_local else
+                        "m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); "
+                        "l = alpha*l + rowsum P; m = m_new")
+        if self.groups > 1:
+            softmax_text += f"   (per warp: {self.groups} column slices of Bc/{self.groups})"
+        g.add("online_softmax", Op(OpKind.ONLINE_SOFTMAX, Space.REGISTERS, ("Br", "Bc"), loops, role, "order",
+                                   softmax_text, variant="tile_local" if tile_local else "running"))
+        g.connect("mask", "online_softmax", "S")
+        wait_v = self.wait_for("v", wait_loops)
+        g.add("mma_pv", Op(OpKind.MMA_PV, Space.REGISTERS, ("Br", "dv"), loops, role, "tile", "PV = P V_j"))
+        g.connect("online_softmax", "mma_pv", "P")
+        g.connect("load_v", "mma_pv", "V_j")
+        g.connect(wait_v, "mma_pv", "", EdgeKind.SYNC)
+        self.release("v", "mma_pv", loops, kv_loop)
+        pv, stats = "mma_pv", "online_softmax"
+        if self.groups > 1:
+            g.add("combine_warps", Op(OpKind.COMBINE_WARPS, Space.SHARED, ("Br", "dv"), loops, role, "warps",
+                                      f"merge the {self.groups} warps' (m~, l~, PV) through shared memory"))
+            g.connect("mma_pv", "combine_warps", "PV per warp")
+            g.connect("online_softmax", "combine_warps", "m~, l~ per warp")
+            pv = stats = "combine_warps"
+        if normalized:
+            text = ("m_new = max(m, m~); l_new = exp(m - m_new)*l + exp(m~ - m_new)*l~; "
+                    "O = (l*exp(m - m_new)*O + exp(m~ - m_new)*PV) / l_new; m, l = m_new, l_new")
+        elif tile_local:
+            text = ("m_new = max(m, m~); alpha = exp(m - m_new); beta = exp(m~ - m_new); "
+                    "l = alpha*l + beta*l~; O = alpha*O + beta*PV; m = m_new")
+        else:
+            text = "O = alpha*O + PV"
+        g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order", text,
+                              variant="normalized" if normalized else "unnormalized"))
+        g.connect(pv, "rescale_o", "PV")
+        g.connect(stats, "rescale_o", "m~, l~" if tile_local else "alpha")
+        if state is not None:
+            g.connect(state, "rescale_o", "O, m, l")
+        if tile_local:
+            return {"O": "rescale_o", "m": "rescale_o", "l": "rescale_o"}
+        g.carry(kv_loop, "online_softmax", "online_softmax", "m, l")
+        g.carry(kv_loop, "rescale_o", "rescale_o", "O")
+        return {"O": "rescale_o", "m": "online_softmax", "l": "online_softmax"}
+
+    def epilogue(self, loops: tuple[str, ...], produced: dict[str, str], split: bool) -> None:
+        """O / l and lse = m + log l, then the stores (partials when the kv axis is split)."""
+        g, role = self.g, self.role(False)
+        g.add("normalize_o", Op(OpKind.NORMALIZE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order",
+                                "O = O / l; lse = m + log l   (O = 0, lse = -inf where l = 0)"))
+        for value in ("O", "m", "l"):
+            if not g.dag.has_edge(produced[value], "normalize_o"):
+                g.connect(produced[value], "normalize_o", value)
+            else:
+                g.dag.edges[produced[value], "normalize_o"]["value"] += f", {value}"
+        o, lse, where = ("O_part", "lse_part", "[s, i*Br : (i+1)*Br]") if split else ("O", "lse", "[i*Br : (i+1)*Br]")
+        suffix = "_part" if split else ""
+        g.add(f"store_o{suffix}", Op(OpKind.STORE_O, Space.HBM, ("Br", "dv"), loops, role, "tile",
+                                     f"{o}{where} = O", hbm=(Access(o, "write", "q", "dv"),)))
+        g.add(f"store_lse{suffix}", Op(OpKind.STORE_LSE, Space.HBM, ("Br",), loops, role, "order",
+                                       f"{lse}{where} = lse", hbm=(Access(lse, "write", "q", "1"),)))
+        g.connect("normalize_o", f"store_o{suffix}", "O")
+        g.connect("normalize_o", f"store_lse{suffix}", "lse")
+
+
+_MASK_TEXT = {
+    Mask.NONE: "S = -inf where key >= kv_len (ragged last tile)",
+    Mask.CAUSAL: "S = -inf where key > query + (kv_len - q_len) or key >= kv_len",
+    Mask.WINDOW: "S = -inf outside query + off - left <= key <= query + off + right, off = kv_len - q_len",
+}
+
+
+def _build_q_outer(g: ScheduleGraph) -> None:
+    """FA2 order (also Hopper and decode): one block per q tile (and split), kv tiles streamed."""
+    b = _Builder(g)
+    split = has_split_loop(g.spec)
+    loops = b.loop("loop_q", (), "q", "ceil(Nq/Br)", "order", "for i in q tiles (one block each)",
+                   grid=True, kernel="attention")
+    if split:
+        splits = "auto" if g.spec.schedule.split_kv == AUTO else str(g.spec.schedule.split_kv)
+        loops = b.loop("loop_split", loops, "split", "splits", "split",
+                       f"for s in splits ({splits}; one block each; balanced ranges of kv tiles)", grid=True)
+    q_ready = b.load_q(loops)
+    kv_loops = b.loop("loop_kv", loops, "kv", "ceil(Nk/Bc)" + (" / splits" if split else ""), "order",
+                      "for j in kv tiles" + (" of split s" if split else "") + " (serial; tiles no query sees are skipped)",
+                      init=(("m", "-inf"), ("l", "0"), ("O", "0")), init_space=Space.REGISTERS)
+    b.load_kv(kv_loops)
+    produced = b.tile_math(kv_loops, kv_loops, q_ready, tile_local=b.groups > 1, normalized=False, state=None)
+    b.epilogue(loops, produced, split)
+    if not split:
+        return
+    merge_loops = b.loop("loop_q_merge", (), "q", "ceil(Nq/Br)", "split",
+                         "for i in q tiles (merge kernel, one block each)", grid=True, kernel="merge")
+    g.add("merge_splits", Op(OpKind.MERGE_SPLITS, Space.REGISTERS, ("Br", "dv"), merge_loops, Role.ALL, "split",
+                             "lse = log sum_s exp(lse_s); O = sum_s exp(lse_s - lse) * O_s   (-inf partials weigh 0)",
+                             hbm=(Access("O_part", "read", "q", "dv", "splits"),
+                                  Access("lse_part", "read", "q", "1", "splits"))))
+    g.connect("store_o_part", "merge_splits", "O_part")
+    g.connect("store_lse_part", "merge_splits", "lse_part")
+    g.add("store_o", Op(OpKind.STORE_O, Space.HBM, ("Br", "dv"), merge_loops, Role.ALL, "tile",
+                        "O[i*Br : (i+1)*Br] = O", hbm=(Access("O", "write", "q", "dv"),)))
+    g.add("store_lse", Op(OpKind.STORE_LSE, Space.HBM, ("Br",), merge_loops, Role.ALL, "order",
+                          "lse[i*Br : (i+1)*Br] = lse", hbm=(Access("lse", "write", "q", "1"),)))
+    g.connect("merge_splits", "store_o", "O")
+    g.connect("merge_splits", "store_lse", "lse")
+
+
+def _build_kv_outer(g: ScheduleGraph) -> None:
+    """FA1 order: kv tiles outer, q tiles inner. The running O (kept normalised), m and l live in
+    HBM and make a round trip at every kv step; the kernel returns O, m, l (lse = m + log l)."""
+    b = _Builder(g)
+    kv_loops = b.loop("loop_kv", (), "kv", "ceil(Nk/Bc)", "order", "for j in kv tiles (serial, one block per head)",
+                      kernel="attention", init=(("O_state", "0"), ("m", "-inf"), ("l", "0")), init_space=Space.HBM)
+    b.load_kv(kv_loops)
+    loops = b.loop("loop_q", kv_loops, "q", "ceil(Nq/Br)", "order",
+                   "for i in q tiles (serial; tiles that see no key of K_j are skipped)")
+    q_ready = b.load_q(loops)
+    state = "load_o_state"
+    g.add(state, Op(OpKind.LOAD_O_STATE, Space.REGISTERS, ("Br", "dv"), loops, b.role(False), "order",
+                    "O_i, m_i, l_i <- HBM", hbm=(Access("O_state", "read", "q", "dv"), Access("m", "read", "q", "1"),
+                                                 Access("l", "read", "q", "1"))))
+    produced = b.tile_math(loops, kv_loops, q_ready, tile_local=True, normalized=True, state=state)
+    g.add("store_o_state", Op(OpKind.STORE_O_STATE, Space.HBM, ("Br", "dv"), loops, b.role(False), "order",
+                              "HBM <- O_i, m_i, l_i", hbm=(Access("O_state", "write", "q", "dv"),
+                                                           Access("m", "write", "q", "1"),
+                                                           Access("l", "write", "q", "1"))))
+    g.connect(produced["O"], "store_o_state", "O, m, l")
