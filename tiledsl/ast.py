@@ -13,8 +13,9 @@ from typing import Union
 from .spec import Span
 
 
-def _span() -> Span:
-    return field(compare=False, repr=False)
+def _span():
+    # Optional so that tools (and tests) can build nodes without a source; never compared.
+    return field(default=None, compare=False, repr=False)
 
 
 # ---- values ------------------------------------------------------------------------------------
@@ -23,7 +24,7 @@ def _span() -> Span:
 class Number:
     value: int | float          # int when written without '.' or exponent
     text: str = field(compare=False)
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return self.text
@@ -32,7 +33,7 @@ class Number:
 @dataclass(frozen=True)
 class Word:
     text: str                   # a name, e.g. `bf16`, `q`, `cp.async`, `auto`
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return self.text
@@ -43,7 +44,7 @@ class Pair:
     """Two axes in loop order, `q, kv`."""
     first: Word
     second: Word
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"{self.first.text}, {self.second.text}"
@@ -56,7 +57,7 @@ Atom = Union[Number, Word]
 class Choice:
     """A search space, `in {64, 128}`: the tuner tries each option."""
     options: tuple                # of Atom, or of Pair for `order in {(q, kv), (kv, q)}`
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         items = (f"({o.source()})" if isinstance(o, Pair) else o.source() for o in self.options)
@@ -71,7 +72,7 @@ class Arg:
     """A named argument, `left = 256` in `window(left = 256, right = 0)`."""
     name: Word
     value: Atom
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"{self.name.text} = {self.value.source()}"
@@ -81,7 +82,7 @@ class Arg:
 class Call:
     name: Word
     args: tuple[Arg, ...]
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"{self.name.text}({', '.join(a.source() for a in self.args)})"
@@ -94,7 +95,7 @@ class Setting:
     """`key = value` in an attention block: head_dim, dtype, mask, ..."""
     key: Word
     value: Number | Word | Call
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"{self.key.text} = {self.value.source()}"
@@ -111,7 +112,7 @@ class Dim:
     """`q = 128` or `kv in {32, 64}` in `tile` and `split`."""
     axis: Word
     value: Slot
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         sep = " " if isinstance(self.value, Choice) else " = "
@@ -124,7 +125,7 @@ class Role:
     name: Word
     count: Slot
     regs: Slot | None
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         regs = f" regs {_slot(self.regs)}" if self.regs is not None else ""
@@ -135,7 +136,7 @@ class Role:
 class Order:
     key: Word
     value: Pair | Choice
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"order {self.value.source()}"
@@ -145,7 +146,7 @@ class Order:
 class Tile:
     key: Word
     dims: tuple[Dim, ...]
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return "tile " + ", ".join(d.source() for d in self.dims)
@@ -156,7 +157,7 @@ class Warps:
     key: Word
     count: Slot
     axis: Slot | None
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         along = f" along {_slot(self.axis)}" if self.axis is not None else ""
@@ -168,7 +169,7 @@ class Pipeline:
     key: Word
     stages: Slot
     copy: Slot | None
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         via = f" via {_slot(self.copy)}" if self.copy is not None else ""
@@ -179,7 +180,7 @@ class Pipeline:
 class Warpgroups:
     key: Word
     roles: tuple[Role, ...]
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return "warpgroups " + ", ".join(r.source() for r in self.roles)
@@ -189,7 +190,7 @@ class Warpgroups:
 class Overlap:
     key: Word
     flags: tuple[Word, ...]
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return "overlap " + ", ".join(f.text for f in self.flags)
@@ -199,7 +200,7 @@ class Overlap:
 class Split:
     key: Word
     dim: Dim
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return f"split {self.dim.source()}"
@@ -210,7 +211,7 @@ class UnknownStatement:
     """A schedule statement whose first word is no keyword; the checker names the nearest one.
     Only the key is kept: nothing after it can be trusted."""
     key: Word
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         return self.key.text
@@ -224,7 +225,7 @@ Statement = Union[Order, Tile, Warps, Pipeline, Warpgroups, Overlap, Split, Unkn
 @dataclass(frozen=True)
 class ScheduleBlock:
     statements: tuple            # of Statement, in source order
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self, indent: str = "    ") -> str:
         body = "".join(f"{indent}    {s.source()}\n" for s in self.statements)
@@ -235,7 +236,7 @@ class ScheduleBlock:
 class Attention:
     name: Word
     items: tuple                 # Setting and ScheduleBlock, in source order
-    span: Span = _span()
+    span: Span | None = _span()
 
     def source(self) -> str:
         body = "".join(f"    {item.source()}\n" for item in self.items)

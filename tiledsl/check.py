@@ -117,7 +117,9 @@ class _Checker:
 
     def integer(self, atom, what: str, ok, rule: str) -> int:
         if not isinstance(atom, ast.Number) or not isinstance(atom.value, int) or not ok(atom.value):
-            self.fail(f"{what} must be {rule}, got {atom.source()}", atom.span)
+            first = what.split()[0]   # "tile q" -> tile: the statement whose example helps
+            key = {"window": "mask", "producer": "warpgroups", "consumer": "warpgroups"}.get(first, first)
+            self.fail(f"{what} must be {rule}, got {atom.source()}", atom.span, f"e.g. {EXAMPLES.get(key)}")
         return atom.value
 
     def word(self, atom, what: str, table: dict):
@@ -147,8 +149,8 @@ class _Checker:
 
         for item in att.items:
             if isinstance(item, ast.ScheduleBlock):
-                schedule_span = Span(item.span.file, item.span.line, item.span.column, item.span.line, item.span.column + 8)
-                add("schedule", schedule_span, item)
+                start = item.span   # the duplicate-block error underlines the word `schedule`
+                add("schedule", Span(start.file, start.line, start.column, start.line, start.column + 8), item)
                 for statement in item.statements:
                     if isinstance(statement, ast.UnknownStatement):
                         self.unknown(statement.key, in_schedule=True)
@@ -184,7 +186,8 @@ class _Checker:
         if in_schedule and word in PROBLEM_KEYS:
             self.fail(f"'{word}' is a problem setting; write it before `schedule {{`", key.span, EXAMPLES[word])
         if not in_schedule and word in SCHEDULE_KEYS:
-            self.fail(f"'{word}' is a schedule statement; put it inside `schedule {{ ... }}`", key.span, EXAMPLES[word])
+            self.fail(f"'{word}' is a schedule statement; put it inside `schedule {{ ... }}`", key.span,
+                      EXAMPLES[word])
         keys = SCHEDULE_KEYS if in_schedule else PROBLEM_KEYS
         where = "schedule statement" if in_schedule else "key"
         self.fail(f"unknown {where} '{word}'{did_you_mean(word, keys)}", key.span, "known: " + ", ".join(keys))
@@ -391,8 +394,9 @@ def _rule_hopper(spec: KernelSpec, written: set):
         return ("warpgroups", f"warpgroups need ({s.producer_regs} + {s.consumer_warpgroups} x {s.consumer_regs}) x "
                 f"{WARPGROUP_THREADS} = {total} registers; an SM has {SM_REGISTERS}", f"use consumer regs <= {fit}")
     rows = WGMMA_ROWS * s.consumer_warpgroups
-    if s.tile_q % rows:
-        return ("tile", f"tile q = {s.tile_q} is not a multiple of {WGMMA_ROWS} x {s.consumer_warpgroups} consumer "
+    if s.tile_q % rows:   # point at what was written: the tile, else the warpgroups that need it
+        return ("tile" if "tile" in written else "warpgroups",
+                f"tile q = {s.tile_q} is not a multiple of {WGMMA_ROWS} x {s.consumer_warpgroups} consumer "
                 f"warpgroups = {rows} (each consumer's wgmma covers {WGMMA_ROWS} rows)", f"use tile q = {rows}")
     if s.pingpong and s.consumer_warpgroups < 2:
         return ("overlap", "pingpong alternates two consumer warpgroups; this kernel has 1",
@@ -408,7 +412,8 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
     if tile % (MMA_ROWS * s.warps):
         default = "" if "warps" in written else " (the default)"
         fits = [w for w in WARP_COUNTS if tile % (MMA_ROWS * w) == 0]
-        return ("warps", f"{s.warps} warps{default} along {s.warp_axis.value} give each warp {tile / s.warps:g} of "
+        return ("warps" if "warps" in written else "tile",
+                f"{s.warps} warps{default} along {s.warp_axis.value} give each warp {tile / s.warps:g} of "
                 f"tile {s.warp_axis.value} = {tile}'s rows; a warp needs a multiple of {MMA_ROWS}",
                 f"use warps {fits[-1]}, or tile {s.warp_axis.value} = {MMA_ROWS * s.warps}")
     return None

@@ -9,7 +9,6 @@ load_specs (concrete kernels only: spaces expanded to their legal configs).
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import os
 import re
@@ -72,6 +71,8 @@ class _ToAst(Transformer):
     def choice(self, meta, children):
         return ast.Choice(tuple(children), self._span(meta))
 
+    pair_choice = choice
+
     def pair(self, meta, children):
         return ast.Pair(self._word(children[0]), self._word(children[1]), self._span(meta))
 
@@ -93,12 +94,6 @@ class _ToAst(Transformer):
 
     def order(self, meta, children):
         return ast.Order(self._key(meta, "order"), children[0], self._span(meta))
-
-    def order_choice(self, meta, children):
-        span = self._span(meta)
-        # The choice starts at `in`, after the keyword and its space.
-        choice_span = Span(span.file, children[0].span.line, children[0].span.column - 2, span.end_line, span.end_column)
-        return ast.Order(self._key(meta, "order"), ast.Choice(tuple(children), choice_span), span)
 
     def tile(self, meta, children):
         return ast.Tile(self._key(meta, "tile"), tuple(children), self._span(meta))
@@ -170,7 +165,24 @@ def _found(tok: Token) -> str:
     return repr(str(tok))
 
 
-def _context_hint(text: str, line: int, prev: Token | None, expected: set[str], at_end: bool):
+_TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_.]*|[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|\S")
+
+
+def _previous_token(text: str, pos: int, file: str) -> tuple[str, Span] | None:
+    """The last token before offset `pos` (comments skipped), with its span. Lark's own token
+    history is not kept on every error path, so the text is scanned again."""
+    last = None
+    for match in _TOKEN.finditer(text, 0, max(pos, 0)):
+        if not match.group().startswith("#"):
+            last = match
+    if last is None:
+        return None
+    line = text.count("\n", 0, last.start()) + 1
+    column = last.start() - (text.rfind("\n", 0, last.start()) + 1) + 1
+    return last.group(), Span(file, line, column, line, column + len(last.group()))
+
+
+def _context_hint(text: str, line: int, prev: tuple[str, Span] | None, expected: set[str], at_end: bool):
     """(message or None, hint, span or None) from the statement's first word: a message and span
     that replace the generic ones where the first word explains the error better."""
     lines = text.split("\n")
@@ -178,23 +190,21 @@ def _context_hint(text: str, line: int, prev: Token | None, expected: set[str], 
     first = words[0] if words else ""
     if at_end:
         return None, "a '}' is missing: close every `{` with `}`" if "RBRACE" in expected else "", None
-    if prev is not None and str(prev) == first and expected == {"EQUAL"}:
+    if prev is not None and prev[0] == first and expected == {"EQUAL"}:
         # A word that started a setting in an attention block but wasn't followed by '='.
         if first in SCHEDULE_KEYS:
             return (f"'{first}' is a schedule statement; put it inside `schedule {{ ... }}`",
-                    f"schedule {{ {EXAMPLES[first]} }}", prev)
+                    f"schedule {{ {EXAMPLES[first]} }}", prev[1])
         if first not in PROBLEM_KEYS and first != "attention":
             suggestion = did_you_mean(first, PROBLEM_KEYS + ("schedule",))
             return (f"unknown key '{first}'{suggestion}",
-                    "settings: " + ", ".join(PROBLEM_KEYS) + "; and `schedule { ... }`", prev)
+                    "settings: " + ", ".join(PROBLEM_KEYS) + "; and `schedule { ... }`", prev[1])
     if first in EXAMPLES:
         return None, f"write it like: {EXAMPLES[first]}", None
     return None, "", None
 
 
 def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
-    history = getattr(err, "token_history", None) or []
-    prev = history[-1] if history and isinstance(history[-1], Token) else None
     expected = set(getattr(err, "allowed", None) or getattr(err, "expected", None) or ())
     if getattr(err, "interactive_parser", None) is not None:
         try:   # LALR's own set can hold terminals only valid after a default reduction
@@ -214,11 +224,13 @@ def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
         line, column, found = tok.line, tok.column, _found(tok)
         width = 1 if tok.type == "_NL" else max(len(str(tok)), 1)
     span = Span(file, line, column, line, column + width)
+    position = err.pos_in_stream if isinstance(err, UnexpectedCharacters) else (
+        len(text) if at_end else tok.start_pos)
+    prev = _previous_token(text, position if isinstance(position, int) else len(text), file)
     message, hint, at = _context_hint(text, line, prev, expected, at_end)
-    if at is not None:
-        span = Span(file, at.line, at.column, at.line, at.column + len(str(at)))
+    span = at or span
     if message is None:
-        after = f" after {str(prev)!r}" if prev is not None else ""
+        after = f" after {prev[0]!r}" if prev is not None else ""
         message = f"expected {_expected_words(expected)}{after}, found {found}"
     return SpecError(message, span, text, hint)
 

@@ -1,0 +1,51 @@
+"""Shared test fixtures: where the repository and its specs are, and a reader for rendered
+SpecErrors (so tests can assert on file:line:col and on the text the carets underline)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_FILES = sorted((ROOT / "specs").glob("*.tile"))
+
+
+@pytest.fixture
+def spec_files() -> list[Path]:
+    """Every bundled spec file, sorted."""
+    return SPEC_FILES
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """write_spec(text, name="spec.tile") -> Path of a spec file holding `text`."""
+    def write(text: str, name: str = "spec.tile") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+    return write
+
+
+def read_error(rendered: str) -> dict:
+    """Split a rendered SpecError into file, line, column, message, the underlined text and hint."""
+    lines = rendered.splitlines()
+    head = re.match(r"(?P<file>.*?):(?P<line>\d+):(?P<column>\d+): error: (?P<message>.*)", lines[0])
+    assert head, f"no file:line:col header in:\n{rendered}"
+    out = {"file": head["file"], "line": int(head["line"]), "column": int(head["column"]),
+           "message": head["message"], "underlined": None, "hint": None}
+    for i, line in enumerate(lines[1:-1], start=1):
+        gutter = re.match(r"\s*\d+ \| ", line)
+        if gutter and set(lines[i + 1].strip()) == {"^"}:
+            source = line[gutter.end():]
+            start = lines[i + 1].index("^") - gutter.end()
+            out["underlined"] = source[start:start + lines[i + 1].count("^")]
+    hints = [line for line in lines if line.startswith("  hint: ")]
+    out["hint"] = hints[0][len("  hint: "):] if hints else None
+    return out
+
+
+@pytest.fixture
+def error_parts():
+    """The read_error function, for tests that check rendered errors."""
+    return read_error
