@@ -248,6 +248,7 @@ class Module:
     """One spec file: its attention blocks in source order."""
     attentions: tuple[Attention, ...]
     file: str = field(default="<string>", compare=False)
+    span: Span | None = _span()   # None for a file with no blocks
 
     def source(self) -> str:
         return "\n".join(a.source() for a in self.attentions)

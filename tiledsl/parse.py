@@ -123,7 +123,7 @@ class _ToAst(Transformer):
         return ast.Attention(self._word(children[0]), tuple(children[1:]), self._span(meta))
 
     def start(self, meta, children):
-        return ast.Module(tuple(children), self.file)
+        return ast.Module(tuple(children), self.file, None if meta.empty else self._span(meta))
 
 
 # ---- parse errors in words ------------------------------------------------------------------------
