@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import SPEC_FILES
 
 from tiledsl import load_specs, parse_file, parse_text
 from tiledsl.check import SpecSpace
 from tiledsl.errors import SpecError
 from tiledsl.spec import Family, KernelSpec
+
+# Not imported from conftest: tests/ may or may not be a package.
+SPEC_FILES = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.tile"))
 
 FAMILY_BY_FILE = {"fa1": Family.FA1, "fa2": Family.FA2, "hopper": Family.HOPPER, "decode": Family.DECODE}
 
@@ -60,8 +62,10 @@ def test_fa1_file_has_both_warp_splits():
 
 
 def test_default_spec_exists_and_is_fa2_causal():
+    # The Makefile's DEFAULT_SPEC; its schedule gets tuned, so only what it computes is pinned.
     (spec,) = load_specs(SPEC_FILES[0].with_name("fa2_d128_causal.tile"))
-    assert spec.kernel_name == "fa2_d128_bf16_causal_q128_kv64_w8q_s2"
+    assert (spec.family, spec.problem.head_dim_qk, spec.problem.mask.value) == (Family.FA2, 128, "causal")
+    assert spec.kernel_name.startswith("fa2_d128_bf16_causal_q")
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -85,7 +89,7 @@ ERRORS = [
     ("scale = big", None, 3, "scale takes a number, got 'big'", "big"),
     ("queries = 0", None, 3, "queries must be an integer in 1..16, got 0", "0"),
     ("queries = 17", None, 3, "queries must be an integer in 1..16, got 17", "17"),
-    ("", "tiles q = 64", 4, "unknown schedule statement 'tiles'; did you mean 'tile'?", "tiles"),
+    ("", "tiles q = 64", 4, "unknown key 'tiles'; did you mean 'tile'?", "tiles"),
     ("", "dtype = bf16", 4, "'dtype' is a problem setting; write it before `schedule {`", "dtype"),
     ("", "tile q = 64\ntile kv = 64", 5, "duplicate key 'tile' (first set on line 4)", "tile"),
     ("", "tile q = 100", 4, "tile q must be a positive multiple of 16, got 100", "100"),

@@ -2,13 +2,17 @@
 syntax errors in words with a caret under the right text."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from conftest import SPEC_FILES
 
 from tiledsl import ast
 from tiledsl.errors import SpecError
 from tiledsl.parse import parse_ast, parse_text
 from tiledsl.spec import AUTO, Axis, CopyVia, DType, LoopOrder, Mask, Problem, Schedule
+
+# Not imported from conftest: tests/ may or may not be a package.
+SPEC_FILES = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.tile"))
 
 # Every key, and every value form, in one block (a space: it has choices).
 ALL_FORMS = """\

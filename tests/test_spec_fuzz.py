@@ -3,14 +3,17 @@ either succeed or raise a SpecError with a location; nothing else may escape (no
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
-from conftest import SPEC_FILES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiledsl.check import SpecSpace, validate
 from tiledsl.errors import SpecError
 from tiledsl.parse import parse_ast, parse_text
+
+# Not imported from conftest: tests/ may or may not be a package.
+SPEC_FILES = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.tile"))
 
 TEXTS = [path.read_text() for path in SPEC_FILES]
 # Pieces that join back into the text: whitespace, comments, words, numbers, any other character.

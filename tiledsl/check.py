@@ -19,8 +19,7 @@ from typing import Any, NoReturn
 
 from . import ast
 from .errors import SpecError
-from .spec import (AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule, Span,
-                   family_of)
+from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule, Span
 
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries")
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "warpgroups", "overlap", "split")
@@ -189,8 +188,8 @@ class _Checker:
             self.fail(f"'{word}' is a schedule statement; put it inside `schedule {{ ... }}`", key.span,
                       EXAMPLES[word])
         keys = SCHEDULE_KEYS if in_schedule else PROBLEM_KEYS
-        where = "schedule statement" if in_schedule else "key"
-        self.fail(f"unknown {where} '{word}'{did_you_mean(word, keys)}", key.span, "known: " + ", ".join(keys))
+        where = "schedule statements" if in_schedule else "settings"
+        self.fail(f"unknown key '{word}'{did_you_mean(word, keys)}", key.span, f"{where}: " + ", ".join(keys))
 
     def no_legal_config(self, space: SpecSpace, rejected) -> NoReturn:
         reasons = list(dict.fromkeys(reason for _, reason in rejected))
