@@ -94,3 +94,32 @@ def record(path: Path, command: str, rows: list[dict], **extra) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def random_inputs(problem, batch: int, heads: int, q_len: int, kv_len: int, kv_heads: int | None = None):
+    """Fresh normal(0, 1) q, k, v on the GPU: PyTorch tensors when PyTorch is installed (bf16
+    needs it: CuPy has no bfloat16), else CuPy fp16 arrays."""
+    from .spec import DType
+    kv_heads = kv_heads or heads
+    shapes = [(batch, heads, q_len, problem.head_dim_qk), (batch, kv_heads, kv_len, problem.head_dim_qk),
+              (batch, kv_heads, kv_len, problem.head_dim_v)]
+    try:
+        import torch
+        dtype = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}[problem.dtype]
+        return tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes)
+    except ImportError:
+        import cupy
+        if problem.dtype is not DType.FP16:
+            from .errors import RuntimeInputError
+            raise RuntimeInputError(f"{problem.dtype.value} inputs need PyTorch installed (CuPy has no bfloat16)")
+        return tuple(cupy.random.standard_normal(s, dtype=cupy.float32).astype(cupy.float16) for s in shapes)
+
+
+def poisoned_outputs(q, shape_o: tuple, shape_lse: tuple):
+    """Output buffers filled with NaN, so an element the kernel fails to write shows up."""
+    if type(q).__module__.startswith("torch"):
+        import torch
+        return (torch.full(shape_o, float("nan"), dtype=q.dtype, device=q.device),
+                torch.full(shape_lse, float("nan"), dtype=torch.float32, device=q.device))
+    import cupy
+    return cupy.full(shape_o, cupy.nan, dtype=q.dtype), cupy.full(shape_lse, cupy.nan, dtype=cupy.float32)

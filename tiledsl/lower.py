@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .version import __version__
 from .errors import SpecError
+from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
 SMEM_ALIGN = 128
@@ -102,28 +103,50 @@ def _require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "
 
 
 def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
-    """The kv loop of FA2 in emission order. With 2+ stages, tile j+S-1 is prefetched while tile j
-    is computed; K and V are separate cp.async groups so QK^T starts before V has landed."""
-    pipe, tile, mask = _where(spec, "pipeline"), _where(spec, "tile"), _where(spec, "mask")
-    order = _where(spec, "order")
-    if stages == 1:
-        head = [LoopOp("barrier", pipe, "one stage: every warp is done with the buffer before it is refilled"),
-                LoopOp("prefetch_kv", pipe, "load K_j, V_j", distance=0),
-                LoopOp("wait_k", pipe, "wait for K_j", pending=1)]
-        wait_v = 0
-    else:
-        head = [LoopOp("wait_k", pipe, "wait for K_j (V_j and later tiles may still be in flight)", pending=2 * stages - 3),
-                LoopOp("prefetch_kv", pipe, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
-                       distance=stages - 1)]
-        wait_v = 2 * stages - 2
-    body = head + [
-        LoopOp("mma_qk", tile, "S = Q K_j^T (mma.sync m16n8k16, fp32 accumulate)"),
-        LoopOp("mask", mask, "mask keys outside the sequence / diagonal / window (only tiles that need it)"),
-        LoopOp("online_softmax", order, "m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O"),
-        LoopOp("wait_v", pipe, "wait for V_j", pending=wait_v),
-        LoopOp("mma_pv", tile, "O += P V_j (P from registers, V via ldmatrix.trans)"),
-    ]
+    """The kv loop of FA2, in the scheduler graph's emission order (passes.emission_order).
+
+    The graph orders the tile ops by data dependence; lowering places the K/V loads by the
+    pipeline depth: with 2+ stages tile j+S-1 is prefetched right after K_j has landed (into the
+    buffer freed last step); with one stage the tile is loaded at the top of its own step. K and V
+    are separate cp.async groups, so QK^T starts before V has landed."""
+    graph = run_passes(spec)
+    body: list[LoopOp] = []
+    for name in emission_order(graph):
+        op = graph.op(name)
+        if not op.loops or op.loops[-1] != "loop_kv":
+            continue
+        where = _where(spec, op.key or "order")
+        kind = op.kind.value
+        if kind == "load_k":
+            if stages == 1:
+                body += [LoopOp("barrier", where, "one stage: every warp is done with the buffer before it is refilled"),
+                         LoopOp("prefetch_kv", where, "load K_j, V_j", distance=0)]
+        elif kind == "load_v":
+            continue   # issued with K (own cp.async group) by prefetch_kv
+        elif kind == "wait":
+            if op.barrier.startswith("k"):
+                body.append(LoopOp("wait_k", where, "wait for K_j (V_j and later tiles may still be in flight)",
+                                   pending=1 if stages == 1 else 2 * stages - 3))
+                if stages > 1:
+                    body.append(LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
+                                       distance=stages - 1))
+            else:
+                body.append(LoopOp("wait_v", where, "wait for V_j", pending=0 if stages == 1 else 2 * stages - 2))
+        elif kind in ("mma_qk", "mask", "online_softmax", "mma_pv"):
+            body.append(LoopOp(kind, where, op.text or LOOP_TEXT[kind]))
+        elif kind == "rescale_o":
+            continue   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        else:
+            raise AssertionError(f"fa2 lowering has no CUDA for graph op {name} ({kind})")
     return tuple(body)
+
+
+LOOP_TEXT = {
+    "mma_qk": "S = Q K_j^T (mma.sync m16n8k16, fp32 accumulate)",
+    "mask": "mask keys outside the sequence / diagonal / window (only tiles that need it)",
+    "online_softmax": "m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O",
+    "mma_pv": "O += P V_j (P from registers, V via ldmatrix.trans)",
+}
 
 
 def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:

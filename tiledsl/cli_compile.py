@@ -1,0 +1,65 @@
+"""`tiledsl compile`: emit the CUDA of each kernel, and on request PTX, cubin, the ptxas resource
+report and SASS through nvcc."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from . import nvcc
+from .cli_common import add_spec_arguments, concrete_specs
+from .errors import SpecError
+from .lower import lower
+from .render import render, write_if_changed
+
+EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
+
+
+def add_arguments(parser) -> None:
+    add_spec_arguments(parser)
+    parser.add_argument("-o", "--output", default="generated", help="output folder (default: generated)")
+    parser.add_argument("--emit", default="cuda", help=f"comma-separated, from {', '.join(EMITS)} (default: cuda)")
+
+
+def run(args) -> int:
+    emits = [e.strip() for e in args.emit.split(",") if e.strip()]
+    unknown = [e for e in emits if e not in EMITS]
+    if unknown:
+        print(f"error: --emit: unknown {', '.join(unknown)}; choose from {', '.join(EMITS)}", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    status = 0
+    for spec in concrete_specs(args.specs, args.name):
+        try:
+            source = render(lower(spec))
+        except SpecError as err:
+            print(err.render(), file=sys.stderr)
+            status = 2
+            continue
+        name = spec.kernel_name
+        changed = write_if_changed(out / f"{name}.cu", source) if "cuda" in emits else False
+        line = [f"{name}: {out / (name + '.cu')}" + (" (updated)" if changed else "")]
+        try:
+            status = max(status, _emit_nvcc(source, name, emits, out, line))
+        except FileNotFoundError as err:
+            print(f"error: {name}: --emit {','.join(emits)} needs {err.args[0]}, which is not on PATH", file=sys.stderr)
+            return 2
+        print("  ".join(line))
+    return status
+
+
+def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str]) -> int:
+    if "ptx" in emits:
+        nvcc.compile_to(source, name, "ptx", out)
+        line.append(f"ptx: {out / (name + '.ptx')}")
+    if {"cubin", "resources", "sass"} & set(emits):
+        cubin, report = nvcc.compile_to(source, name, "cubin", out)
+        res = nvcc.parse_resources(report)
+        if "resources" in emits:
+            (out / f"{name}.resources.txt").write_text(report)
+            line.append(f"registers {res.registers}, spills {res.spill_store_bytes} B, stack {res.stack_bytes} B")
+        if "sass" in emits:
+            (out / f"{name}.sass").write_text(nvcc.sass(cubin))
+            line.append(f"sass: {out / (name + '.sass')}")
+        if "cubin" not in emits:
+            cubin.unlink()
+    return 0

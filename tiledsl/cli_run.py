@@ -1,0 +1,39 @@
+"""`tiledsl run`: run kernels on the GPU on fresh random inputs and validate them against the
+exact float64 reference; exit status 1 when any error is over its tolerance."""
+from __future__ import annotations
+
+from .cli_common import add_shape_arguments, add_spec_arguments, concrete_specs
+
+TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3   # 16-bit inputs: normwise relative on O, absolute on LSE
+
+
+def add_arguments(parser) -> None:
+    add_spec_arguments(parser)
+    add_shape_arguments(parser, seqlen_default=1000)
+
+
+def validate_spec(spec, batch: int, heads: int, q_len: int, kv_len: int, kv_heads: int | None = None) -> tuple[float, float]:
+    """(O relative error, LSE max error) of one run on poisoned outputs."""
+    from .bench import poisoned_outputs, random_inputs
+    from .runtime import compile
+    from .validate import lse_error, reference_attention, relative_error
+    kernel = compile(spec)
+    q, k, v = random_inputs(spec.problem, batch, heads, q_len, kv_len, kv_heads)
+    out, lse = poisoned_outputs(q, (batch, heads, q_len, spec.problem.head_dim_v), (batch, heads, q_len))
+    kernel(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = reference_attention(spec.problem, q, k, v)
+    return relative_error(out, ref_o), lse_error(lse, ref_lse)
+
+
+def run(args) -> int:
+    status = 0
+    for spec in concrete_specs(args.specs, args.name):
+        q_len = spec.problem.queries_per_seq or args.seqlen
+        kv_len = args.seqlen_kv or args.seqlen
+        err_o, err_lse = validate_spec(spec, args.batch, args.heads, q_len, kv_len, args.kv_heads)
+        ok = err_o < TOLERANCE_O and err_lse < TOLERANCE_LSE
+        status = status or (0 if ok else 1)
+        print(f"{spec.kernel_name}: batch {args.batch}, heads {args.heads}, q {q_len}, kv {kv_len}: "
+              f"O rel. error {err_o:.2e} (< {TOLERANCE_O:g}), LSE error {err_lse:.2e} (< {TOLERANCE_LSE:g}) "
+              f"{'ok' if ok else 'FAILED'}")
+    return status
