@@ -1,0 +1,48 @@
+"""Helpers for GPU tests: skip without a GPU, build kernels once, run one validated case."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA GPU with CuPy")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_for(spec):
+    from tiledsl.runtime import compile
+    return compile(spec)
+
+
+def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv_lens=None):
+    """Run `spec` on fresh normal inputs into NaN-poisoned outputs and return (O error, LSE error)
+    against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory."""
+    import torch
+    from tiledsl.validate import lse_error, reference_attention, relative_error
+    p = spec.problem
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype.value]
+    kv_heads = kv_heads or heads
+
+    def make(h, n, d):
+        if layout == "bshd":
+            return torch.randn(batch, n, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, h, n, d, device="cuda", dtype=dtype)
+    q, k, v = make(heads, q_len, p.head_dim_qk), make(kv_heads, kv_len, p.head_dim_qk), make(kv_heads, kv_len, p.head_dim_v)
+    out = torch.full((batch, heads, q_len, p.head_dim_v), float("nan"), device="cuda", dtype=dtype)
+    lse = torch.full((batch, heads, q_len), float("nan"), device="cuda", dtype=torch.float32)
+    lens = torch.tensor(kv_lens, device="cuda", dtype=torch.int32) if kv_lens is not None else None
+    kernel_for(spec)(q, k, v, kv_lens=lens, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference_attention(p, q, k, v, kv_lens=lens)
+    return relative_error(out, ref_o), lse_error(lse, ref_lse)
