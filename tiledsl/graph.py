@@ -22,7 +22,7 @@ from enum import Enum
 
 import networkx as nx
 
-from .spec import AUTO, Axis, CopyVia, Family, KernelSpec, Mask
+from .spec import AUTO, Axis, Family, KernelSpec, Mask
 
 
 class OpKind(str, Enum):

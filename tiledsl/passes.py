@@ -53,10 +53,10 @@ class ShapeInference(Pass):
     def run(self, graph, limits):
         spec = graph.spec
         p, s = spec.problem, spec.schedule
-        graph.sizes = {"Br": s.tile_q, "Bc": s.tile_kv, "d": p.head_dim_qk, "dv": p.head_dim_v,
-                       "warps": s.warps, "kv_groups": kv_groups(spec), "stages": s.stages,
-                       "splits": None if s.split_kv == AUTO else int(s.split_kv),
-                       "elem_bytes": DTYPE_BYTES[p.dtype]}
+        graph.sizes.update({"Br": s.tile_q, "Bc": s.tile_kv, "d": p.head_dim_qk, "dv": p.head_dim_v,
+                            "warps": s.warps, "kv_groups": kv_groups(spec), "stages": s.stages,
+                            "splits": None if s.split_kv == AUTO else int(s.split_kv),
+                            "elem_bytes": DTYPE_BYTES[p.dtype]})
         for name in graph.names():
             op = graph.op(name)
             if op.kind is OpKind.LOOP or not op.shape:
@@ -101,7 +101,7 @@ class Pipelining(Pass):
 class WarpRoles(Pass):
     """Who runs what: every warp (FA1/FA2/decode) or producer and consumer warpgroups (Hopper)."""
     name = "warp_roles"
-    requires = frozenset({"graph"})
+    requires = frozenset({"shapes"})   # it adds threads to the sizes shape inference sets up
     ensures = frozenset({"roles"})
 
     def run(self, graph, limits):
@@ -180,7 +180,7 @@ ADDRESS_REGISTERS = 16
 def register_items(graph: ScheduleGraph) -> list[Item]:
     """Per-thread 32-bit registers of the math warps' accumulators (an estimate; ptxas decides)."""
     z, s = graph.sizes, graph.spec.schedule
-    T, e, G = z["mma_threads"], z["elem_bytes"], z["kv_groups"]
+    T, G = z["mma_threads"], z["kv_groups"]
     Br, Bc, dv = z["Br"], z["Bc"], z["dv"]
     if graph.family is Family.HOPPER:
         rows_per_warp = Br / max(4 * s.consumer_warpgroups, 1)
@@ -189,9 +189,10 @@ def register_items(graph: ScheduleGraph) -> list[Item]:
     # split-K: every warp keeps a whole Br x dv partial; split-Q: the threads share it.
     o_threads = 32 if G > 1 else T
     stats = 2 * 2 * math.ceil(rows_per_warp / 16)   # m and l; an mma thread holds 2 rows per 16
+    # P is not counted apart: it is converted from S in place (S dies as P is formed), which is
+    # how FA2's 128 x 128 x d64 / 4-warp config fits 255 registers.
     return [Item("O accumulator", math.ceil(Br * dv / o_threads), f"Br*dv/{o_threads} = {Br}*{dv}/{o_threads}"),
-            Item("S accumulator", math.ceil(Br * Bc / T), f"Br*Bc/{T} = {Br}*{Bc}/{T}"),
-            Item("P operand", math.ceil(Br * Bc * e / (4 * T)), f"Br*Bc*{e}/4/{T}"),
+            Item("S/P accumulator", math.ceil(Br * Bc / T), f"Br*Bc/{T} = {Br}*{Bc}/{T}"),
             Item("m, l", stats, f"2 x 2 rows x ceil({rows_per_warp:g}/16)"),
             Item("addresses, indices", ADDRESS_REGISTERS, "allowance")]
 

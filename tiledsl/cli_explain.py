@@ -1,0 +1,42 @@
+"""`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE]`:
+print each kernel's loop nest, ops, on-chip budget and HBM traffic; optionally write the graphs
+as Graphviz DOT (several kernels: one digraph each, in one file)."""
+from __future__ import annotations
+
+import argparse
+
+from .explain import explain, to_dot
+from .passes import run_passes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("specs", nargs="+", metavar="SPEC", help=".tile files")
+    parser.add_argument("--seqlen", type=int, default=None,
+                        help="queries per sequence (default 4096; for decode: the kv cache length)")
+    parser.add_argument("--seqlen-kv", type=int, default=None, help="keys per sequence (default: --seqlen)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="kv heads (GQA; default: --heads)")
+    parser.add_argument("--dot", metavar="FILE", default=None, help="write the scheduler graphs as Graphviz DOT")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .parse import load_specs   # lazily: the front end is only needed when the command runs
+
+    dots = []
+    first = True
+    for path in args.specs:
+        for spec in load_specs(path):
+            if not first:
+                print("=" * 100)
+            first = False
+            decode = spec.problem.queries_per_seq is not None   # --seqlen is then the kv cache length
+            print(explain(spec, batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
+                          seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None),
+                          kv_heads=args.kv_heads), end="")
+            if args.dot:
+                dots.append(to_dot(run_passes(spec)))
+    if args.dot:
+        with open(args.dot, "w") as f:
+            f.write("".join(dots))
+    return 0

@@ -1,0 +1,185 @@
+"""`tiledsl explain`: a schedule as text (and as Graphviz DOT).
+
+Four sections, all read from the annotated graph: the loop nest as pseudo-code with the DSL
+line each piece comes from, the ops in emission order, the on-chip budget against the GPU's
+limits, and the HBM traffic and FLOPs next to standard attention's.
+"""
+from __future__ import annotations
+
+import os
+
+from .device_limits import H200, DeviceLimits
+from .graph import EdgeKind, OpKind, Role, ScheduleGraph, Space
+from .passes import emission_order, run_passes
+from .spec import AUTO, Family, KernelSpec
+from .traffic import Traffic, hbm_traffic, traffic_by_tensor
+
+WIDTH = 92   # the source tags start at this column (or after the text, when it is longer)
+
+
+def source_tag(spec: KernelSpec, key: str) -> str:
+    """`[file.tile:LINE]` of the DSL setting `key` (the block's line when it was not written)."""
+    span = spec.span_of(key)
+    if span is None:
+        return f"[{spec.name}]"
+    return f"[{os.path.basename(span.file)}:{span.line}]"
+
+
+def _tagged(text: str, tag: str) -> str:
+    return f"{text:<{WIDTH}} {tag}" if len(text) < WIDTH else f"{text}  {tag}"
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or prefix == "P":
+            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.2f} {prefix}{unit}"
+        n /= 1000
+    return f"{n} {unit}"
+
+
+def loop_nest(graph: ScheduleGraph) -> list[str]:
+    """The schedule as indented pseudo-code, one op or loop per line, each with its DSL source."""
+    lines: list[str] = []
+    specialized = graph.family is Family.HOPPER
+
+    def walk(loop: str | None, depth: int) -> None:
+        for name in graph.children(loop):
+            op = graph.op(name)
+            pad = "    " * depth
+            if op.kind is OpKind.LOOP:
+                if op.init:   # state the loop carries, set before its first trip
+                    where = "in HBM, before the kernel" if op.init_space is Space.HBM else "on chip"
+                    state = ", ".join(f"{n} = {v}" for n, v in op.init)
+                    lines.append(_tagged(f"{pad}{state}   ({where})", source_tag(graph.spec, op.key)))
+                kernel = f"kernel {op.kernel}: " if op.kernel else ""
+                lines.append(_tagged(f"{pad}{kernel}{op.text}", source_tag(graph.spec, op.key)))
+                walk(name, depth + 1)
+                continue
+            text = op.text
+            if op.kind in (OpKind.LOAD_K, OpKind.LOAD_V) and op.buffer:
+                text += f"[{op.buffer}] via {op.via}"
+            if specialized and op.role is not Role.ALL:
+                text = f"{op.role.value}: {text}"
+            lines.append(_tagged(pad + text, source_tag(graph.spec, op.key)))
+
+    walk(None, 0)
+    if graph.has(OpKind.STORE_O_STATE):
+        lines.append(_tagged("O = O_state; lse = m + log l   (from the state FA1 leaves in HBM)",
+                             source_tag(graph.spec, "order")))
+    return lines
+
+
+def op_table(graph: ScheduleGraph) -> list[str]:
+    lines = []
+    for i, name in enumerate(emission_order(graph), 1):
+        op = graph.op(name)
+        if op.kind is OpKind.LOOP:
+            detail = f"var {op.var}, {op.extent} trips, {'grid' if op.grid else 'serial'}"
+        else:
+            dims = "x".join(str(s) for s in op.sizes) if op.sizes else "-"
+            detail = f"{op.space.value:<9} {'(' + ','.join(op.shape) + ')' if op.shape else '':<9} {dims:<9}"
+            if op.barrier:
+                detail += f" {op.barrier}"
+            if op.buffer:
+                detail += f"[{op.buffer}]" if op.barrier else f" slot {op.buffer}"
+        lines.append(f"{i:>3}. {name:<16} {op.kind.value:<15} {op.role.value:<8} {detail:<50} "
+                     f"{source_tag(graph.spec, op.key)}")
+    return lines
+
+
+def budget_lines(graph: ScheduleGraph) -> list[str]:
+    b = graph.budget
+    lines = [f"shared memory per block (limit {b.shared_limit} B on {b.arch}):"]
+    for item in b.shared:
+        lines.append(f"    {item.name:<20} {item.amount:>8} B   {item.formula}")
+    lines.append(f"    {'total':<20} {b.shared_total:>8} B   {100 * b.shared_total / b.shared_limit:.0f}% of "
+                 f"{b.shared_limit}")
+    lines.append(f"registers per thread (estimate, limit {b.register_limit}; {b.threads} threads per block):")
+    for item in b.registers:
+        lines.append(f"    {item.name:<20} {item.amount:>8}     {item.formula}")
+    lines.append(f"    {'total':<20} {b.register_total:>8}     of {b.register_limit}")
+    for role, info in graph.roles.items():
+        regs = f", {info['registers']} registers (setmaxnreg)" if info.get("registers") else ""
+        lines.append(f"    role {role}: {info['threads']} threads{regs}")
+    return lines
+
+
+def traffic_lines(graph: ScheduleGraph, t: Traffic, limits: DeviceLimits) -> list[str]:
+    lines = [f"HBM traffic, no cache (batch {t.batch} x heads {t.heads}, seqlen q {t.seqlen_q}, kv {t.seqlen_kv}):"]
+    for (tensor, mode), nbytes in traffic_by_tensor(t).items():
+        lines.append(f"    {mode:<5} {tensor:<9} {_human(nbytes):>12}")
+    lines.append(f"    {'total':<15} {_human(t.bytes):>12}   ({t.elements} elements)")
+    lines.append(f"    {'standard':<15} {_human(t.standard_bytes):>12}   ({t.standard_elements} elements: "
+                 "S and P written and read back)")
+    lines.append(f"    ratio standard / this schedule: {t.ratio:.2f}x")
+    lines.append(f"FLOPs: {_human(t.flops, 'FLOP')} useful (visible pairs), {_human(t.flops_executed, 'FLOP')} "
+                 f"executed (whole tiles); {t.flops_executed / max(t.bytes, 1):.1f} FLOP/byte")
+    if limits.hbm_bytes_per_s and limits.dense_flops_per_s:
+        memory_s, compute_s = t.bytes / limits.hbm_bytes_per_s, t.flops_executed / limits.dense_flops_per_s
+        bound = "memory" if memory_s > compute_s else "compute"
+        lines.append(f"    lower bounds on {limits.name}: memory {memory_s * 1e6:.1f} us, compute "
+                     f"{compute_s * 1e6:.1f} us ({bound}-bound without cache)")
+    return lines
+
+
+def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | None = None,
+            seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200) -> str:
+    """The full explanation of `spec` for one problem shape (SpecError when it is illegal).
+    seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
+    seqlen q (4096 for decode)."""
+    graph = run_passes(spec, limits)
+    nq = seqlen_q or spec.problem.queries_per_seq or 4096
+    nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count)
+    p, s = spec.problem, spec.schedule
+    out = [f"{spec.name}: {spec.kernel_name}",
+           f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask {p.mask.value}, "
+           f"tiles Br={s.tile_q} Bc={s.tile_kv}, target {limits.name} ({limits.arch})", ""]
+    if t.splits is not None:
+        chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
+        out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})" + (f": {t.split_reason}" if t.split_reason else ""),
+                ""]
+    out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
+    out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
+    out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
+    out += traffic_lines(graph, t, limits)
+    return "\n".join(out) + "\n"
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_ROLE_COLOR = {Role.ALL: "white", Role.PRODUCER: "lightblue", Role.CONSUMER: "lightyellow"}
+
+
+def to_dot(graph: ScheduleGraph) -> str:
+    """Graphviz DOT text: loops as nested clusters, data edges solid, sync edges dashed, loop-carried
+    dependencies dotted. Written by hand (no pydot dependency); the same graph gives the same text."""
+    lines = [f"digraph {_dot_quote(graph.spec.name)} {{", "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace", fontsize=10, style=filled];']
+
+    def walk(loop: str | None, depth: int) -> None:
+        pad = "  " * (depth + 1)
+        for name in graph.children(loop):
+            op = graph.op(name)
+            if op.kind is OpKind.LOOP:
+                lines.append(f"{pad}subgraph {_dot_quote('cluster_' + name)} {{")
+                lines.append(f"{pad}  label={_dot_quote(op.text)};")
+                walk(name, depth + 1)
+                lines.append(f"{pad}}}")
+                continue
+            dims = "x".join(map(str, op.sizes))
+            label = "\\n".join(x for x in (name, f"{op.space.value} {dims}".strip(), op.buffer and f"slot {op.buffer}")
+                               if x and x != "none")
+            lines.append(f"{pad}{_dot_quote(name)} [label=\"{label}\", fillcolor={_ROLE_COLOR[op.role]}];")
+
+    walk(None, 0)
+    for u, v, data in sorted(graph.edges(), key=lambda e: (graph.seq(e[0]), graph.seq(e[1]))):
+        style = "dashed" if data["kind"] is EdgeKind.SYNC else "solid"
+        lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)} [label={_dot_quote(data['value'])}, style={style}];")
+    for c in graph.carried:
+        lines.append(f"  {_dot_quote(c.src)} -> {_dot_quote(c.dst)} [label={_dot_quote(c.value + ' (next trip)')}, "
+                     "style=dotted, constraint=false];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
