@@ -156,3 +156,13 @@ def test_explain_without_spans_uses_the_kernel_name():
     decode = KernelSpec("d", Problem(64, 64, queries_per_seq=1), Schedule(tile_q=16, tile_kv=64, warp_axis=Axis.KV,
                                                                           split_kv=AUTO))
     assert "seqlen q 1, kv 4096" in explain(decode)
+
+
+def test_cli_explains_the_legal_configs_of_a_space_and_reports_the_refused(write_spec, capsys):
+    space = FA2_TEXT.replace("head_dim = 64", "head_dim = 128").replace("kv = 64", "kv in {64, 128}").replace(
+        "warps    8", "warps    4")
+    assert main(["explain", str(write_spec(space, "space.tile")), "--seqlen", "512"]) == 2
+    captured = capsys.readouterr()
+    assert "fa2_d64: fa2_d128_bf16_q128_kv64_w4q_s2" in captured.out   # the block is still named fa2_d64
+    assert "fa2_d128_bf16_q128_kv128_w4q_s2: refused" in captured.out
+    assert "registers: ~280 per thread" in captured.err

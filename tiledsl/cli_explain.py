@@ -1,10 +1,13 @@
 """`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE]`:
 print each kernel's loop nest, ops, on-chip budget and HBM traffic; optionally write the graphs
-as Graphviz DOT (several kernels: one digraph each, in one file)."""
+as Graphviz DOT (several kernels: one digraph each, in one file). A kernel the legality pass
+refuses gets its error on stderr, the others are still explained, and the exit status is 2."""
 from __future__ import annotations
 
 import argparse
+import sys
 
+from .errors import SpecError
 from .explain import explain, to_dot
 from .passes import run_passes
 
@@ -23,20 +26,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .parse import load_specs   # lazily: the front end is only needed when the command runs
 
-    dots = []
-    first = True
+    dots, refused, first = [], 0, True
     for path in args.specs:
         for spec in load_specs(path):
             if not first:
                 print("=" * 100)
             first = False
             decode = spec.problem.queries_per_seq is not None   # --seqlen is then the kv cache length
-            print(explain(spec, batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
-                          seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None),
-                          kv_heads=args.kv_heads), end="")
+            try:
+                print(explain(spec, batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
+                              seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None),
+                              kv_heads=args.kv_heads), end="")
+            except SpecError as err:
+                # one refused config of a search space should not hide the others
+                print(f"{spec.kernel_name}: refused (see stderr)")
+                print(err.render(), file=sys.stderr)
+                refused += 1
+                continue
             if args.dot:
                 dots.append(to_dot(run_passes(spec)))
     if args.dot:
         with open(args.dot, "w") as f:
             f.write("".join(dots))
-    return 0
+    return 2 if refused else 0
