@@ -8,7 +8,7 @@ from pathlib import Path
 from . import nvcc
 from .cli_common import add_spec_arguments, concrete_specs
 from .errors import SpecError
-from .lower import lower
+from .lower import LOWERINGS, lower
 from .render import render, write_if_changed
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
@@ -17,6 +17,8 @@ EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
 def add_arguments(parser) -> None:
     add_spec_arguments(parser)
     parser.add_argument("-o", "--output", default="generated", help="output folder (default: generated)")
+    parser.add_argument("--skip-unsupported", action="store_true",
+                        help="note and skip kernels whose family has no template yet, instead of failing")
     parser.add_argument("--emit", default="cuda", help=f"comma-separated, from {', '.join(EMITS)} (default: cuda)")
 
 
@@ -29,6 +31,9 @@ def run(args) -> int:
     out = Path(args.output)
     status = 0
     for spec in concrete_specs(args.specs, args.name):
+        if args.skip_unsupported and spec.family not in LOWERINGS:
+            print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
+            continue
         try:
             source = render(lower(spec))
         except SpecError as err:
