@@ -79,6 +79,10 @@ def gpu_name() -> str:
 
 
 def git_commit() -> str:
+    """HEAD's hash; TILEDSL_COMMIT overrides (the GPU machine gets a copy of the tree without .git)."""
+    import os
+    if os.environ.get("TILEDSL_COMMIT"):
+        return os.environ["TILEDSL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
