@@ -111,18 +111,22 @@ def naive_attention(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0,
         chunk = max(1, CHUNK_ELEMENTS // (group * n))
         for h in range(hkv):
             heads = slice(h * group, (h + 1) * group)
-            keys_t, values = k[b, h, :n].T * scale, v[b, h, :n]
             for r0 in range(0, nq, chunk):
                 rows = slice(r0, min(r0 + chunk, nq))
-                s = q[b, heads, rows] @ keys_t                    # (group, rows, n)
-                if Mask(mask) is not Mask.NONE:
-                    lo, hi = key_bounds(np.arange(rows.start, rows.stop), nq, n, mask, window_left, window_right)
-                    cols = np.arange(n)
-                    s[:, (cols < lo[:, None]) | (cols >= hi[:, None])] = -np.inf
+                lo, hi = key_bounds(np.arange(rows.start, rows.stop), nq, n, mask, window_left, window_right)
+                first, stop = int(lo.min()), int(hi.max())    # keys no row of the chunk sees are left out
+                if stop <= first:
+                    continue
+                s = q[b, heads, rows] @ k[b, h, first:stop].T   # (group, rows, keys)
+                s *= scale
+                cols = np.arange(first, stop)
+                hidden = (cols < lo[:, None]) | (cols >= hi[:, None])
+                if hidden.any():
+                    np.copyto(s, -np.inf, where=hidden[None])
                 m = _finite_or_zero(s.max(axis=-1))
                 np.subtract(s, m[..., None], out=s)
                 np.exp(s, out=s)
-                o[b, heads, rows], lse[b, heads, rows] = _lse_and_divide(s.sum(axis=-1), m, s @ values)
+                o[b, heads, rows], lse[b, heads, rows] = _lse_and_divide(s.sum(axis=-1), m, s @ v[b, h, first:stop])
     return o, lse
 
 
