@@ -2,8 +2,9 @@
 from .errors import LaunchError, RuntimeInputError, SpecError
 from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule, Span
 from .parse import load_specs, parse_file, parse_text
+from .runtime import Kernel, compile  # noqa: A004 - tiledsl.compile(spec) is the documented API
 
 from .version import __version__
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Problem",
-           "Schedule", "Span", "SpecError", "RuntimeInputError", "LaunchError", "__version__"]
+           "Schedule", "Span", "Kernel", "compile", "load_specs", "parse_file", "parse_text", "SpecError", "RuntimeInputError", "LaunchError", "__version__"]
