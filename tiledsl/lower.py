@@ -248,3 +248,8 @@ def lower(spec: KernelSpec, **overrides) -> KernelPlan:
         raise SpecError(f"the {spec.family.value} family has no CUDA template yet", spec.span, spec.source_text,
                         f"families with templates: {built}")
     return lowering(spec, **overrides)
+
+
+# Families lowered in their own modules register themselves in LOWERINGS; imported last because
+# they import this module's names (all defined by now).
+from . import lower_decode  # noqa: E402,F401  (Family.DECODE)

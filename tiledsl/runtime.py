@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import LaunchError, RuntimeInputError
 from .lower import KernelPlan, lower
 from .render import render
-from .spec import DType, KernelSpec
+from .spec import DType, Family, KernelSpec
 from .tensors import TensorView, view
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -220,4 +220,7 @@ def compile(spec_or_path, name: str | None = None, **overrides) -> Kernel:
             names = ", ".join(s.name for s in load_specs(spec_or_path))
             raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
         spec = specs[0]
+    if spec.family is Family.DECODE:   # split kernel + merge kernel, workspace, split count at launch
+        from .runtime_decode import DecodeKernel
+        return DecodeKernel(spec, lower(spec, **overrides))
     return Kernel(spec, lower(spec, **overrides))

@@ -1,0 +1,186 @@
+"""Decode (flash-decoding) without a GPU: the lowering's plan invariants, its refusals, the split
+count for `split kv = auto`, deterministic rendering, and nvcc compiles of rendered decode kernels
+(split kernel and merge kernel) with ptxas reporting zero spills. Skipped without nvcc unless
+TILEDSL_REQUIRE_NVCC=1, which turns a missing nvcc into a failure."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+import pytest
+
+from tiledsl import nvcc
+from tiledsl.errors import SpecError
+from tiledsl.lower import LOWERINGS, lower
+from tiledsl.lower_decode import constant, decode_blocks_per_sm, lower_decode
+from tiledsl.parse import load_specs
+from tiledsl.render import render
+from tiledsl.runtime_decode import decode_splits
+from tiledsl.spec import AUTO, Axis, DType, Family, KernelSpec, Mask, Problem, Schedule
+
+from .conftest import ROOT
+
+SHARED_LIMIT = 232448
+
+
+def bundled():
+    return load_specs(str(ROOT / "specs" / "decode_d128.tile"))[0]
+
+
+def spec(d=128, dtype=DType.BF16, mask=Mask.NONE, queries=1, tile_q=16, tile_kv=128, warps=4, stages=2, splits=AUTO):
+    return KernelSpec(f"decode_d{d}", Problem(d, d, dtype, mask, 64 if mask is Mask.WINDOW else 0, 0,
+                                              queries_per_seq=queries),
+                      Schedule(tile_q=tile_q, tile_kv=tile_kv, warps=warps, warp_axis=Axis.KV, stages=stages,
+                               split_kv=splits))
+
+
+def test_decode_is_registered():
+    assert LOWERINGS[Family.DECODE] is lower_decode
+    plan = lower(bundled())
+    assert plan.family == "decode" and plan.template == "decode.cu.j2"
+
+
+@pytest.mark.parametrize("tile_kv,warps,stages", [(128, 4, 2), (64, 4, 3), (64, 4, 1), (128, 8, 3), (64, 2, 4)])
+def test_plan_invariants(tile_kv, warps, stages):
+    plan = lower(spec(tile_kv=tile_kv, warps=warps, stages=stages))
+    c = lambda name: constant(plan, name)  # noqa: E731
+    assert c("BC") == c("WARPS") * c("KEYS_PER_WARP") and c("KEYS_PER_WARP") % 16 == 0
+    assert c("WARP_S_TILES") * 8 == c("KEYS_PER_WARP")
+    assert c("ROWS") == 16 * c("M_TILES")
+    assert plan.launch.threads == 32 * warps
+    # Buffers do not overlap and fit; the combine scratch fits in the same bytes.
+    assert c("K_OFFSET") >= c("Q_OFFSET") + c("ROWS") * c("QK_ROW_BYTES")
+    assert c("V_OFFSET") >= c("K_OFFSET") + stages * c("K_STAGE_BYTES")
+    assert c("SMEM_BYTES") >= c("V_OFFSET") + stages * c("V_STAGE_BYTES")
+    assert c("SMEM_BYTES") >= c("COMBINE_BYTES") and c("SMEM_BYTES") <= SHARED_LIMIT
+    assert c("COMBINE_ROW_FLOATS") % 4 == 0 and c("COMBINE_ROW_FLOATS") >= c("DV")
+    assert c("Q_PENDING_GROUPS") == 2 * (stages - 1)
+    assert decode_blocks_per_sm(plan) >= plan.min_blocks_per_sm >= 1
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_loop_body_pipeline_accounting(stages):
+    body = lower(spec(tile_kv=64, stages=stages)).loop_body
+    kinds = [op.kind for op in body]
+    assert kinds.index("mma_qk") < kinds.index("mask") < kinds.index("online_softmax") < kinds.index("mma_pv")
+    assert kinds.index("wait_k") < kinds.index("mma_qk") and kinds.index("wait_v") < kinds.index("mma_pv")
+    wait_k = next(op for op in body if op.kind == "wait_k")
+    wait_v = next(op for op in body if op.kind == "wait_v")
+    prefetch = next(op for op in body if op.kind == "prefetch_kv")
+    if stages == 1:
+        assert kinds[0] == "barrier" and prefetch.distance == 0 and (wait_k.pending, wait_v.pending) == (1, 0)
+    else:
+        # S-1 tiles ahead, two cp.async groups (K, V) per tile: K_j is complete when at most
+        # 2(S-1) - 1 groups are pending, V_j when 2(S-1).
+        assert prefetch.distance == stages - 1
+        assert (wait_k.pending, wait_v.pending) == (2 * stages - 3, 2 * stages - 2)
+
+
+def test_override_renames_the_kernel():
+    s = bundled()
+    assert lower_decode(s).kernel_name == s.kernel_name
+    other = lower_decode(s, stages=3, tile_kv=64)
+    assert other.kernel_name != s.kernel_name and constant(other, "STAGES") == 3 and constant(other, "BC") == 64
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(dtype=DType.FP32), "fp16 or bf16"),
+    (dict(tile_kv=96, warps=4), "keys per warp"),
+    (dict(tile_q=24), "is not 16"),
+    (dict(tile_q=32), "is not 16"),
+    (dict(tile_kv=256, stages=4), "shared memory"),
+])
+def test_refusals_name_the_problem(bad, match):
+    with pytest.raises(SpecError, match=match):
+        lower(spec(**bad))
+
+
+def test_rendering_is_deterministic_and_names_the_spec():
+    s = bundled()
+    a, b = render(lower(s)), render(lower(s))
+    assert a == b
+    assert f"{s.kernel_name}(" in a and f"{s.kernel_name}_merge(" in a
+    assert re.search(r"// \[decode_d128\.tile:\d+\]", a)
+    assert "combine_warp_states<C>" in a
+
+
+def test_generated_file_is_current():
+    s = bundled()
+    path = ROOT / "generated" / f"{s.kernel_name}.cu"
+    assert path.exists() and path.read_text() == render(lower(s)), "run: make generated (tiledsl compile specs/*.tile -o generated)"
+
+
+# -- split count for `split kv = auto` ---------------------------------------------------------
+
+@pytest.mark.parametrize("batch,kv_heads,kv_len", [(1, 32, 32768), (8, 32, 8192), (4, 8, 65536), (1, 32, 131072),
+                                                   (1, 1, 17), (64, 32, 4096), (1, 8, 100)])
+@pytest.mark.parametrize("blocks_per_sm", [1, 2])
+def test_auto_splits_are_sane(batch, kv_heads, kv_len, blocks_per_sm):
+    tiles = -(-kv_len // 128)
+    splits, reason = decode_splits(batch, kv_heads, kv_len, 128, 132, blocks_per_sm)
+    assert 1 <= splits <= max(tiles, 1) and reason
+    if batch * kv_heads >= 132:
+        assert splits == 1
+
+
+def test_auto_splits_fill_whole_waves():
+    # 32 kv heads on 132 SMs: choose_splits' 9 splits leave a third wave of 24 blocks; the wave
+    # model picks a count with little idle tail.
+    splits, _ = decode_splits(1, 32, 32768, 128, 132, 1)
+    blocks = 32 * splits
+    waves = -(-blocks // 132)
+    assert blocks / (waves * 132) > 0.9
+
+
+# -- nvcc: every decode variant compiles for sm_90a without spills -----------------------------
+
+def _require_nvcc():
+    if nvcc.nvcc_path() is None:
+        if os.environ.get("TILEDSL_REQUIRE_NVCC") == "1":
+            pytest.fail("TILEDSL_REQUIRE_NVCC=1 but nvcc is not on PATH")
+        pytest.skip("nvcc not on PATH")
+
+
+def entries(report: str) -> dict[str, dict]:
+    """ptxas -v report -> {function: {registers, spill_stores, spill_loads, stack}}."""
+    out, current = {}, None
+    for line in report.splitlines():
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), {})
+            continue
+        if current is None:
+            continue
+        if (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        if (m := re.search(r"Used (\d+) registers", line)):
+            current["registers"] = int(m.group(1))
+    return out
+
+
+VARIANTS = {
+    "bundled": dict(),
+    "fp16": dict(dtype=DType.FP16),
+    "causal_nq4": dict(mask=Mask.CAUSAL, queries=4),
+    "window_nq4": dict(mask=Mask.WINDOW, queries=4),
+    "kv64_s3": dict(tile_kv=64, stages=3),
+    "kv64_s4": dict(tile_kv=64, stages=4),
+    "kv128_s3": dict(stages=3),
+    "kv128_w8": dict(warps=8),
+    "d64": dict(d=64, tile_kv=64),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nvcc_compiles_without_spills(variant, tmp_path):
+    _require_nvcc()
+    s = bundled() if variant == "bundled" else spec(**VARIANTS[variant])
+    plan = lower(s)
+    _, report = nvcc.compile_to(render(plan), plan.kernel_name, "cubin", tmp_path)
+    found = entries(report)
+    assert set(found) == {plan.kernel_name, plan.kernel_name + "_merge"}, report
+    for name, info in found.items():
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{name} spills:\n{report}"
+        assert info["stack"] == 0, f"{name} has a stack frame:\n{report}"
+        assert 0 < info["registers"] <= 255

@@ -1,0 +1,195 @@
+"""Lowering of the decode family (flash-decoding): KernelSpec -> KernelPlan for templates/decode.cu.j2.
+
+One thread block per (kv split, batch, kv head, row tile). The queries that read the same KV
+head -- the kv group's heads times the queries per sequence -- are packed into the rows of one
+MMA tile, so every K/V byte is read once per group. The block's warps split each kv tile along
+the keys (split-K), each runs attention.cuh's QK^T / online softmax / PV on its own key slice,
+and combine.cuh merges the warps' (m, l, O) through shared memory at the end. A split writes
+normalised O (fp32) and LSE to a workspace; a second kernel in the same module merges splits.
+With one split the block writes the final output directly and the merge kernel is not launched.
+
+Sizes are derived here; the template only names them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .errors import SpecError
+from .lower import (LOOP_TEXT, LOWERINGS, MASK_KIND, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
+                    _spec_lines, _where, tile_row_bytes)
+from .spec import DTYPE_PTX, DType, Family, KernelSpec
+from .version import __version__
+
+SMEM_PER_BLOCK_LIMIT = 232448      # sm_90 opt-in dynamic shared memory per block
+SMEM_PER_SM = 233472               # sm_90 shared memory per SM (1 KB of it reserved per block)
+SMEM_RESERVED_PER_BLOCK = 1024
+MERGE_WARPS = 4                    # merge kernel: one warp per output row, 4 rows per block
+COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
+REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
+
+
+def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
+    """The kv loop of one split, in emission order. K and V are separate cp.async groups (QK^T
+    starts before V lands); with 2+ stages tile j+S-1 is prefetched as soon as K_j has landed.
+
+    The scheduler graph merges the warps' states after every kv step (`combine_warps` inside the
+    loop); here each warp keeps a running online-softmax state over its own key slices of every
+    tile and the warps are merged once, after the loop. Both are the same exact merge formula;
+    merging once saves a shared-memory round trip and two barriers per tile."""
+    pipe, tile, mask, order = (_where(spec, key) for key in ("pipeline", "tile", "mask", "order"))
+    if stages == 1:
+        head = [LoopOp("barrier", pipe, "one stage: every warp is done with the buffer before it is refilled"),
+                LoopOp("prefetch_kv", pipe, "load K_j, V_j", distance=0),
+                LoopOp("wait_k", pipe, "wait for K_j", pending=1)]
+        wait_v = 0
+    else:
+        head = [LoopOp("wait_k", pipe, "wait for K_j (V_j and later tiles may still be in flight)", pending=2 * stages - 3),
+                LoopOp("prefetch_kv", pipe, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
+                       distance=stages - 1)]
+        wait_v = 2 * stages - 2
+    return tuple(head + [
+        LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
+        LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
+        LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
+        LoopOp("wait_v", pipe, "wait for V_j", pending=wait_v),
+        LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
+    ])
+
+
+def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None) -> KernelPlan:
+    """The decode plan. `stages` / `tile_kv` override the spec's (benchmarks compare variants)."""
+    p, s = spec.problem, spec.schedule
+    stages = s.stages if stages is None else stages
+    tile_kv = s.tile_kv if tile_kv is None else tile_kv
+    _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
+             f"the decode template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
+    _require(p.queries_per_seq is not None and p.queries_per_seq >= 1, spec, "queries",
+             "the decode template needs `queries = N` (N >= 1)")
+    # Two 16-row tiles (O alone 128 registers a thread) spill at 255 registers; groups of more
+    # than 16 packed rows run as several row tiles instead, each in its own block.
+    _require(s.tile_q == 16, spec, "tile",
+             f"decode packs query rows into one 16-row MMA tile; tile q = {s.tile_q} is not 16 (larger "
+             "kv groups are split into several row tiles at launch)", "tile q = 16")
+    _require(tile_kv % (16 * s.warps) == 0 and tile_kv > 0, spec, "warps",
+             f"{s.warps} warps along kv give tile kv = {tile_kv} / {s.warps} keys per warp; decode needs a multiple of 16")
+    _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
+             "decode needs head dims that are multiples of 16 (mma m16n8k16)")
+    _require(stages >= 1, spec, "pipeline", "decode needs at least one pipeline stage")
+
+    threads = s.warps * 32
+    m_tiles = s.tile_q // 16
+    keys_per_warp = tile_kv // s.warps
+    qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
+    v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
+
+    # Shared memory: Q once, then STAGES K/V buffers. After the kv loop the same bytes hold the
+    # warps' states for the combine (Q is no longer read, the pipeline is drained).
+    q_offset = 0
+    k_offset = _align(q_offset + s.tile_q * qk_row)
+    k_stage, v_stage = tile_kv * qk_row, tile_kv * v_row
+    v_offset = _align(k_offset + stages * k_stage)
+    end = _align(v_offset + stages * v_stage)
+    combine_row_floats = p.head_dim_v + COMBINE_PAD_FLOATS
+    combine_bytes = 4 * (s.tile_q * combine_row_floats + (s.warps + 2) * s.tile_q)   # combine.cuh's contract
+    smem = max(end, _align(combine_bytes))
+    if smem > SMEM_PER_BLOCK_LIMIT:
+        raise SpecError(f"decode needs {smem} B of shared memory ({stages} stages x {k_stage + v_stage} B of K/V "
+                        f"+ Q); an sm_90 block may use {SMEM_PER_BLOCK_LIMIT}", spec.span_of("pipeline"),
+                        spec.source_text, "use fewer stages or a smaller tile kv")
+    blocks_per_sm = max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_BLOCK))
+    # Registers: O (M_TILES x DV/8 x 4), S (M_TILES x keys/8 x 4) and Q fragments (M_TILES x D/4).
+    # Q stays in registers when that fits (one 16-row tile: yes); else mma_qk reads it from shared.
+    base_estimate = m_tiles * p.head_dim_v // 2 + m_tiles * keys_per_warp // 2 + REGISTER_OVERHEAD
+    q_in_registers = base_estimate + m_tiles * p.head_dim_qk // 4 <= 255
+    register_estimate = base_estimate + (m_tiles * p.head_dim_qk // 4 if q_in_registers else 0)
+    # Never ask ptxas for more than 2 blocks' worth of registers: 2 x 128 threads still allow 255.
+    min_blocks_per_sm = min(blocks_per_sm, 2)
+    bytes_in_flight = (stages - 1) * (k_stage + v_stage)
+
+    scale = p.scale
+    consts = [
+        Constant("BC", "int", tile_kv, "keys per kv tile (tile kv); one cp.async tile"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("WARPS", "int", s.warps, "warps, split along kv: each owns a slice of every kv tile"),
+        Constant("THREADS", "int", threads),
+        Constant("ROWS", "int", s.tile_q, "packed query rows per block: (head in kv group, query) pairs"),
+        Constant("M_TILES", "int", m_tiles, "16-row mma tiles of packed rows"),
+        Constant("KEYS_PER_WARP", "int", keys_per_warp, "keys of each kv tile one warp multiplies"),
+        Constant("WARP_S_TILES", "int", keys_per_warp // 8, "8-column mma tiles of S per warp"),
+        Constant("WARP_K_BYTES", "u32", keys_per_warp * qk_row, "offset of a warp's key slice in a K tile"),
+        Constant("WARP_V_BYTES", "u32", keys_per_warp * v_row, "offset of a warp's key slice in a V tile"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O"),
+        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
+        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
+        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V tiles"),
+        Constant("V_SWIZZLE", "bool", v_swizzle),
+        Constant("STAGES", "int", stages, "K/V buffers; STAGES-1 tiles in flight while one is computed"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_STAGE_BYTES", "u32", k_stage),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_STAGE_BYTES", "u32", v_stage),
+        Constant("COMBINE_OFFSET", "u32", 0, "warp states for the combine reuse the Q/K/V bytes"),
+        Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
+        Constant("COMBINE_BYTES", "u32", combine_bytes),
+        Constant("SMEM_BYTES", "u32", smem),
+        Constant("Q_PENDING_GROUPS", "int", 2 * (stages - 1), "cp.async groups issued after Q's"),
+        Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
+        Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
+        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
+        Constant("WINDOW_LEFT", "int", p.window_left),
+        Constant("WINDOW_RIGHT", "int", p.window_right),
+        Constant("SCALE", "float", scale, "softmax scale"),
+        Constant("SCALE_LOG2", "float", scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+        Constant("MERGE_WARPS", "int", MERGE_WARPS, "merge kernel: one warp per output row"),
+        Constant("MERGE_THREADS", "int", MERGE_WARPS * 32),
+    ]
+    tile_where, pipe_where = _where(spec, "tile"), _where(spec, "pipeline")
+    regions = {
+        "kv_range": Region(_where(spec, "split"), "this split's kv tiles: an even share of the sequence's tiles "
+                           "(a split with none writes LSE = -inf)"),
+        "load_q": Region(tile_where, f"load the packed {s.tile_q} x {p.head_dim_qk} Q tile: row r is head "
+                         "r / queries of the kv group, query r % queries (zero-filled past the group)"),
+        "prologue": Region(pipe_where, f"pipeline prologue: first {stages - 1} K/V tiles in flight"),
+        "kv_loop": Region(_where(spec, "warps"), f"each warp: keys [warp * {keys_per_warp}, +{keys_per_warp}) "
+                          "of every tile, its own online softmax state"),
+        "combine": Region(_where(spec, "warps"), "combine the warps' (m, l, O) through shared memory"),
+        "epilogue": Region(_where(spec, "split"), "one split: final O and LSE; several: fp32 partial O and LSE "
+                           "to the workspace"),
+        "merge": Region(_where(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
+                        "O = sum exp(lse_i - lse) O_i"),
+    }
+    notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile; {stages} stages: "
+             f"{bytes_in_flight} B of K/V in flight per block while one tile is computed",
+             f"{smem} B shared memory -> {blocks_per_sm} block(s) per SM")
+    return KernelPlan(
+        kernel_name=spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv)
+        else f"{spec.kernel_name}__kv{tile_kv}_s{stages}",
+        family=Family.DECODE.value, template="decode.cu.j2",
+        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
+        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
+        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
+        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
+        loop_body=decode_loop_body(spec, stages), min_blocks_per_sm=min_blocks_per_sm,
+        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
+        register_estimate=register_estimate, notes=notes,
+    )
+
+
+def decode_blocks_per_sm(plan: KernelPlan) -> int:
+    """Resident blocks per SM that shared memory allows (registers never bind at 128-256 threads)."""
+    return max(1, SMEM_PER_SM // (plan.launch.smem_bytes + SMEM_RESERVED_PER_BLOCK))
+
+
+def constant(plan: KernelPlan, name: str):
+    """The value of the plan's constant `name`."""
+    for c in plan.constants:
+        if c.name == name:
+            return c.value
+    raise KeyError(name)
+
+
+LOWERINGS[Family.DECODE] = lower_decode

@@ -1,0 +1,174 @@
+"""Runtime of the decode family: two launches per call, the split kernel then the merge kernel.
+
+With one split the split kernel writes the final O and LSE itself and the merge is skipped.
+With several, each split writes its normalised O (fp32) and LSE to a workspace of
+(batch * heads * queries, splits, dv) floats, kept on the kernel and grown on demand, and the
+merge kernel combines them. `split kv = auto` picks the count at launch for the device in hand;
+the count and the reason are kept on the kernel (`last_splits`, `last_split_reason`).
+"""
+from __future__ import annotations
+
+import math
+
+from .errors import LaunchError, RuntimeInputError
+from .lower_decode import constant, decode_blocks_per_sm
+from .runtime import Kernel, Shapes, _cupy
+from .spec import AUTO
+from .splits import choose_splits
+from .tensors import TensorView
+
+MAX_GRID_YZ = 65535
+# Per-block start-up cost, in tile-times, for the wave model below: a block's first tile waits
+# a full memory latency with nothing else of the block in flight.
+BLOCK_OVERHEAD_TILES = 1.0
+
+
+def decode_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count: int,
+                  blocks_per_sm: int = 1) -> tuple[int, str]:
+    """(splits, reason) for `split kv = auto`.
+
+    splits.choose_splits decides whether to split and proposes a count (about two waves). Blocks
+    of one launch are equal in length, so they run in whole waves of sm_count * blocks_per_sm
+    resident blocks and a partial last wave costs a whole one. Among counts from its proposal
+    up to four times it, keep the one with the least modelled time:
+    waves * (tiles per split + BLOCK_OVERHEAD_TILES)."""
+    proposed, reason = choose_splits(batch, kv_heads, kv_len, tile_kv, sm_count)
+    if proposed == 1:
+        return 1, reason
+    blocks, tiles = batch * kv_heads, max(math.ceil(kv_len / tile_kv), 1)
+    slots = sm_count * blocks_per_sm
+
+    def cost(splits: int) -> float:
+        return math.ceil(blocks * splits / slots) * (math.ceil(tiles / splits) + BLOCK_OVERHEAD_TILES)
+
+    best = min(range(proposed, min(4 * proposed, tiles) + 1), key=lambda n: (cost(n), n))
+    if best != proposed:
+        reason += (f"; whole waves of {slots} resident blocks: {best} splits "
+                   f"({math.ceil(blocks * best / slots)} waves of {math.ceil(tiles / best)} tiles)")
+    return best, reason
+
+
+class DecodeKernel(Kernel):
+    """A compiled flash-decoding kernel: `o, lse = kernel(q, k, v, kv_lens=None)` with q
+    (batch, heads, queries, d), k/v (batch, kv_heads, kv_len, d/dv), heads a multiple of kv_heads."""
+
+    def __init__(self, spec, plan=None):
+        super().__init__(spec, plan)
+        self.last_splits: int | None = None
+        self.last_split_reason: str = ""
+        self._merge = None
+        self._workspace = None   # (o_part, lse_part) CuPy arrays, grown on demand
+
+    def __repr__(self) -> str:
+        return f"<tiledsl.DecodeKernel {self.name}>"
+
+    def merge_function(self):
+        if self._merge is None:
+            self.function()
+            self._merge = self._module.get_function(self.name + "_merge")
+        return self._merge
+
+    def sm_count(self, device_id: int) -> int:
+        cupy = _cupy()
+        return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+    def splits_for(self, shapes: Shapes, device_id: int = 0) -> tuple[int, str]:
+        """The split count of a launch: the spec's, or for `auto` decode_splits on this device."""
+        chosen = self.spec.schedule.split_kv
+        if chosen != AUTO:
+            return int(chosen), f"split kv = {chosen} (from the spec)"
+        tile_kv = constant(self.plan, "BC")
+        row_tiles = self.row_tiles(shapes)
+        return decode_splits(shapes.batch, shapes.kv_heads * row_tiles, shapes.kv_len, tile_kv,
+                             self.sm_count(device_id), decode_blocks_per_sm(self.plan))
+
+    def row_tiles(self, shapes: Shapes) -> int:
+        rows = (shapes.heads // shapes.kv_heads) * shapes.q_len
+        return -(-rows // constant(self.plan, "ROWS"))
+
+    def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
+        shapes = super().check_inputs(q, k, v, kv_lens)
+        wanted = self.spec.problem.queries_per_seq
+        if shapes.q_len != wanted:
+            raise RuntimeInputError(f"{self.name}: built for {wanted} queries per sequence, q has {shapes.q_len}")
+        if shapes.batch > MAX_GRID_YZ or shapes.kv_heads * self.row_tiles(shapes) > MAX_GRID_YZ:
+            raise RuntimeInputError(f"{self.name}: batch {shapes.batch} or kv_heads x row tiles exceeds {MAX_GRID_YZ}")
+        return shapes
+
+    def _workspace_for(self, rows: int, splits: int, device_id: int):
+        cupy = _cupy()
+        dv = self.spec.problem.head_dim_v
+        need = rows * splits
+        have = self._workspace
+        if have is None or have[1].size < need or have[2] != device_id:
+            with cupy.cuda.Device(device_id):
+                have = (cupy.empty(need * dv, dtype=cupy.float32), cupy.empty(need, dtype=cupy.float32), device_id)
+            self._workspace = have
+        return have[0], have[1]
+
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        self.bind_views(q, k, v, o, lse, kv_lens, shapes, stream)()
+
+    def bind_views(self, q, k, v, o, lse, kv_lens, shapes: Shapes, stream=None):
+        """A no-argument function that launches this decode on these (checked) views: the split
+        count, workspace and argument tuples are computed once (benchmarks time only launches)."""
+        import numpy as np
+        cupy = _cupy()
+        fn = self.function()
+        plan = self.plan
+        splits, reason = self.splits_for(shapes, q.device_id)
+        self.last_splits, self.last_split_reason = splits, reason
+        if shapes.batch * shapes.heads * shapes.q_len == 0:
+            return lambda: None
+        row_tiles = self.row_tiles(shapes)
+        rows = shapes.batch * shapes.heads * shapes.q_len
+        if splits > 1:
+            o_part, lse_part = self._workspace_for(rows, splits, q.device_id)
+            o_part_ptr, lse_part_ptr = o_part.data.ptr, lse_part.data.ptr
+        else:
+            o_part = lse_part = None
+            o_part_ptr = lse_part_ptr = 0
+        i64, i32 = np.int64, np.int32
+        grid = (splits, shapes.kv_heads * row_tiles, shapes.batch)
+        args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
+                np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr),
+                np.uintp(kv_lens.pointer if kv_lens else 0),
+                i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
+                i32(row_tiles), i32(splits),
+                *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
+                *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
+        threads, smem = plan.launch.threads, plan.launch.smem_bytes
+        merge = self.merge_function() if splits > 1 else None
+        merge_warps = constant(plan, "MERGE_WARPS")
+        merge_grid = (-(-rows // merge_warps), 1, 1)
+        merge_args = (np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(o.pointer), np.uintp(lse.pointer),
+                      i32(rows), i32(shapes.q_len), i32(shapes.heads), i32(splits),
+                      *(i64(s) for s in o.strides[:3]))
+        device = q.device_id
+        keep = (q, k, v, o, lse, kv_lens, o_part, lse_part)   # the views own the memory for the closure
+
+        def run():
+            _ = keep
+            try:
+                with cupy.cuda.Device(device):
+                    fn(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
+                    if merge is not None:
+                        merge(merge_grid, (merge_warps * 32, 1, 1), merge_args, stream=stream)
+            except Exception as err:
+                raise LaunchError(f"{self.name} (grid {grid}, {threads} threads, {smem} B shared, "
+                                  f"{splits} splits): launch failed: {err}") from None
+        return run
+
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None):
+        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
+        from .runtime import _allocate_outputs, _check_kv_lens
+        from .tensors import view
+        qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
+        lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
+        shapes = self.check_inputs(qv, kvw, vv, lens)
+        if lens is not None:
+            _check_kv_lens(kv_lens, shapes.kv_len, self.name)
+        out, lse = _allocate_outputs(q, shapes, self.spec.problem, out, lse, self.name)
+        run = self.bind_views(qv, kvw, vv, view(out, "out"), view(lse, "lse"), lens, shapes)
+        return run, out, lse
