@@ -253,3 +253,4 @@ def lower(spec: KernelSpec, **overrides) -> KernelPlan:
 # Families lowered in their own modules register themselves in LOWERINGS; imported last because
 # they import this module's names (all defined by now).
 from . import lower_decode  # noqa: E402,F401  (Family.DECODE)
+from . import lower_fa1  # noqa: E402,F401  (Family.FA1)

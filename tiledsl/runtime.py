@@ -77,6 +77,13 @@ class Kernel:
     """A compiled attention kernel: `o, lse = kernel(q, k, v)` with q (batch, heads, q_len, d) and
     k, v (batch, kv_heads, kv_len, d / dv); any strides whose last is 1."""
 
+    def __new__(cls, spec: KernelSpec, plan: KernelPlan | None = None):
+        """Kernel(spec) gives the family's own subclass where its launch differs (FA1: grid and workspace)."""
+        if cls is Kernel and spec.family is Family.FA1:
+            from .runtime_fa1 import Fa1Kernel
+            cls = Fa1Kernel
+        return super().__new__(cls)
+
     def __init__(self, spec: KernelSpec, plan: KernelPlan | None = None):
         self.spec = spec
         self.plan = plan or lower(spec)

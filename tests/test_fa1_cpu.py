@@ -1,0 +1,170 @@
+"""FA1 without a GPU: plan invariants of lower_fa1, the rendered CUDA, and nvcc for sm_90a with no
+spills for both warp splits at head dims 64 and 128 (skipped without nvcc unless
+TILEDSL_REQUIRE_NVCC=1)."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from tiledsl.errors import SpecError
+from tiledsl.lower import lower
+from tiledsl.lower_fa1 import SHARED_LIMIT, Fa1Plan
+from tiledsl.parse import load_specs
+from tiledsl.render import render
+from tiledsl.spec import Axis, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule
+
+from .conftest import ROOT
+
+BUNDLED = ROOT / "specs" / "fa1_d64.tile"
+# Configs the GPU tests run too (tests/test_gpu_fa1.py): per head dim and warp split.
+SCHEDULES = {(64, "q"): (64, 64), (128, "q"): (64, 64), (64, "kv"): (64, 128), (128, "kv"): (32, 64)}
+
+
+def fa1(d=64, axis="q", mask=Mask.NONE, dtype=DType.BF16, tiles=None, warps=4, stages=2, left=0, right=0):
+    tile_q, tile_kv = tiles or SCHEDULES[(d, axis)]
+    schedule = Schedule(order=LoopOrder.KV_OUTER, tile_q=tile_q, tile_kv=tile_kv, warps=warps,
+                        warp_axis=Axis(axis), stages=stages)
+    return KernelSpec(f"fa1_d{d}", Problem(d, d, dtype, mask, left, right), schedule)
+
+
+def constants(plan) -> dict:
+    return {c.name: c.value for c in plan.constants}
+
+
+def all_specs():
+    specs = list(load_specs(str(BUNDLED)))
+    for (d, axis) in SCHEDULES:
+        specs.append(fa1(d, axis))
+        specs.append(fa1(d, axis, Mask.WINDOW, DType.FP16, left=100, right=3, stages=1))
+    specs.append(fa1(64, "q", Mask.CAUSAL, stages=3))
+    return specs
+
+
+SPECS = all_specs()
+IDS = [f"{s.kernel_name}" for s in SPECS]
+
+
+# ---- plan invariants ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_plan_invariants(spec):
+    plan = lower(spec)
+    c = constants(plan)
+    s = spec.schedule
+    assert isinstance(plan, Fa1Plan) and plan.family == "fa1" and plan.template == "fa1.cu.j2"
+    assert spec.family is Family.FA1
+    assert plan.launch.threads == 32 * s.warps == c["THREADS"]
+    assert plan.launch.smem_bytes == c["SMEM_BYTES"] <= SHARED_LIMIT
+    assert c["M_TILES"] * 16 == c["ROWS_PER_WARP"]
+    assert c["S_TILES"] * 8 == c["BC"] and c["BC"] % 16 == 0
+    if plan.split_k:
+        assert c["TILE_KV"] == s.warps * c["BC"], "split-K: the warps' key slices tile the kv tile"
+        assert c["ROW_PASSES"] * c["ROWS_PER_WARP"] == s.tile_q
+        assert c["COMBINE_BYTES"] >= 4 * c["ROWS_PER_WARP"] * (c["COMBINE_ROW_FLOATS"] + s.warps + 2)
+        assert c["COMBINE_ROW_FLOATS"] % 4 == 0 and c["COMBINE_ROW_FLOATS"] >= c["DV"]
+    else:
+        assert c["BC"] == c["TILE_KV"] and c["ROW_PASSES"] == 1
+        assert s.warps * c["ROWS_PER_WARP"] == s.tile_q
+    # O and S accumulators leave room for fragments and addresses (what ptxas needs without spills)
+    assert c["M_TILES"] * (c["DV"] + c["BC"]) // 2 <= 128 or not plan.split_k
+    # shared-memory regions: aligned, in bounds, no overlap (O staging may reuse Q's rows)
+    regions = [("Q", c["Q_OFFSET"], s.tile_q * c["QK_ROW_BYTES"]),
+               ("K", c["K_OFFSET"], s.stages * c["K_STAGE_BYTES"]),
+               ("V", c["V_OFFSET"], s.stages * c["V_STAGE_BYTES"])]
+    if plan.split_k:
+        regions.append(("combine", c["COMBINE_OFFSET"], c["COMBINE_BYTES"]))
+    elif c["O_OFFSET"] != c["Q_OFFSET"]:
+        regions.append(("O", c["O_OFFSET"], s.tile_q * c["V_ROW_BYTES"]))
+    for name, offset, size in regions:
+        assert offset % 128 == 0 and offset + size <= c["SMEM_BYTES"], name
+    spans = sorted((offset, offset + size) for _, offset, size in regions)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_loop_structure(spec):
+    plan = lower(spec)
+    kv_kinds = [op.kind for op in plan.kv_step]
+    if spec.schedule.stages == 1:
+        assert kv_kinds == ["barrier", "prefetch_kv", "wait_kv"]
+    else:
+        assert kv_kinds == ["wait_kv", "prefetch_kv"]
+        assert plan.kv_step[0].pending == spec.schedule.stages - 2
+        assert plan.kv_step[1].distance == spec.schedule.stages - 1
+    assert [op.kind for op in plan.loop_body] == ["barrier", "load_q"]
+    kinds = [op.kind for op in plan.pass_body]
+    expected = ["mma_qk", "mask", "load_state", "online_softmax", "mma_pv", "store_state"]
+    if plan.split_k:
+        expected = ["barrier"] + expected[:-1] + ["combine", "store_state"]
+    assert kinds == expected
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_rendered_source(spec):
+    plan = lower(spec)
+    source = render(plan)
+    assert source == render(lower(spec)), "rendering is deterministic"
+    assert f"extern \"C\" __global__ void __launch_bounds__(C::THREADS, 1)\n{plan.kernel_name}(" in source
+    assert "float* __restrict__ o_state, float* __restrict__ m_state, float* __restrict__ l_state" in source
+    assert ("combine_warp_states<C>" in source) == plan.split_k
+    assert ("store_output<C>" in source) != plan.split_k
+    assert "{{ " not in source and "{% " not in source, "no unrendered Jinja"
+
+
+def test_bundled_spec_names_its_lines():
+    source = render(lower(load_specs(str(BUNDLED))[0]))
+    for line in (7, 9, 10, 11, 12):   # mask, order, tile, warps, pipeline of fa1_d64
+        assert f"// [fa1_d64.tile:{line}]" in source
+
+
+def test_runtime_picks_the_fa1_kernel():
+    from tiledsl.runtime import Kernel, compile
+    from tiledsl.runtime_fa1 import Fa1Kernel
+    kernel = compile(fa1(64, "kv"))
+    assert isinstance(kernel, Fa1Kernel) and isinstance(Kernel(fa1(64, "q")), Fa1Kernel)
+    from tiledsl.runtime import Shapes
+    assert kernel.grid(Shapes(batch=3, heads=5, kv_heads=5, q_len=1000, kv_len=10)) == (15, 1, 1)
+
+
+def test_split_k_passes_keep_accumulators_small():
+    c = constants(lower(fa1(64, "kv", tiles=(64, 128))))
+    assert (c["ROWS_PER_WARP"], c["ROW_PASSES"]) == (32, 2)
+    c = constants(lower(fa1(128, "kv", tiles=(64, 64))))
+    assert (c["ROWS_PER_WARP"], c["ROW_PASSES"]) == (16, 4)
+    c = constants(lower(fa1(64, "kv", tiles=(64, 128)), pass_rows=64))
+    assert (c["ROWS_PER_WARP"], c["ROW_PASSES"]) == (64, 1)
+
+
+@pytest.mark.parametrize("spec,match", [
+    (fa1(64, "kv", tiles=(64, 32)), "keys each"),          # 8 keys per warp: no whole m16n8k16 step
+    (fa1(64, "q", tiles=(32, 64)), "rows each"),           # 8 rows per warp
+    (fa1(64, "q", dtype=DType.FP32), "fp16 or bf16"),
+    (fa1(128, "q", tiles=(64, 128), stages=8), "shared memory"),
+])
+def test_refusals_name_the_reason(spec, match):
+    with pytest.raises(SpecError, match=match):
+        lower(spec)
+
+
+# ---- nvcc for sm_90a ----------------------------------------------------------------------------
+
+def _nvcc_or_skip():
+    from tiledsl.nvcc import nvcc_path
+    if nvcc_path() is None:
+        if os.environ.get("TILEDSL_REQUIRE_NVCC") == "1":
+            pytest.fail("nvcc not found and TILEDSL_REQUIRE_NVCC=1")
+        pytest.skip("nvcc not on PATH")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_nvcc_compiles_without_spills(spec):
+    _nvcc_or_skip()
+    from tiledsl.nvcc import resources
+    plan = lower(spec)
+    r = resources(render(plan), plan.kernel_name)
+    assert re.search(r"Compiling entry function '" + plan.kernel_name, r.report), r.report
+    assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.report
+    assert r.stack_bytes == 0, r.report
+    assert 0 < r.registers <= 255

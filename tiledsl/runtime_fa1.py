@@ -1,0 +1,58 @@
+"""Runtime for the FA1 family: one thread block per (batch, head), and a per-call workspace in HBM
+for the running state that FA1 round-trips at every kv step.
+
+The workspace holds O (fp32, normalised) shaped (batch, heads, q_len, dv) and m, l (fp32) shaped
+(batch, heads, q_len). It is never initialised: the kernel starts each q tile from the empty state
+on the first kv tile it sees, and rows that see no key are written directly (O = 0, LSE = -inf).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from .errors import LaunchError
+from .runtime import Kernel, Shapes, _cupy
+from .tensors import TensorView
+
+
+class Fa1Kernel(Kernel):
+    """A compiled FA1 kernel; called like any Kernel: `o, lse = kernel(q, k, v)`."""
+
+    def grid(self, shapes: Shapes) -> tuple[int, int, int]:
+        """kv outer parallelises over batch * heads only: FA1's defining limitation."""
+        return (shapes.batch * shapes.heads, 1, 1)
+
+    def workspace(self, shapes: Shapes, device_id: int):
+        """(O fp32 (batch, heads, q_len, dv), m fp32 (batch, heads, q_len), l fp32 (batch, heads, q_len))."""
+        cupy = _cupy()
+        rows = (shapes.batch, shapes.heads, shapes.q_len)
+        with cupy.cuda.Device(device_id):
+            return (cupy.empty(rows + (self.spec.problem.head_dim_v,), dtype=cupy.float32),
+                    cupy.empty(rows, dtype=cupy.float32), cupy.empty(rows, dtype=cupy.float32))
+
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        import numpy as np
+        cupy = _cupy()
+        if shapes.batch * shapes.heads == 0 or shapes.q_len == 0:
+            return
+        fn = self.function()
+        plan = self.plan
+        grid = self.grid(shapes)
+        # Allocated on the stream that runs the kernel: CuPy's pool hands freed memory only to later
+        # work on the same stream, so dropping the workspace when this returns is safe.
+        with cupy.cuda.Device(q.device_id), (stream if stream is not None else contextlib.nullcontext()):
+            o_state, m_state, l_state = self.workspace(shapes, q.device_id)
+        i64 = np.int64
+        args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
+                np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
+                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
+                np.int32(shapes.heads // shapes.kv_heads),
+                *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
+                *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]),
+                np.uintp(o_state.data.ptr), np.uintp(m_state.data.ptr), np.uintp(l_state.data.ptr))
+        try:
+            with cupy.cuda.Device(q.device_id):
+                fn(grid, (plan.launch.threads, 1, 1), args, shared_mem=plan.launch.smem_bytes, stream=stream)
+        except Exception as err:
+            raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
+                              f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
