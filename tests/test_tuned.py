@@ -1,0 +1,145 @@
+"""Tuned defaults (tiledsl/tuned.py), the spec printer (tune.spec_to_dsl) and `tiledsl tune
+--dry-run`: all CPU."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tiledsl import tuned
+from tiledsl.check import SpecSpace
+from tiledsl.cli import main
+from tiledsl.lower import lower
+from tiledsl.parse import load_spec, parse_file, parse_text
+from tiledsl.passes import run_passes
+from tiledsl.render import render
+from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.tune import spec_to_dsl
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_FILES = sorted((ROOT / "specs").glob("*.tile"))
+
+
+def _concrete_specs():
+    """Every concrete kernel in specs/: the written ones and every legal config of each space."""
+    out = []
+    for path in SPEC_FILES:
+        for item in parse_file(path):
+            out += item.expand()[0] if isinstance(item, SpecSpace) else [item]
+    return out
+
+
+# ---- printer ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", _concrete_specs(), ids=lambda s: s.kernel_name)
+def test_printer_round_trips_every_bundled_spec(spec):
+    text = spec_to_dsl(spec, comment="written by a test\nsecond line")
+    (back,) = parse_text(text, "printed.tile")
+    assert isinstance(back, KernelSpec)
+    assert back == spec and back.kernel_name == spec.kernel_name
+    assert text.startswith("# written by a test\n# second line\n")
+
+
+@pytest.mark.parametrize("problem", [
+    Problem(64, 64, DType.FP16, Mask.WINDOW, window_left=256, window_right=3),
+    Problem(128, 64, DType.BF16, Mask.CAUSAL, softmax_scale=0.0625),
+    Problem(64, 64, DType.BF16, Mask.NONE, softmax_scale=1e-05),
+])
+def test_printer_round_trips_problem_settings(problem):
+    spec = KernelSpec("p", problem, Schedule(tile_q=64, tile_kv=32, warps=4, stages=1))
+    back = load_spec(spec_to_dsl(spec))
+    assert back == spec
+    assert "pipeline 1 stage via" in spec_to_dsl(spec)
+
+
+def test_printed_spec_passes_tiledsl_check(tmp_path, capsys):
+    spec = _concrete_specs()[0]
+    path = tmp_path / "winner.tile"
+    path.write_text(spec_to_dsl(spec, "winner", "tuned"))
+    assert main(["check", str(path)]) == 0
+
+
+# ---- the tuned table ----------------------------------------------------------------------------------
+
+def test_table_covers_sm90_dtypes_head_dims_and_masks():
+    wanted = {("sm_90", dtype, d, mask) for dtype in ("bf16", "fp16") for d in (64, 128) for mask in ("none", "causal")}
+    assert wanted <= set(tuned.TUNED)
+
+
+@pytest.mark.parametrize("key", sorted(tuned.TUNED), ids=lambda k: "-".join(map(str, k)))
+def test_every_entry_parses_lowers_and_matches_its_key(key):
+    arch, dtype, d, mask = key
+    spec = load_spec(tuned.TUNED[key])
+    assert (spec.problem.dtype.value, spec.problem.head_dim_qk, spec.problem.mask.value) == (dtype, d, mask)
+    run_passes(spec)
+    assert "__global__" in render(lower(spec))
+
+
+def test_entries_are_todays_best_known_configs():
+    def schedule(d, mask):
+        s = load_spec(tuned.TUNED[("sm_90", "bf16", d, mask)]).schedule
+        return s.tile_q, s.tile_kv, s.warps, s.stages
+    assert schedule(64, "none") == schedule(64, "causal") == schedule(128, "none") == (128, 64, 4, 2)
+    assert schedule(128, "causal") == (128, 128, 8, 2)
+
+
+def test_lookup_known_unknown_window_and_scale():
+    spec, found = tuned.tuned_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL)
+    assert found and (spec.schedule.tile_kv, spec.schedule.warps) == (128, 8)
+    spec, found = tuned.tuned_spec("sm_100", DType.BF16, 128, Mask.CAUSAL)
+    assert not found and spec.schedule == tuned.DEFAULT_SCHEDULE
+    run_passes(spec)
+    spec, found = tuned.tuned_spec("sm_90", DType.FP16, 128, Mask.WINDOW, window=(256, 0), scale=0.1)
+    assert found and spec.schedule.warps == 8
+    assert (spec.problem.mask, spec.problem.window_left, spec.problem.softmax_scale) == (Mask.WINDOW, 256, 0.1)
+    spec, found = tuned.tuned_spec("sm_90", DType.BF16, 64, Mask.NONE, head_dim_v=128)
+    assert not found and spec.problem.head_dim_v == 128
+
+
+def test_default_schedule_is_legal_for_common_head_dims():
+    for d in (64, 128):
+        for dtype in (DType.BF16, DType.FP16):
+            spec, _ = tuned.tuned_spec("sm_80", dtype, d, Mask.CAUSAL)
+            run_passes(spec)
+            lower(spec)
+
+
+def test_hint_is_printed_once_per_key(capsys, monkeypatch):
+    monkeypatch.setattr(tuned, "_hinted", set())
+    for _ in range(3):
+        tuned._hint_once(("sm_100", DType.BF16, 96, Mask.NONE), "sm_100", DType.BF16, 96, Mask.NONE)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tiledsl tune" in err[0] and "sm_100" in err[0]
+
+
+def test_attention_is_exported():
+    import tiledsl
+    assert tiledsl.attention is tuned.attention
+
+
+# ---- tiledsl tune --dry-run -----------------------------------------------------------------------------
+
+def test_cli_dry_run_json(capsys, monkeypatch):
+    monkeypatch.setenv("TILEDSL_NO_NVCC", "1")
+    assert main(["tune", str(ROOT / "specs" / "fa2_space_d64.tile"), "--seqlen", "4096", "--causal",
+                 "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["configs"] == 36 and out["legal"] == 27
+    pending = [r for r in out["rows"] if r["status"] == "pending"]
+    assert 0 < len(pending) <= 0.3 * out["configs"]
+    assert all(r["kernel"].startswith("fa2_d64_fp16_causal_") for r in out["rows"])
+    assert [r["model_rank"] for r in pending] == list(range(1, len(pending) + 1))
+
+
+def test_cli_no_causal_overrides_a_causal_space(capsys, monkeypatch):
+    monkeypatch.setenv("TILEDSL_NO_NVCC", "1")
+    assert main(["tune", str(ROOT / "specs" / "fa2_space_d128.tile"), "--seqlen", "1024", "--no-causal",
+                 "--dry-run", "--budget", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fa2_space_d128 none" in out and "would time 3" in out
+
+
+def test_cli_refuses_a_file_without_a_space(capsys):
+    assert main(["tune", str(ROOT / "specs" / "fa2_d64.tile"), "--seqlen", "1024", "--dry-run"]) == 2
+    assert "no search space" in capsys.readouterr().err
