@@ -102,6 +102,17 @@ def _require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "
         raise SpecError(message, spec.span_of(key), spec.source_text, hint)
 
 
+def softmax_constants(p) -> list[Constant]:
+    """The mask and softmax-scale constexprs every family's attention.cuh functions read."""
+    return [
+        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
+        Constant("WINDOW_LEFT", "int", p.window_left),
+        Constant("WINDOW_RIGHT", "int", p.window_right),
+        Constant("SCALE", "float", p.scale, "softmax scale"),
+        Constant("SCALE_LOG2", "float", p.scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+    ]
+
+
 def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     """The kv loop of FA2, in the scheduler graph's emission order (passes.emission_order).
 
@@ -212,11 +223,7 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
-        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
-        Constant("WINDOW_LEFT", "int", p.window_left),
-        Constant("WINDOW_RIGHT", "int", p.window_right),
-        Constant("SCALE", "float", scale, "softmax scale"),
-        Constant("SCALE_LOG2", "float", scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+        *softmax_constants(p),
     ]
     regions = {
         "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from .errors import SpecError
-from .lower import (LOOP_TEXT, LOWERINGS, MASK_KIND, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
+from .lower import (LOOP_TEXT, LOWERINGS, softmax_constants, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
                     _spec_lines, _where, tile_row_bytes)
 from .spec import DTYPE_PTX, DType, Family, KernelSpec
 from .version import __version__
@@ -108,7 +108,6 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     min_blocks_per_sm = min(blocks_per_sm, 2)
     bytes_in_flight = (stages - 1) * (k_stage + v_stage)
 
-    scale = p.scale
     consts = [
         Constant("BC", "int", tile_kv, "keys per kv tile (tile kv); one cp.async tile"),
         Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
@@ -139,11 +138,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("Q_PENDING_GROUPS", "int", 2 * (stages - 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
-        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
-        Constant("WINDOW_LEFT", "int", p.window_left),
-        Constant("WINDOW_RIGHT", "int", p.window_right),
-        Constant("SCALE", "float", scale, "softmax scale"),
-        Constant("SCALE_LOG2", "float", scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+        *softmax_constants(p),
         Constant("MERGE_WARPS", "int", MERGE_WARPS, "merge kernel: one warp per output row"),
         Constant("MERGE_THREADS", "int", MERGE_WARPS * 32),
     ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .version import __version__
-from .lower import (LOWERINGS, MASK_KIND, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
+from .lower import (LOWERINGS, softmax_constants, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
                     _spec_lines, _where, tile_row_bytes)
 from .spec import DTYPE_PTX, Axis, DType, Family, KernelSpec
 
@@ -161,7 +161,6 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     if min_blocks_per_sm is None:
         min_blocks_per_sm = 1   # one block per (batch, head): rarely more blocks than SMs
 
-    scale = p.scale
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per q tile (tile q)"),
         Constant("TILE_KV", "int", s.tile_kv, "keys per kv tile (tile kv)"),
@@ -194,11 +193,7 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
         Constant("SMEM_BYTES", "u32", smem),
         Constant("Q_IN_REGISTERS", "bool", False, "Q changes every inner step: fragments come from shared memory"),
         Constant("Q_REG_TILES", "int", 1),
-        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
-        Constant("WINDOW_LEFT", "int", p.window_left),
-        Constant("WINDOW_RIGHT", "int", p.window_right),
-        Constant("SCALE", "float", scale, "softmax scale"),
-        Constant("SCALE_LOG2", "float", scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+        *softmax_constants(p),
     ]
     order = _where(spec, "order")
     per_tile, per_pass = fa1_loop_body(spec, split_k)
