@@ -8,4 +8,4 @@ from .runtime import Kernel, compile  # noqa: A004 - tiledsl.compile(spec) is th
 from .version import __version__
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Problem",
-           "Schedule", "Span", "Kernel", "compile", "load_specs", "parse_file", "parse_text", "SpecError", "RuntimeInputError", "LaunchError", "__version__"]
+           "Schedule", "Span", "Kernel", "attention", "compile", "load_specs", "parse_file", "parse_text", "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

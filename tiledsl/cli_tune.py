@@ -18,7 +18,7 @@ from .check import SpecSpace
 from .errors import SpecError
 from .parse import parse_file
 from .tune import Candidate, plan_candidates, spec_to_dsl, with_mask
-from .tune_model import Shape, default_budget
+from .tune_model import Shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

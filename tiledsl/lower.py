@@ -196,7 +196,6 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     if min_blocks_per_sm is None:
         min_blocks_per_sm = 2 if register_estimate <= 128 - 8 and 2 * smem <= 232448 else 1
 
-    scale = p.scale
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
         Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),

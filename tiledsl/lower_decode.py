@@ -13,7 +13,6 @@ Sizes are derived here; the template only names them.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from .errors import SpecError

@@ -18,7 +18,6 @@ All sizes are derived here; the template only names them (STYLE.md 1).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -136,7 +136,9 @@ class Kernel:
                 raise RuntimeInputError(f"{self.name}: kv_lens must be a contiguous int32 array of shape ({batch},)")
         return Shapes(batch, heads, kv_heads, q_len, kv_len)
 
-    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
+    def prepare(self, q, k, v, kv_lens=None, out=None, lse=None):
+        """Check the inputs and allocate (or check) the outputs, once: returns the views
+        (q, k, v, out, lse, kv_lens), the Shapes, and the out and lse objects to hand back."""
         qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
         lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
         shapes = self.check_inputs(qv, kvw, vv, lens)
@@ -146,31 +148,43 @@ class Kernel:
         ov, lv = view(out, "out"), view(lse, "lse")
         if ov.strides[3] != 1 or any(s % 8 for s in ov.strides[:3]):
             raise RuntimeInputError(f"{self.name}: out needs unit stride on head_dim and 16-byte aligned rows")
-        self.launch(qv, kvw, vv, ov, lv, lens, shapes)
+        return (qv, kvw, vv, ov, lv, lens), shapes, out, lse
+
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
+        views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
+        self.launch(*views, shapes)
         return out, lse
 
-    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+    def attention_args(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+                       kv_lens: TensorView | None, shapes: Shapes) -> tuple:
+        """The kernel parameters every prefill family starts with (fa2.cu.j2's signature)."""
         import numpy as np
-        cupy = _cupy()
-        fn = self.function()
-        plan = self.plan
-        grid = ((shapes.q_len + plan.launch.tile_q - 1) // plan.launch.tile_q, shapes.batch * shapes.heads, 1)
-        if grid[0] == 0 or shapes.batch * shapes.heads == 0:
-            return
         i64 = np.int64
-        args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
+        return (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
                 np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
                 np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
                 np.int32(shapes.heads // shapes.kv_heads),
                 *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
                 *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
+
+    def launch_function(self, fn, grid, args, device_id: int, stream=None) -> None:
+        """Launch with this plan's block and shared memory; failures name the kernel and launch."""
+        plan = self.plan
         try:
-            with cupy.cuda.Device(q.device_id):
+            with _cupy().cuda.Device(device_id):
                 fn(grid, (plan.launch.threads, 1, 1), args, shared_mem=plan.launch.smem_bytes, stream=stream)
         except Exception as err:
             raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
                               f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
+
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        tile_q = self.plan.launch.tile_q
+        grid = ((shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads, 1)
+        if grid[0] == 0 or grid[1] == 0:
+            return
+        self.launch_function(self.function(), grid, self.attention_args(q, k, v, o, lse, kv_lens, shapes),
+                             q.device_id, stream)
 
 
 def _allow_dynamic_shared(fn, nbytes: int) -> None:

@@ -162,13 +162,6 @@ class DecodeKernel(Kernel):
 
     def bind(self, q, k, v, kv_lens=None, out=None, lse=None):
         """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
-        from .runtime import _allocate_outputs, _check_kv_lens
-        from .tensors import view
-        qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
-        lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
-        shapes = self.check_inputs(qv, kvw, vv, lens)
-        if lens is not None:
-            _check_kv_lens(kv_lens, shapes.kv_len, self.name)
-        out, lse = _allocate_outputs(q, shapes, self.spec.problem, out, lse, self.name)
-        run = self.bind_views(qv, kvw, vv, view(out, "out"), view(lse, "lse"), lens, shapes)
+        views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
+        run = self.bind_views(*views, shapes)
         return run, out, lse

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 
-from .errors import LaunchError
 from .runtime import Kernel, Shapes, _cupy
 from .tensors import TensorView
 
@@ -36,23 +35,11 @@ class Fa1Kernel(Kernel):
         if shapes.batch * shapes.heads == 0 or shapes.q_len == 0:
             return
         fn = self.function()
-        plan = self.plan
         grid = self.grid(shapes)
         # Allocated on the stream that runs the kernel: CuPy's pool hands freed memory only to later
         # work on the same stream, so dropping the workspace when this returns is safe.
         with cupy.cuda.Device(q.device_id), (stream if stream is not None else contextlib.nullcontext()):
             o_state, m_state, l_state = self.workspace(shapes, q.device_id)
-        i64 = np.int64
-        args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
-                np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
-                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
-                np.int32(shapes.heads // shapes.kv_heads),
-                *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
-                *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]),
-                np.uintp(o_state.data.ptr), np.uintp(m_state.data.ptr), np.uintp(l_state.data.ptr))
-        try:
-            with cupy.cuda.Device(q.device_id):
-                fn(grid, (plan.launch.threads, 1, 1), args, shared_mem=plan.launch.smem_bytes, stream=stream)
-        except Exception as err:
-            raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
-                              f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (
+            np.uintp(o_state.data.ptr), np.uintp(m_state.data.ptr), np.uintp(l_state.data.ptr))
+        self.launch_function(fn, grid, args, q.device_id, stream)

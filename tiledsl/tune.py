@@ -34,7 +34,7 @@ from .errors import SpecError
 from .lower import lower
 from .passes import run_passes
 from .render import render
-from .spec import Axis, CopyVia, Family, KernelSpec, Mask
+from .spec import Family, KernelSpec, Mask
 from .traffic import hbm_traffic
 from .tune_model import Prediction, Resources, Shape
 from .tune_store import TuneStore, entry_key
