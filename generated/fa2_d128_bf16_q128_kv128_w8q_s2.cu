@@ -73,6 +73,14 @@ __device__ __forceinline__ u32 chunk_offset(int row, int chunk) {
     return row * ROW_BYTES + ((SWIZZLE ? (chunk ^ (row & 7)) : chunk) << 4);
 }
 
+// The same offset for a row split as row8 + r7, row8 a multiple of 8 and r7 = row & 7: written so
+// that the XOR depends only on the thread (r7) and the compile-time chunk, which lets the compiler
+// fold it instead of keeping one precomputed address per fragment in registers.
+template <int ROW_BYTES, bool SWIZZLE>
+__device__ __forceinline__ u32 chunk_offset_split(int row8, int r7, int chunk) {
+    return (row8 + r7) * ROW_BYTES + ((SWIZZLE ? (chunk ^ r7) : chunk) << 4);
+}
+
 // 16-byte global->shared copy that zero-fills when `valid` is false (rows past the sequence end).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
@@ -82,17 +90,35 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }
 
 // Cooperative copy of a ROWS x (CHUNKS*8) tile of 16-bit values; rows >= rows_valid read as zero.
+// When the threads cover whole rows per pass, each thread keeps one chunk column and steps down
+// by ROW_STEP rows: one base address and one stride instead of an address per copy (registers),
+// and with ROW_STEP a multiple of 8 the swizzle of every pass is the first pass's.
 template <int ROWS, int CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
 __device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 row_stride, int rows_valid) {
     constexpr int TOTAL = ROWS * CHUNKS;
+    if constexpr (THREADS % CHUNKS == 0 && TOTAL % THREADS == 0) {
+        constexpr int ROW_STEP = THREADS / CHUNKS;
+        const int row0 = (int)threadIdx.x / CHUNKS, chunk = (int)threadIdx.x % CHUNKS;
+        const u16* from = src + row0 * row_stride + chunk * 8;
+        const u32 to = tile + chunk_offset<ROW_BYTES, SWIZZLE>(row0, chunk);
 #pragma unroll
-    for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-        const int index = i * THREADS + (int)threadIdx.x;
-        if (TOTAL % THREADS == 0 || index < TOTAL) {
-            const int row = index / CHUNKS, chunk = index % CHUNKS;
+        for (int i = 0; i < TOTAL / THREADS; ++i) {
+            const int row = row0 + i * ROW_STEP;
             const bool valid = row < rows_valid;
-            cp_async_16(tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk),
-                        src + (valid ? row * row_stride + chunk * 8 : 0), valid);
+            const u32 dst = (ROW_STEP % 8 == 0 || !SWIZZLE) ? to + i * ROW_STEP * ROW_BYTES
+                                                             : tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk);
+            cp_async_16(dst, valid ? from + i * ROW_STEP * row_stride : src, valid);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+            const int index = i * THREADS + (int)threadIdx.x;
+            if (TOTAL % THREADS == 0 || index < TOTAL) {
+                const int row = index / CHUNKS, chunk = index % CHUNKS;
+                const bool valid = row < rows_valid;
+                cp_async_16(tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk),
+                            src + (valid ? row * row_stride + chunk * 8 : 0), valid);
+            }
         }
     }
 }
@@ -180,8 +206,8 @@ __device__ __forceinline__ void mma_qk(float (&s)[C::M_TILES][C::S_TILES][4], co
 #pragma unroll
         for (int np = 0; np < C::S_TILES / 2; ++np) {
             u32 k_frag[4];   // keys 16*np.. x dims 16*ks..: b-fragments of two n-tiles
-            ldmatrix_x4(k_frag, k_tile + chunk_offset<C::QK_ROW_BYTES, C::QK_SWIZZLE>(
-                                             np * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1)));
+            ldmatrix_x4(k_frag, k_tile + chunk_offset_split<C::QK_ROW_BYTES, C::QK_SWIZZLE>(
+                                             np * 16 + ((lane >> 4) << 3), lane & 7, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
             for (int mt = 0; mt < C::M_TILES; ++mt) {
                 mma_16816(s[mt][2 * np], q_frag[mt], k_frag[0], k_frag[1]);
@@ -288,8 +314,8 @@ __device__ __forceinline__ void mma_pv(float (&o)[C::M_TILES][C::O_TILES][4], co
 #pragma unroll
         for (int ndp = 0; ndp < C::O_TILES / 2; ++ndp) {
             u32 v_frag[4];   // keys 16*kk.. x dims 16*ndp..: b-fragments of two n-tiles
-            ldmatrix_x4_trans(v_frag, v_tile + chunk_offset<C::V_ROW_BYTES, C::V_SWIZZLE>(
-                                                   kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), ndp * 2 + (lane >> 4)));
+            ldmatrix_x4_trans(v_frag, v_tile + chunk_offset_split<C::V_ROW_BYTES, C::V_SWIZZLE>(
+                                                   kk * 16 + (lane & 8), lane & 7, ndp * 2 + (lane >> 4)));
 #pragma unroll
             for (int mt = 0; mt < C::M_TILES; ++mt) {
                 mma_16816(o[mt][2 * ndp], p_frag[mt], v_frag[0], v_frag[1]);
