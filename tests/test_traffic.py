@@ -103,7 +103,8 @@ def test_visible_pairs_brute_force(mask, left, right):
 def test_choose_splits():
     assert choose_splits(64, 32, 8192, 64, 132)[0] == 1                 # 2048 blocks fill the GPU
     s, why = choose_splits(1, 8, 65536, 64, 132)
-    assert s * 8 >= 2 * 132 and "waves" in why
+    assert s == 132 // 8 and "one wave" in why                            # one wave of resident blocks
+    assert choose_splits(1, 32, 32768, 64, 132, blocks_per_sm=2)[0] == 8  # 256 of 264 slots
     assert choose_splits(1, 1, 100, 64, 132)[0] == 2                      # capped at the kv tiles
     assert choose_splits(1, 1, 0, 64, 132)[0] == 1
     for _ in range(50):

@@ -130,7 +130,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     graph = run_passes(spec, limits)
     nq = seqlen_q or spec.problem.queries_per_seq or 4096
     nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
-    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count)
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, _blocks_per_sm(spec))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask {p.mask.value}, "
@@ -183,3 +183,12 @@ def to_dot(graph: ScheduleGraph) -> str:
                      "style=dotted, constraint=false];")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _blocks_per_sm(spec) -> int:
+    """Resident blocks per SM of the lowered decode kernel (what the runtime's split choice uses)."""
+    if spec.family is not Family.DECODE:
+        return 1
+    from .lower import lower
+    from .lower_decode import decode_blocks_per_sm
+    return decode_blocks_per_sm(lower(spec))

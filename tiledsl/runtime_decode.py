@@ -8,7 +8,6 @@ the count and the reason are kept on the kernel (`last_splits`, `last_split_reas
 """
 from __future__ import annotations
 
-import math
 
 from .errors import LaunchError, RuntimeInputError
 from .lower_decode import constant, decode_blocks_per_sm
@@ -20,32 +19,6 @@ from .tensors import TensorView
 MAX_GRID_YZ = 65535
 # Per-block start-up cost, in tile-times, for the wave model below: a block's first tile waits
 # a full memory latency with nothing else of the block in flight.
-BLOCK_OVERHEAD_TILES = 1.0
-
-
-def decode_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count: int,
-                  blocks_per_sm: int = 1) -> tuple[int, str]:
-    """(splits, reason) for `split kv = auto`.
-
-    splits.choose_splits decides whether to split and proposes a count (about two waves). Blocks
-    of one launch are equal in length, so they run in whole waves of sm_count * blocks_per_sm
-    resident blocks and a partial last wave costs a whole one. Among counts from its proposal
-    up to four times it, keep the one with the least modelled time:
-    waves * (tiles per split + BLOCK_OVERHEAD_TILES)."""
-    proposed, reason = choose_splits(batch, kv_heads, kv_len, tile_kv, sm_count)
-    if proposed == 1:
-        return 1, reason
-    blocks, tiles = batch * kv_heads, max(math.ceil(kv_len / tile_kv), 1)
-    slots = sm_count * blocks_per_sm
-
-    def cost(splits: int) -> float:
-        return math.ceil(blocks * splits / slots) * (math.ceil(tiles / splits) + BLOCK_OVERHEAD_TILES)
-
-    best = min(range(proposed, min(4 * proposed, tiles) + 1), key=lambda n: (cost(n), n))
-    if best != proposed:
-        reason += (f"; whole waves of {slots} resident blocks: {best} splits "
-                   f"({math.ceil(blocks * best / slots)} waves of {math.ceil(tiles / best)} tiles)")
-    return best, reason
 
 
 class DecodeKernel(Kernel):
@@ -73,13 +46,13 @@ class DecodeKernel(Kernel):
         return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
     def splits_for(self, shapes: Shapes, device_id: int = 0) -> tuple[int, str]:
-        """The split count of a launch: the spec's, or for `auto` decode_splits on this device."""
+        """The split count of a launch: the spec's, or for `auto` choose_splits on this device."""
         chosen = self.spec.schedule.split_kv
         if chosen != AUTO:
             return int(chosen), f"split kv = {chosen} (from the spec)"
         tile_kv = constant(self.plan, "BC")
         row_tiles = self.row_tiles(shapes)
-        return decode_splits(shapes.batch, shapes.kv_heads * row_tiles, shapes.kv_len, tile_kv,
+        return choose_splits(shapes.batch, shapes.kv_heads * row_tiles, shapes.kv_len, tile_kv,
                              self.sm_count(device_id), decode_blocks_per_sm(self.plan))
 
     def row_tiles(self, shapes: Shapes) -> int:

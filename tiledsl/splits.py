@@ -10,29 +10,28 @@ from __future__ import annotations
 
 import math
 
-# Aim for this many waves of blocks over the SMs: one wave leaves a ragged tail idle.
-TARGET_WAVES = 2
-
-
-def choose_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count: int) -> tuple[int, str]:
+def choose_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count: int,
+                  blocks_per_sm: int = 1) -> tuple[int, str]:
     """(number of splits, one-line reason) for a decode launch.
 
-    One block per (sequence, kv head, split). No split when batch·kv_heads blocks already fill
-    the SMs; otherwise enough splits for about TARGET_WAVES waves, never more than there are
+    One block per (sequence, kv head, split). Aim for exactly one wave of resident blocks
+    (sm_count * blocks_per_sm): more splits only add partial outputs to write and merge, and a
+    ragged second wave idles SMs. Measured on an H200 (bench/results/2026-11-30-decode-splits-1.json,
+    32 kv heads, 2 resident blocks per SM): 4 or 8 splits 3.8-4.1 TB/s, 16 3.6-4.0, 64 3.2-3.7.
+    No split when batch*kv_heads blocks already fill the resident slots; never more splits than
     kv tiles (a split without a tile would only write an empty partial)."""
     blocks = max(batch * kv_heads, 1)
     tiles = max(math.ceil(kv_len / tile_kv), 1)
-    if blocks >= sm_count:
-        return 1, (f"batch*kv_heads = {batch}*{kv_heads} = {blocks} blocks already fill the "
-                   f"{sm_count} SMs: no split")
-    wanted = math.ceil(TARGET_WAVES * sm_count / blocks)
+    slots = sm_count * max(blocks_per_sm, 1)
+    if blocks * 2 > slots:
+        return 1, (f"batch*kv_heads = {batch}*{kv_heads} = {blocks} blocks already fill "
+                   f"{slots} resident slots ({sm_count} SMs x {blocks_per_sm}): no split")
+    wanted = slots // blocks
     splits = max(1, min(wanted, tiles))
-    waves = blocks * splits / sm_count
-    reason = (f"batch*kv_heads = {blocks} blocks < {sm_count} SMs; {wanted} splits would give "
-              f"{TARGET_WAVES} waves")
+    reason = f"batch*kv_heads = {blocks} blocks; one wave of {slots} resident slots ({sm_count} SMs x {blocks_per_sm})"
     if splits < wanted:
         reason += f", capped at the {tiles} kv tiles of {tile_kv} keys"
-    return splits, reason + f": {splits} splits -> {blocks * splits} blocks = {waves:.2f} waves"
+    return splits, reason + f": {splits} splits -> {blocks * splits} blocks"
 
 
 def split_ranges(num_tiles: int, splits: int) -> list[tuple[int, int]]:

@@ -83,8 +83,9 @@ def _tiles(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seqlen_kv: int,
-                kv_heads: int | None = None, sm_count: int = H200.sm_count) -> Traffic:
-    """Bytes each HBM-touching op of `graph` moves, summed over its loop trips, for batch x heads."""
+                kv_heads: int | None = None, sm_count: int = H200.sm_count, blocks_per_sm: int = 1) -> Traffic:
+    """Bytes each HBM-touching op of `graph` moves, summed over its loop trips, for batch x heads.
+    `blocks_per_sm` (resident blocks of the lowered kernel) feeds `split kv = auto`."""
     spec, z = graph.spec, graph.sizes
     p = spec.problem
     d, dv, elem = p.head_dim_qk, p.head_dim_v, DTYPE_BYTES[p.dtype]
@@ -95,7 +96,7 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     splits, reason = None, ""
     if has_split_loop(spec):
         if spec.schedule.split_kv == AUTO:
-            splits, reason = choose_splits(batch, kv_heads or heads, seqlen_kv, z["Bc"], sm_count)
+            splits, reason = choose_splits(batch, kv_heads or heads, seqlen_kv, z["Bc"], sm_count, blocks_per_sm)
         else:
             splits = int(spec.schedule.split_kv)
     _check_split_partition(splits, len(k0))
