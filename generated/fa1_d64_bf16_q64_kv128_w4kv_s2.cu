@@ -263,10 +263,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::M_TILES][C::S_TILES][4]
 
 // Online softmax: raise the running max, rescale the running sum and O by exp(m_old - m_new),
 // and turn the scores into unnormalised probabilities P = exp(scale * (S - m_new)) in place.
-// Row sums stay per-thread partial sums; the quad reduces them once, in the epilogue.
+// Row sums stay per-thread partial sums; the quad reduces them once, in the epilogue. Once the
+// maxima settle most tiles leave every row's max unchanged (alpha == 1 exactly), so the warp
+// skips the O rescale (M_TILES * DV / 2 multiplies per thread) when no row of it needs one.
 template <class C>
 __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES][4], float (&row_max)[C::M_TILES][2],
                                                float (&row_sum)[C::M_TILES][2], float (&o)[C::M_TILES][C::O_TILES][4]) {
+    float alpha[C::M_TILES][2];
+    bool rescale = false;
 #pragma unroll
     for (int mt = 0; mt < C::M_TILES; ++mt)
 #pragma unroll
@@ -277,7 +281,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES
             m_new = quad_max(m_new);
             // A row with every key masked so far keeps m = -inf; use 0 so exp never sees -inf - -inf.
             const float m_scaled = m_new == NEG_INF ? 0.f : m_new * C::SCALE_LOG2;
-            const float alpha = fast_exp2(row_max[mt][h] * C::SCALE_LOG2 - m_scaled);
+            alpha[mt][h] = fast_exp2(row_max[mt][h] * C::SCALE_LOG2 - m_scaled);
+            rescale = rescale || alpha[mt][h] != 1.f;
             row_max[mt][h] = m_new;
             float sum = 0.f;
 #pragma unroll
@@ -287,13 +292,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES
                     s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], C::SCALE_LOG2, -m_scaled));
                     sum += s[mt][nt][e];
                 }
-            row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
-#pragma unroll
-            for (int nd = 0; nd < C::O_TILES; ++nd) {
-                o[mt][nd][2 * h] *= alpha;
-                o[mt][nd][2 * h + 1] *= alpha;
-            }
+            row_sum[mt][h] = row_sum[mt][h] * alpha[mt][h] + sum;
         }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int mt = 0; mt < C::M_TILES; ++mt)
+#pragma unroll
+            for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][nd][e] *= alpha[mt][e >> 1];
+    }
 }
 
 // O += P V. P goes from the S accumulators straight into A fragments (no shared memory):
