@@ -1,0 +1,75 @@
+"""A/B of a one-line change to the generated CUDA, in one GPU run: each case times the bundled
+kernel and the patched kernel alternately (base, patch, ..., base) so the spread of the two base
+runs shows the noise. The patches here are experiments, not product code.
+
+Usage: python bench/ab_source.py OUT.json"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tiledsl.bench import attention_flops, prefill_shape, record, time_ms
+from tiledsl.parse import load_spec
+from tiledsl.runtime import compile
+from tiledsl.validate import reference_attention, relative_error
+
+CP_ASYNC = "cp.async.cg.shared.global [%0]"
+PATCHES = {"base": None,
+           "l2_128": (CP_ASYNC, "cp.async.cg.shared.global.L2::128B [%0]"),
+           "l2_256": (CP_ASYNC, "cp.async.cg.shared.global.L2::256B [%0]")}
+
+
+def variant(spec, patch):
+    kernel = compile(spec)
+    if patch:
+        kernel.source = kernel.source.replace(*patch)
+        kernel.name = kernel.name   # cubin cache is keyed by the source hash too
+    return kernel
+
+
+def check(kernel, spec):
+    p = spec.problem
+    nq = p.queries_per_seq or 300
+    q = torch.randn(2, 8, nq, p.head_dim_qk, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2 if p.queries_per_seq else 8, 1000, p.head_dim_qk, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    o, _ = kernel(q, k, v)
+    ref, _ = reference_attention(p, q, k, v)
+    return relative_error(o, ref)
+
+
+def main(out_path: str) -> None:
+    rows = []
+    prefill = [("specs/fa2_d128_causal.tile", 4096), ("specs/fa2_d128.tile", 4096), ("specs/fa2_d64_causal.tile", 4096)]
+    for path, n in prefill:
+        spec = load_spec(path)
+        d = spec.problem.head_dim_qk
+        b, h = prefill_shape(n, d)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = attention_flops(b, h, n, n, d, spec.problem.mask.value == "causal")
+        for rep in range(2):
+            for name, patch in PATCHES.items():
+                kernel = variant(spec, patch)
+                err = check(kernel, spec)
+                tf = flops / time_ms(lambda: kernel(q, k, v)) / 1e9
+                rows.append({"case": f"{spec.name} N={n}", "variant": name, "rep": rep, "tflops": tf, "error": err})
+                print(f"{spec.name:18s} N={n} {name:7s} rep{rep}: {tf:6.1f} TFLOP/s (err {err:.1e})", flush=True)
+    spec = load_spec("specs/decode_d128.tile")
+    for batch, heads, kv_heads, kv_len in [(1, 32, 32, 32768), (4, 32, 8, 65536)]:
+        q = torch.randn(batch, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, kv_len, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        nbytes = 2 * batch * kv_heads * kv_len * 128 * 2
+        for rep in range(2):
+            for name, patch in PATCHES.items():
+                kernel = variant(spec, patch)
+                err = check(kernel, spec)
+                run, _, _ = kernel.bind(q, k, v)
+                gbps = nbytes / time_ms(run) / 1e6
+                rows.append({"case": f"decode b{batch} h{heads}/{kv_heads} n{kv_len}", "variant": name, "rep": rep,
+                             "gbps": gbps, "error": err})
+                print(f"decode b{batch} {kv_heads}kv n{kv_len} {name:7s} rep{rep}: {gbps:6.0f} GB/s (err {err:.1e})", flush=True)
+    record(out_path, "python bench/ab_source.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
