@@ -163,6 +163,18 @@ __device__ __forceinline__ uint4 load_shared_v4(u32 address) {
     return v;
 }
 
+// Loads of other blocks' partials bypass L1 (its lines are not coherent across SMs).
+__device__ __forceinline__ float load_cg(const float* p) {
+    float x;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ float4 load_cg4(const float* p) {
+    float4 x;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
+    return x;
+}
+
 // Max over the 4 threads of a quad: they hold the same two rows of an mma accumulator.
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -403,8 +415,6 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
-    static constexpr int MERGE_WARPS = 4;   // merge kernel: one warp per output row
-    static constexpr int MERGE_THREADS = 128;
 };
 static_assert(C::ROWS == 16 * C::M_TILES, "packed query rows fill whole 16-row mma tiles");
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 keys of a tile");
@@ -514,12 +524,46 @@ __device__ __forceinline__ void mask_packed_rows(float (&s)[W::M_TILES][W::S_TIL
                     s[mt][nt][e] = NEG_INF;
 }
 
+// Merge the splits' partial (O, LSE) of one output row (batch, head, query) with one warp; lane l
+// owns columns 4l..4l+3 (and +128...). lse = max + log(sum exp(lse_i - max)), weights
+// exp(lse_i - lse). Empty or fully masked splits have lse = -inf and weight 0; with every split
+// empty the row is O = 0, LSE = -inf, and -inf - -inf is never computed.
+__device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part, const float* lse_part, u16* o_row,
+                                          float* lse, int num_splits) {
+    const float* lse_row = lse_part + row * num_splits;
+    float top = NEG_INF;
+    for (int s = lane; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
+    top = warp_max(top);
+    float total = 0.f;
+    if (top != NEG_INF)
+        for (int s = lane; s < num_splits; s += 32) total += expf(load_cg(lse_row + s) - top);
+    total = warp_sum(total);
+    const float merged = top != NEG_INF ? top + logf(total) : NEG_INF;
+    const float* parts = o_part + row * num_splits * C::DV;
+    for (int col = lane * 4; col < C::DV; col += 128) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (merged != NEG_INF)
+            for (int s = 0; s < num_splits; ++s) {
+                const float part_lse = load_cg(lse_row + s);
+                if (part_lse == NEG_INF) continue;
+                const float weight = expf(part_lse - merged);
+                const float4 part = load_cg4(parts + (i64)s * C::DV + col);
+                acc[0] = fmaf(weight, part.x, acc[0]);
+                acc[1] = fmaf(weight, part.y, acc[1]);
+                acc[2] = fmaf(weight, part.z, acc[2]);
+                acc[3] = fmaf(weight, part.w, acc[3]);
+            }
+        *reinterpret_cast<uint2*>(o_row + col) = make_uint2(pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
+    }
+    if (lane == 0) lse[row] = merged;
+}
+
 // Grid (splits, kv_heads * row_tiles, batch): one block per kv split of one kv head's packed
 // query rows. Warps split every kv tile along the keys; the combine merges them at the end.
 extern "C" __global__ void __launch_bounds__(C::THREADS, 2)
 decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
         u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
-        const int* __restrict__ kv_lens, int q_len, int kv_len, int heads, int kv_group, int row_tiles, int num_splits,
+        int* __restrict__ split_counters, const int* __restrict__ kv_lens, int q_len, int kv_len, int heads, int kv_group, int row_tiles, int num_splits,
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
@@ -660,46 +704,26 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
             if (col == 0) lse[out_row] = row_lse;
         }
     }
-}
+    if (!o_part) return;
 
     // [decode_d128.tile:12] merge the splits: lse = max + log sum exp(lse_i - max), O = sum exp(lse_i - lse) O_i
-// One warp per output row (batch, head, query); lane l owns columns 4l..4l+3 (and +128...).
-extern "C" __global__ void __launch_bounds__(C::MERGE_THREADS)
-decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part,
-        u16* __restrict__ o, float* __restrict__ lse, int rows, int q_len, int heads, int num_splits,
-        i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = blockIdx.x * C::MERGE_WARPS + warp;
-    if (row >= rows) return;
-    const float* lse_row = lse_part + (i64)row * num_splits;
-    float top = NEG_INF;
-    for (int s = lane; s < num_splits; s += 32) top = fmaxf(top, lse_row[s]);
-    top = warp_max(top);
-    // Empty or fully masked splits have lse = -inf and weight 0; with every split empty the
-    // row is O = 0, LSE = -inf, and -inf - -inf is never computed.
-    float total = 0.f;
-    if (top != NEG_INF)
-        for (int s = lane; s < num_splits; s += 32) total += expf(lse_row[s] - top);
-    total = warp_sum(total);
-    const float merged = top != NEG_INF ? top + logf(total) : NEG_INF;
-
-    const int query = row % q_len, head = (row / q_len) % heads, batch = row / q_len / heads;
-    u16* o_row = o + batch * o_batch_stride + head * o_head_stride + query * o_row_stride;
-    const float* parts = o_part + (i64)row * num_splits * C::DV;
-    for (int col = lane * 4; col < C::DV; col += 128) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (merged != NEG_INF)
-            for (int s = 0; s < num_splits; ++s) {
-                const float part_lse = lse_row[s];
-                if (part_lse == NEG_INF) continue;
-                const float weight = expf(part_lse - merged);
-                const float4 part = *reinterpret_cast<const float4*>(parts + (i64)s * C::DV + col);
-                acc[0] = fmaf(weight, part.x, acc[0]);
-                acc[1] = fmaf(weight, part.y, acc[1]);
-                acc[2] = fmaf(weight, part.z, acc[2]);
-                acc[3] = fmaf(weight, part.w, acc[3]);
-            }
-        *reinterpret_cast<uint2*>(o_row + col) = make_uint2(pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
+    // The last split of this (batch, kv head, row tile) to finish merges all of them, so a call is
+    // one launch. Publish this split's partials before taking a ticket; the counter is reset for
+    // the next launch by the block that merges.
+    __shared__ int ticket;
+    __threadfence();
+    __syncthreads();
+    int* counter = split_counters + (i64)blockIdx.z * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+    __syncthreads();
+    if (ticket != num_splits - 1) return;
+    __threadfence();
+    for (int row = warp; row < rows_valid; row += C::WARPS) {
+        const int packed = row0 + row;
+        const int head = kv_head * kv_group + packed / q_len, query = packed % q_len;
+        merge_row(out_row0 + (i64)head * q_len + query, lane, o_part, lse_part,
+                  o + batch * o_batch_stride + head * o_head_stride + query * o_row_stride, lse, num_splits);
     }
-    if (lane == 0) lse[row] = merged;
+    if (threadIdx.x == 0) *counter = 0;
 }
+

@@ -162,6 +162,18 @@ __device__ __forceinline__ uint4 load_shared_v4(u32 address) {
     return v;
 }
 
+// Loads of other blocks' partials bypass L1 (its lines are not coherent across SMs).
+__device__ __forceinline__ float load_cg(const float* p) {
+    float x;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
+    return x;
+}
+__device__ __forceinline__ float4 load_cg4(const float* p) {
+    float4 x;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(p));
+    return x;
+}
+
 // Max over the 4 threads of a quad: they hold the same two rows of an mma accumulator.
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -5,8 +5,9 @@ head -- the kv group's heads times the queries per sequence -- are packed into t
 MMA tile, so every K/V byte is read once per group. The block's warps split each kv tile along
 the keys (split-K), each runs attention.cuh's QK^T / online softmax / PV on its own key slice,
 and combine.cuh merges the warps' (m, l, O) through shared memory at the end. A split writes
-normalised O (fp32) and LSE to a workspace; a second kernel in the same module merges splits.
-With one split the block writes the final output directly and the merge kernel is not launched.
+normalised O (fp32) and LSE to a workspace; the last split of each (batch, kv head) to finish
+merges them (an atomic ticket), so a call is one launch. With one split the block writes the
+final output directly.
 
 Sizes are derived here; the template only names them.
 """
@@ -24,7 +25,6 @@ from .version import __version__
 SMEM_PER_BLOCK_LIMIT = 232448      # sm_90 opt-in dynamic shared memory per block
 SMEM_PER_SM = 233472               # sm_90 shared memory per SM (1 KB of it reserved per block)
 SMEM_RESERVED_PER_BLOCK = 1024
-MERGE_WARPS = 4                    # merge kernel: one warp per output row, 4 rows per block
 COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
 REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
 
@@ -138,8 +138,6 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
-        Constant("MERGE_WARPS", "int", MERGE_WARPS, "merge kernel: one warp per output row"),
-        Constant("MERGE_THREADS", "int", MERGE_WARPS * 32),
     ]
     tile_where, pipe_where = _where(spec, "tile"), _where(spec, "pipeline")
     regions = {

@@ -1,9 +1,10 @@
-"""Runtime of the decode family: two launches per call, the split kernel then the merge kernel.
+"""Runtime of the decode family: one launch per call.
 
-With one split the split kernel writes the final O and LSE itself and the merge is skipped.
-With several, each split writes its normalised O (fp32) and LSE to a workspace of
-(batch * heads * queries, splits, dv) floats, kept on the kernel and grown on demand, and the
-merge kernel combines them. `split kv = auto` picks the count at launch for the device in hand;
+With one split each block writes the final O and LSE itself. With several, each split writes its
+normalised O (fp32) and LSE to a workspace of (batch * heads * queries, splits, dv) floats, kept
+on the kernel and grown on demand, and the last split of each (batch, kv head, row tile) to
+finish merges them; it finds out through an int32 ticket counter per group, zeroed once here and
+reset by the merging block. `split kv = auto` picks the count at launch for the device in hand;
 the count and the reason are kept on the kernel (`last_splits`, `last_split_reason`).
 """
 from __future__ import annotations
@@ -29,17 +30,11 @@ class DecodeKernel(Kernel):
         super().__init__(spec, plan)
         self.last_splits: int | None = None
         self.last_split_reason: str = ""
-        self._merge = None
         self._workspace = None   # (o_part, lse_part) CuPy arrays, grown on demand
+        self._counters = None    # int32 ticket per (batch, kv head, row tile), all zero between launches
 
     def __repr__(self) -> str:
         return f"<tiledsl.DecodeKernel {self.name}>"
-
-    def merge_function(self):
-        if self._merge is None:
-            self.function()
-            self._merge = self._module.get_function(self.name + "_merge")
-        return self._merge
 
     def sm_count(self, device_id: int) -> int:
         cupy = _cupy()
@@ -67,6 +62,15 @@ class DecodeKernel(Kernel):
         if shapes.batch > MAX_GRID_YZ or shapes.kv_heads * self.row_tiles(shapes) > MAX_GRID_YZ:
             raise RuntimeInputError(f"{self.name}: batch {shapes.batch} or kv_heads x row tiles exceeds {MAX_GRID_YZ}")
         return shapes
+
+    def _counters_for(self, groups: int, device_id: int):
+        cupy = _cupy()
+        have = self._counters
+        if have is None or have[0].size < groups or have[1] != device_id:
+            with cupy.cuda.Device(device_id):
+                have = (cupy.zeros(groups, dtype=cupy.int32), device_id)
+            self._counters = have
+        return have[0]
 
     def _workspace_for(self, rows: int, splits: int, device_id: int):
         cupy = _cupy()
@@ -96,38 +100,31 @@ class DecodeKernel(Kernel):
             return lambda: None
         row_tiles = self.row_tiles(shapes)
         rows = shapes.batch * shapes.heads * shapes.q_len
+        grid = (splits, shapes.kv_heads * row_tiles, shapes.batch)
         if splits > 1:
             o_part, lse_part = self._workspace_for(rows, splits, q.device_id)
-            o_part_ptr, lse_part_ptr = o_part.data.ptr, lse_part.data.ptr
+            counters = self._counters_for(grid[1] * grid[2], q.device_id)
+            o_part_ptr, lse_part_ptr, counters_ptr = o_part.data.ptr, lse_part.data.ptr, counters.data.ptr
         else:
-            o_part = lse_part = None
-            o_part_ptr = lse_part_ptr = 0
+            o_part = lse_part = counters = None
+            o_part_ptr = lse_part_ptr = counters_ptr = 0
         i64, i32 = np.int64, np.int32
-        grid = (splits, shapes.kv_heads * row_tiles, shapes.batch)
         args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
-                np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr),
+                np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(counters_ptr),
                 np.uintp(kv_lens.pointer if kv_lens else 0),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),
                 *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
                 *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
         threads, smem = plan.launch.threads, plan.launch.smem_bytes
-        merge = self.merge_function() if splits > 1 else None
-        merge_warps = constant(plan, "MERGE_WARPS")
-        merge_grid = (-(-rows // merge_warps), 1, 1)
-        merge_args = (np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(o.pointer), np.uintp(lse.pointer),
-                      i32(rows), i32(shapes.q_len), i32(shapes.heads), i32(splits),
-                      *(i64(s) for s in o.strides[:3]))
         device = q.device_id
-        keep = (q, k, v, o, lse, kv_lens, o_part, lse_part)   # the views own the memory for the closure
+        keep = (q, k, v, o, lse, kv_lens, o_part, lse_part, counters)   # the views own the memory for the closure
 
         def run():
             _ = keep
             try:
                 with cupy.cuda.Device(device):
                     fn(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
-                    if merge is not None:
-                        merge(merge_grid, (merge_warps * 32, 1, 1), merge_args, stream=stream)
             except Exception as err:
                 raise LaunchError(f"{self.name} (grid {grid}, {threads} threads, {smem} B shared, "
                                   f"{splits} splits): launch failed: {err}") from None
