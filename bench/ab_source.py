@@ -2,7 +2,7 @@
 kernel and the patched kernel alternately (base, patch, ..., base) so the spread of the two base
 runs shows the noise. The patches here are experiments, not product code.
 
-Usage: python bench/ab_source.py OUT.json"""
+Usage: python bench/ab_source.py OUT.json [l2_prefetch | tile_skip]"""
 from __future__ import annotations
 
 import sys
@@ -15,9 +15,16 @@ from tiledsl.runtime import compile
 from tiledsl.validate import reference_attention, relative_error
 
 CP_ASYNC = "cp.async.cg.shared.global [%0]"
-PATCHES = {"base": None,
-           "l2_128": (CP_ASYNC, "cp.async.cg.shared.global.L2::128B [%0]"),
-           "l2_256": (CP_ASYNC, "cp.async.cg.shared.global.L2::256B [%0]")}
+SKIP = "const bool warp_active = warp_sees_tile<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::BC, C::BC, diag);"
+EXPERIMENTS = {
+    "l2_prefetch": {"base": None,
+                    "l2_128": (CP_ASYNC, "cp.async.cg.shared.global.L2::128B [%0]"),
+                    "l2_256": (CP_ASYNC, "cp.async.cg.shared.global.L2::256B [%0]")},
+    "tile_skip": {"skip": None, "no_skip": (SKIP, "const bool warp_active = true;")},
+}
+PREFILL = {"l2_prefetch": [("specs/fa2_d128_causal.tile", 4096), ("specs/fa2_d128.tile", 4096), ("specs/fa2_d64_causal.tile", 4096)],
+           "tile_skip": [("specs/fa2_d128_causal.tile", 1024), ("specs/fa2_d128_causal.tile", 4096),
+                         ("specs/fa2_d64_causal.tile", 1024), ("specs/fa2_d64_causal.tile", 4096)]}
 
 
 def variant(spec, patch):
@@ -38,29 +45,31 @@ def check(kernel, spec):
     return relative_error(o, ref)
 
 
-def main(out_path: str) -> None:
-    rows = []
-    prefill = [("specs/fa2_d128_causal.tile", 4096), ("specs/fa2_d128.tile", 4096), ("specs/fa2_d64_causal.tile", 4096)]
-    for path, n in prefill:
+def main(out_path: str, experiment: str) -> None:
+    rows, patches = [], EXPERIMENTS[experiment]
+    for path, n in PREFILL[experiment]:
         spec = load_spec(path)
         d = spec.problem.head_dim_qk
         b, h = prefill_shape(n, d)
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = attention_flops(b, h, n, n, d, spec.problem.mask.value == "causal")
         for rep in range(2):
-            for name, patch in PATCHES.items():
+            for name, patch in patches.items():
                 kernel = variant(spec, patch)
                 err = check(kernel, spec)
                 tf = flops / time_ms(lambda: kernel(q, k, v)) / 1e9
                 rows.append({"case": f"{spec.name} N={n}", "variant": name, "rep": rep, "tflops": tf, "error": err})
                 print(f"{spec.name:18s} N={n} {name:7s} rep{rep}: {tf:6.1f} TFLOP/s (err {err:.1e})", flush=True)
+    if experiment != "l2_prefetch":
+        record(out_path, f"python bench/ab_source.py OUT {experiment}", rows)
+        return
     spec = load_spec("specs/decode_d128.tile")
     for batch, heads, kv_heads, kv_len in [(1, 32, 32, 32768), (4, 32, 8, 65536)]:
         q = torch.randn(batch, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(batch, kv_heads, kv_len, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         nbytes = 2 * batch * kv_heads * kv_len * 128 * 2
         for rep in range(2):
-            for name, patch in PATCHES.items():
+            for name, patch in patches.items():
                 kernel = variant(spec, patch)
                 err = check(kernel, spec)
                 run, _, _ = kernel.bind(q, k, v)
@@ -68,8 +77,8 @@ def main(out_path: str) -> None:
                 rows.append({"case": f"decode b{batch} h{heads}/{kv_heads} n{kv_len}", "variant": name, "rep": rep,
                              "gbps": gbps, "error": err})
                 print(f"decode b{batch} {kv_heads}kv n{kv_len} {name:7s} rep{rep}: {gbps:6.0f} GB/s (err {err:.1e})", flush=True)
-    record(out_path, "python bench/ab_source.py", rows)
+    record(out_path, f"python bench/ab_source.py OUT {experiment}", rows)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "l2_prefetch")
