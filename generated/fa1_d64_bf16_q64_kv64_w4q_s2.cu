@@ -260,16 +260,6 @@ __device__ __forceinline__ bool tile_needs_mask(int row0, int rows, int col0, in
     return needs;
 }
 
-// Does any of this warp's rows row0..row0+rows-1 see a key of the tile starting at col0? Warps
-// whose rows lie wholly before a diagonal tile (or past a window) skip its MMAs and softmax.
-template <class C>
-__device__ __forceinline__ bool warp_sees_tile(int row0, int rows, int col0, int cols, int diag) {
-    if constexpr (C::MASK == MASK_CAUSAL) return col0 <= row0 + rows - 1 + diag;
-    if constexpr (C::MASK == MASK_WINDOW)
-        return col0 <= row0 + rows - 1 + diag + C::WINDOW_RIGHT && col0 + cols - 1 >= row0 + diag - C::WINDOW_LEFT;
-    return true;
-}
-
 // Scores of invisible keys become -inf, so they get weight exactly 0.
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::M_TILES][C::S_TILES][4], int row0, int col0, int kv_len, int diag, int lane) {

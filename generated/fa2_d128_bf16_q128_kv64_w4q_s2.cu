@@ -260,16 +260,6 @@ __device__ __forceinline__ bool tile_needs_mask(int row0, int rows, int col0, in
     return needs;
 }
 
-// Does any of this warp's rows row0..row0+rows-1 see a key of the tile starting at col0? Warps
-// whose rows lie wholly before a diagonal tile (or past a window) skip its MMAs and softmax.
-template <class C>
-__device__ __forceinline__ bool warp_sees_tile(int row0, int rows, int col0, int cols, int diag) {
-    if constexpr (C::MASK == MASK_CAUSAL) return col0 <= row0 + rows - 1 + diag;
-    if constexpr (C::MASK == MASK_WINDOW)
-        return col0 <= row0 + rows - 1 + diag + C::WINDOW_RIGHT && col0 + cols - 1 >= row0 + diag - C::WINDOW_LEFT;
-    return true;
-}
-
 // Scores of invisible keys become -inf, so they get weight exactly 0.
 template <class C>
 __device__ __forceinline__ void apply_mask(float (&s)[C::M_TILES][C::S_TILES][4], int row0, int col0, int kv_len, int diag, int lane) {
@@ -503,8 +493,6 @@ fa2_d128_bf16_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict_
         const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
         const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
         float acc_s[C::M_TILES][C::S_TILES][4];
-        // Warps whose rows see none of this (diagonal or window-edge) tile only keep the pipeline going.
-        const bool warp_active = warp_sees_tile<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::BC, C::BC, diag);
 // [fa2_d128.tile:10] wait for K_j (V_j and later tiles may still be in flight)
         cp_async_wait<1>();
         __syncthreads();
@@ -523,21 +511,21 @@ fa2_d128_bf16_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict_
         else { cp_async_commit(); cp_async_commit(); }
 
 // [fa2_d128.tile:8] S = scale * Q_i K_j^T
-        if (warp_active) mma_qk<C>(acc_s, q_regs, q_tile, k_tile, warp_row, lane);
+        mma_qk<C>(acc_s, q_regs, q_tile, k_tile, warp_row, lane);
 
 // [fa2_d128.tile:5] S = -inf where key >= kv_len (ragged last tile)
-        if (warp_active && tile_needs_mask<C>(q0, C::BR, tile * C::BC, C::BC, seq_kv, diag))
+        if (tile_needs_mask<C>(q0, C::BR, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
 
 // [fa2_d128.tile:7] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
-        if (warp_active) online_softmax<C>(acc_s, row_max, row_sum, acc_o);
+        online_softmax<C>(acc_s, row_max, row_sum, acc_o);
 
 // [fa2_d128.tile:10] wait for V_j
         cp_async_wait<2>();
         __syncthreads();
 
 // [fa2_d128.tile:8] PV = P V_j
-        if (warp_active) mma_pv<C>(acc_o, acc_s, v_tile, lane);
+        mma_pv<C>(acc_o, acc_s, v_tile, lane);
 
     }
 
