@@ -60,6 +60,14 @@ typedef long long i64;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // 32-bit shared-memory address of a generic pointer (what cp.async and ldmatrix take).
+// blockIdx.x through a volatile read: the compiler re-reads it where it is used instead of
+// keeping values derived from it live across the kv loop (a register at the 255 limit).
+__device__ __forceinline__ int block_index_x() {
+    int block;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+    return block;
+}
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 r;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -164,6 +172,13 @@ __device__ __forceinline__ uint4 load_shared_v4(u32 address) {
 }
 
 // Loads of other blocks' partials bypass L1 (its lines are not coherent across SMs).
+// Device-scope atomic add with acquire-release semantics: publishes the writes ordered before it
+// (by a barrier, for the whole block) to whoever acquires the counter after it.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int value) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(value) : "memory");
+    return old;
+}
 __device__ __forceinline__ float load_cg(const float* p) {
     float x;
     asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
@@ -526,34 +541,65 @@ __device__ __forceinline__ void mask_packed_rows(float (&s)[W::M_TILES][W::S_TIL
 
 // Merge the splits' partial (O, LSE) of one output row (batch, head, query) with one warp; lane l
 // owns columns 4l..4l+3 (and +128...). lse = max + log(sum exp(lse_i - max)), weights
-// exp(lse_i - lse). Empty or fully masked splits have lse = -inf and weight 0; with every split
-// empty the row is O = 0, LSE = -inf, and -inf - -inf is never computed.
+// exp(lse_i - lse). Empty or fully masked splits have lse = -inf and weight 0 (their partial O is
+// a finite 0); with every split empty the row is O = 0, LSE = -inf, and -inf - -inf is never
+// computed. The merge is the tail of the launch, so it is written for latency: the first
+// MERGE_BATCH splits' partial O are loaded together with the LSEs (one L2 round trip for the
+// usual split counts), lane s reads split s's LSE once and the weights travel by shuffle; splits
+// past 32 take a slower path that reads their LSE again.
+constexpr int MERGE_BATCH = 8;
+__device__ __forceinline__ float4 weighted_add(float4 acc, float weight, float4 part) {
+    return make_float4(fmaf(weight, part.x, acc.x), fmaf(weight, part.y, acc.y), fmaf(weight, part.z, acc.z),
+                       fmaf(weight, part.w, acc.w));
+}
 __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part, const float* lse_part, u16* o_row,
                                           float* lse, int num_splits) {
+    constexpr int COL_STEPS = (C::DV + 127) / 128;
     const float* lse_row = lse_part + row * num_splits;
-    float top = NEG_INF;
-    for (int s = lane; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
+    const float* parts = o_part + row * num_splits * C::DV;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 first[COL_STEPS][MERGE_BATCH];
+#pragma unroll
+    for (int c = 0; c < COL_STEPS; ++c)
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; ++j) {
+            const int col = lane * 4 + c * 128;
+            first[c][j] = j < num_splits && col < C::DV ? load_cg4(parts + (i64)j * C::DV + col) : zero;
+        }
+    const float own = lane < num_splits ? load_cg(lse_row + lane) : NEG_INF;
+    float top = own;
+    for (int s = lane + 32; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
     top = warp_max(top);
     float total = 0.f;
-    if (top != NEG_INF)
-        for (int s = lane; s < num_splits; s += 32) total += expf(load_cg(lse_row + s) - top);
+    if (top != NEG_INF) {
+        total = expf(own - top);   // own = -inf gives 0
+        for (int s = lane + 32; s < num_splits; s += 32) total += expf(load_cg(lse_row + s) - top);
+    }
     total = warp_sum(total);
     const float merged = top != NEG_INF ? top + logf(total) : NEG_INF;
-    const float* parts = o_part + row * num_splits * C::DV;
-    for (int col = lane * 4; col < C::DV; col += 128) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const float own_weight = merged != NEG_INF ? expf(own - merged) : 0.f;
+    const int shuffled = min(num_splits, 32);
+#pragma unroll
+    for (int c = 0; c < COL_STEPS; ++c) {
+        const int col = lane * 4 + c * 128;
+        if (col >= C::DV) break;
+        float4 acc = zero;
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; ++j)
+            acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight, j), first[c][j]);   // past num_splits: 0 * 0
+        for (int s0 = MERGE_BATCH; s0 < shuffled; s0 += MERGE_BATCH) {
+            float4 part[MERGE_BATCH];
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; ++j)   // issue the batch's loads before the first use
+                part[j] = s0 + j < shuffled ? load_cg4(parts + (i64)(s0 + j) * C::DV + col) : zero;
+#pragma unroll
+            for (int j = 0; j < MERGE_BATCH; ++j)
+                acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight, (s0 + j) & 31), part[j]);
+        }
         if (merged != NEG_INF)
-            for (int s = 0; s < num_splits; ++s) {
-                const float part_lse = load_cg(lse_row + s);
-                if (part_lse == NEG_INF) continue;
-                const float weight = expf(part_lse - merged);
-                const float4 part = load_cg4(parts + (i64)s * C::DV + col);
-                acc[0] = fmaf(weight, part.x, acc[0]);
-                acc[1] = fmaf(weight, part.y, acc[1]);
-                acc[2] = fmaf(weight, part.z, acc[2]);
-                acc[3] = fmaf(weight, part.w, acc[3]);
-            }
-        *reinterpret_cast<uint2*>(o_row + col) = make_uint2(pack2(acc[0], acc[1]), pack2(acc[2], acc[3]));
+            for (int s = 32; s < num_splits; ++s)
+                acc = weighted_add(acc, expf(load_cg(lse_row + s) - merged), load_cg4(parts + (i64)s * C::DV + col));
+        *reinterpret_cast<uint2*>(o_row + col) = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
     }
     if (lane == 0) lse[row] = merged;
 }
@@ -708,16 +754,16 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
 
     // [decode_d128.tile:12] merge the splits: lse = max + log sum exp(lse_i - max), O = sum exp(lse_i - lse) O_i
     // The last split of this (batch, kv head, row tile) to finish merges all of them, so a call is
-    // one launch. Publish this split's partials before taking a ticket; the counter is reset for
+    // one launch. Publish this split's partials with the ticket; the counter is reset for
     // the next launch by the block that merges.
+    // The barrier orders every thread's partial stores before thread 0's release; the acquire
+    // half orders the merging block's loads after the other splits' releases.
     __shared__ int ticket;
-    __threadfence();
     __syncthreads();
     int* counter = split_counters + (i64)blockIdx.z * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) ticket = atomicAdd(counter, 1);
+    if (threadIdx.x == 0) ticket = atomic_add_acq_rel(counter, 1);
     __syncthreads();
     if (ticket != num_splits - 1) return;
-    __threadfence();
     for (int row = warp; row < rows_valid; row += C::WARPS) {
         const int packed = row0 + row;
         const int head = kv_head * kv_group + packed / q_len, query = packed % q_len;

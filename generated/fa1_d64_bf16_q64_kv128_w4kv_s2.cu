@@ -59,6 +59,14 @@ typedef long long i64;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // 32-bit shared-memory address of a generic pointer (what cp.async and ldmatrix take).
+// blockIdx.x through a volatile read: the compiler re-reads it where it is used instead of
+// keeping values derived from it live across the kv loop (a register at the 255 limit).
+__device__ __forceinline__ int block_index_x() {
+    int block;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+    return block;
+}
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 r;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -163,6 +171,13 @@ __device__ __forceinline__ uint4 load_shared_v4(u32 address) {
 }
 
 // Loads of other blocks' partials bypass L1 (its lines are not coherent across SMs).
+// Device-scope atomic add with acquire-release semantics: publishes the writes ordered before it
+// (by a barrier, for the whole block) to whoever acquires the counter after it.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int value) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(value) : "memory");
+    return old;
+}
 __device__ __forceinline__ float load_cg(const float* p) {
     float x;
     asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));

@@ -59,6 +59,14 @@ typedef long long i64;
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // 32-bit shared-memory address of a generic pointer (what cp.async and ldmatrix take).
+// blockIdx.x through a volatile read: the compiler re-reads it where it is used instead of
+// keeping values derived from it live across the kv loop (a register at the 255 limit).
+__device__ __forceinline__ int block_index_x() {
+    int block;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+    return block;
+}
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 r;
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -163,6 +171,13 @@ __device__ __forceinline__ uint4 load_shared_v4(u32 address) {
 }
 
 // Loads of other blocks' partials bypass L1 (its lines are not coherent across SMs).
+// Device-scope atomic add with acquire-release semantics: publishes the writes ordered before it
+// (by a barrier, for the whole block) to whoever acquires the counter after it.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int value) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(value) : "memory");
+    return old;
+}
 __device__ __forceinline__ float load_cg(const float* p) {
     float x;
     asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(x) : "l"(p));
@@ -418,6 +433,24 @@ static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block l
 // One thread block per (query tile, batch * head); each warp owns C::ROWS_PER_WARP query rows
 // (split-Q), so softmax statistics never leave the warp. O stays in registers for the whole
 // kv loop and is divided by the row sum once, at the end.
+// Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
+// size, one group after another; inside a group the longest query tiles of all its pairs first
+// (under a causal mask later tiles see more keys).
+struct BlockTile { int q_block, pair; };
+template <class C>
+__device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
+    // 32-bit unsigned is exact: pairs <= 65535 (checked at launch), so pairs * groups < 2^32.
+    const u32 block = block_index_x(), groups = order_groups;
+    const u32 q_tiles = (q_len + C::BR - 1) / C::BR;
+    const u32 pairs = gridDim.x / q_tiles;
+    const u32 pair_slot = block / q_tiles;
+    const u32 group = ((pair_slot + 1) * groups - 1) / pairs;   // the last group starting at or before pair_slot
+    const u32 start = group * pairs / groups;
+    const u32 size = (group + 1) * pairs / groups - start;
+    const u32 in_group = block - start * q_tiles;
+    return {(int)(q_tiles - 1 - in_group / size), (int)(start + in_group % size)};
+}
+
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
 fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
         u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ kv_lens,
@@ -425,16 +458,16 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __re
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
-        i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride) {
+        i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride, int order_groups) {
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 smem_base = shared_address(smem);
     const u32 q_tile = smem_base + C::Q_OFFSET, o_tile = smem_base + C::O_OFFSET;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = warp * C::ROWS_PER_WARP;
 
-    // Longest query tiles first: under a causal mask later tiles see more keys.
-    const int q_block = gridDim.x - 1 - blockIdx.x;
-    const int batch = blockIdx.y / heads, head = blockIdx.y % heads, kv_head = head / kv_group;
+    const BlockTile at = block_tile<C>(q_len, order_groups);
+    const int q_block = at.q_block, pair = at.pair;
+    const int batch = pair / heads, head = pair % heads, kv_head = head / kv_group;
     const int q0 = q_block * C::BR;
     const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
     const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
@@ -531,7 +564,11 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __re
 
     // [fa2_d128_causal.tile:7] O /= l once; LSE = scale m + log l; store
     cp_async_wait<0>();
-    store_output<C>(acc_o, row_max, row_sum, o_tile, warp_row, lane,
-                    o + batch * o_batch_stride + head * o_head_stride + q0 * o_row_stride, o_row_stride,
-                    lse + ((i64)batch * heads + head) * q_len + q0, q_len - q0);
+    {   // where this block writes, worked out again rather than held through the kv loop
+        const BlockTile at = block_tile<C>(q_len, order_groups);
+        const int batch = at.pair / heads, head = at.pair % heads, q0 = at.q_block * C::BR;
+        store_output<C>(acc_o, row_max, row_sum, o_tile, warp_row, lane,
+                        o + batch * o_batch_stride + head * o_head_stride + q0 * o_row_stride, o_row_stride,
+                        lse + ((i64)batch * heads + head) * q_len + q0, q_len - q0);
+    }
 }

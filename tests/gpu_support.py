@@ -25,9 +25,10 @@ def kernel_for(spec):
     return compile(spec)
 
 
-def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv_lens=None):
+def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv_lens=None, order_groups=None):
     """Run `spec` on fresh normal inputs into NaN-poisoned outputs and return (O error, LSE error)
-    against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory."""
+    against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory;
+    order_groups overrides an FA2 kernel's launch order (None: its own choice)."""
     import torch
     from tiledsl.validate import lse_error, reference_attention, relative_error
     p = spec.problem
@@ -42,7 +43,9 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     out = torch.full((batch, heads, q_len, p.head_dim_v), float("nan"), device="cuda", dtype=dtype)
     lse = torch.full((batch, heads, q_len), float("nan"), device="cuda", dtype=torch.float32)
     lens = torch.tensor(kv_lens, device="cuda", dtype=torch.int32) if kv_lens is not None else None
-    kernel_for(spec)(q, k, v, kv_lens=lens, out=out, lse=lse)
+    kernel = kernel_for(spec)
+    kernel.order_groups = order_groups
+    kernel(q, k, v, kv_lens=lens, out=out, lse=lse)
     torch.cuda.synchronize()
     ref_o, ref_lse = reference_attention(p, q, k, v, kv_lens=lens)
     return relative_error(out, ref_o), lse_error(lse, ref_lse)

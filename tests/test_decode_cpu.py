@@ -102,7 +102,7 @@ def test_rendering_is_deterministic_and_names_the_spec():
     s = bundled()
     a, b = render(lower(s)), render(lower(s))
     assert a == b
-    assert f"{s.kernel_name}(" in a and "merge_row(" in a and "atomicAdd(counter, 1)" in a   # last split merges
+    assert f"{s.kernel_name}(" in a and "merge_row(" in a and "atomic_add_acq_rel(counter, 1)" in a   # last split merges
     assert re.search(r"// \[decode_d128\.tile:\d+\]", a)
     assert "combine_warp_states<C>" in a
 

@@ -87,7 +87,7 @@ def check(result):
     assert err_lse < TOLERANCE_LSE, f"LSE error {err_lse}"
 
 
-@pytest.mark.parametrize("splits", [1, 7, AUTO])
+@pytest.mark.parametrize("splits", [1, 7, 13, AUTO])   # 13: the merge's second load batch is ragged
 @pytest.mark.parametrize("kv_len", [1, 17, 1000, 4097, 32768])
 def test_cache_lengths_and_splits(kv_len, splits):
     err_o, err_lse, used = run_decode(decode_spec(splits), batch=2, heads=4, kv_len=kv_len)

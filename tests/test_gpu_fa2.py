@@ -68,6 +68,15 @@ def test_strided_layouts(layout):
     check(run_case(fa2(128, "causal"), batch=2, heads=4, q_len=1000, kv_len=1000, layout=layout))
 
 
+@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("groups", [None, 1, 2, 5, 13, 30])
+def test_launch_orders(mask, groups):
+    # 30 pairs of 9 query tiles cut into equal groups (5, 13: sizes differ), one global list (1),
+    # one group per pair (30), and the automatic choice: each must cover every tile once.
+    check(run_case(fa2(128, mask, schedule=Schedule(tile_q=128, tile_kv=64, warps=4)), batch=3, heads=10,
+                   q_len=1100, kv_len=1100, order_groups=groups))
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_gqa(group):
     check(run_case(fa2(128, "causal"), batch=2, heads=8, kv_heads=8 // group, q_len=513, kv_len=513))

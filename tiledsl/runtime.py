@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .block_order import order_groups, resident_blocks
 from .errors import LaunchError, RuntimeInputError
 from .lower import KernelPlan, lower
 from .render import render
@@ -89,6 +90,7 @@ class Kernel:
         self.plan = plan or lower(spec)
         self.source = render(self.plan)
         self.name = self.plan.kernel_name
+        self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
         self._function = None
 
     def __repr__(self) -> str:
@@ -177,14 +179,40 @@ class Kernel:
             raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
                               f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
 
+    def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
+        """Launch-order groups of (batch, head) pairs (block_order.py); `self.order_groups` overrides."""
+        pairs = shapes.batch * shapes.heads
+        if self.order_groups is not None:
+            return max(1, min(int(self.order_groups), pairs))
+        tile_q = self.plan.launch.tile_q
+        fn = self.function()
+        sm_count, smem_per_sm = _sm_resources(device_id)
+        slots = sm_count * resident_blocks(self.plan.launch.smem_bytes, self.plan.launch.threads,
+                                           int(getattr(fn, "num_regs", 255) or 255), smem_per_sm)
+        return order_groups(self.spec.problem.mask, pairs, -(-shapes.q_len // tile_q), slots)
+
     def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
                kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        """FA2: a 1-D grid of q tiles x (batch, head) pairs in block_order.py's order."""
+        import numpy as np
         tile_q = self.plan.launch.tile_q
-        grid = ((shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads, 1)
-        if grid[0] == 0 or grid[1] == 0:
+        q_tiles, pairs = (shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads
+        if q_tiles == 0 or pairs == 0:
             return
-        self.launch_function(self.function(), grid, self.attention_args(q, k, v, o, lse, kv_lens, shapes),
-                             q.device_id, stream)
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (
+            np.int32(self.order_groups_for(shapes, q.device_id)),)
+        self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
+
+
+_SM_RESOURCES: dict[int, tuple[int, int]] = {}
+
+
+def _sm_resources(device_id: int) -> tuple[int, int]:
+    """(SM count, shared memory bytes per SM) of a device, asked once."""
+    if device_id not in _SM_RESOURCES:
+        props = _cupy().cuda.runtime.getDeviceProperties(device_id)
+        _SM_RESOURCES[device_id] = (int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]))
+    return _SM_RESOURCES[device_id]
 
 
 def _allow_dynamic_shared(fn, nbytes: int) -> None:

@@ -1,0 +1,75 @@
+"""Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
+that change one thing: the merge skipped (a wrong answer; it measures the cost of the ticket
+and merge tail), fewer splits, deeper pipelines, larger kv tiles; cuDNN timed before and after
+each shape so the spread shows the noise. Variants other than `no_merge` are validated first.
+
+Usage: python bench/decode_tail.py OUT.json"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from tiledsl.bench import record, sdpa_peers, time_ms
+from tiledsl.parse import load_spec
+from tiledsl.runtime import compile
+from tiledsl.validate import lse_error, reference_attention, relative_error
+
+SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
+MERGE = "if (ticket != num_splits - 1) return;"
+VARIANTS = {   # name: (schedule changes, lowering overrides, source patch)
+    "spec": ({}, {}, None),
+    "no_merge": ({}, {}, (MERGE, "return;")),
+    "split4": (dict(split_kv=4), {}, None),
+    "kv128_s3": ({}, dict(tile_kv=128, stages=3), None),
+}
+
+
+def build(base, changes, overrides, patch):
+    spec = dataclasses.replace(base, schedule=dataclasses.replace(base.schedule, **changes))
+    kernel = compile(spec, **overrides)
+    if patch:
+        assert patch[0] in kernel.source, patch[0]
+        kernel.source = kernel.source.replace(*patch)
+    return kernel
+
+
+def check(kernel, q, k, v):
+    out = torch.full((q.shape[0], q.shape[1], 1, v.shape[3]), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    kernel(q, k, v, out=out, lse=lse)
+    ref_o, ref_lse = reference_attention(kernel.spec.problem, q, k, v)
+    return relative_error(out, ref_o), lse_error(lse, ref_lse)
+
+
+def main(out_path: str) -> None:
+    base = load_spec("specs/decode_d128.tile")
+    kernels = {name: build(base, *variant) for name, variant in VARIANTS.items()}
+    rows = []
+    for batch, heads, kv_heads, kv_len in SHAPES:
+        q = torch.randn(batch, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, kv_len, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        nbytes = 2 * batch * kv_heads * kv_len * 128 * 2
+        cudnn = []
+        for name, kernel in kernels.items():
+            if name in ("spec", "split4"):   # cuDNN at the start and in the middle
+                cudnn.append(nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6)
+            err = check(kernel, q, k, v) if name != "no_merge" else (None, None)
+            run, _, _ = kernel.bind(q, k, v)
+            gbps = nbytes / time_ms(run) / 1e6
+            rows.append({"kernel": kernel.name, "variant": name, "batch": batch, "heads": heads, "kv_heads": kv_heads,
+                         "kv_len": kv_len, "splits": kernel.last_splits, "gbps": gbps, "error_o": err[0], "error_lse": err[1]})
+            print(f"b{batch} h{heads}/{kv_heads} n{kv_len:6d} {name:12s} ({kernel.last_splits:2d} splits): {gbps:6.0f} GB/s"
+                  f"  err {err[0]}", flush=True)
+        cudnn.append(nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6)
+        print(f"  cuDNN {[round(c) for c in cudnn]}", flush=True)
+        for row in rows[-len(kernels):]:
+            row["peers"] = {"sdpa_cudnn_runs": cudnn}
+        del q, k, v
+        torch.cuda.empty_cache()
+    record(out_path, "python bench/decode_tail.py OUT", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
