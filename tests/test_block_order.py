@@ -57,3 +57,15 @@ def test_resident_blocks_are_limited_by_registers_smem_and_threads():
     assert resident_blocks(102400, 128, 178, 233472) == 2         # decode: shared memory binds
     assert resident_blocks(1024, 128, 32, 233472) == 16           # threads bind: 2048 / 128
     assert resident_blocks(300000, 128, 32, 233472) == 1          # never below one
+
+
+def test_explain_states_the_launch_order():
+    from pathlib import Path
+
+    from tiledsl.explain import explain
+    from tiledsl.parse import load_spec
+    specs = Path(__file__).resolve().parent.parent / "specs"
+    causal = explain(load_spec(str(specs / "fa2_d128_causal.tile")), batch=16, heads=16, seqlen_q=1024)
+    assert "launch order: 256 (batch, head) pairs x 8 q tiles on 264 resident blocks, in 3 group(s) of 85-86 pairs" in causal
+    plain = explain(load_spec(str(specs / "fa2_d128.tile")), batch=1, heads=16, seqlen_q=4096)
+    assert "one pair after another (no mask: every block costs the same)" in plain

@@ -68,3 +68,17 @@ def block_coordinates(block: int, q_tiles: int, pairs: int, groups: int) -> tupl
     start, stop = group_bounds(group, groups, pairs)
     in_group = block - start * q_tiles
     return q_tiles - 1 - in_group // (stop - start), start + in_group % (stop - start)
+
+
+def describe(mask: Mask, pairs: int, q_tiles: int, slots: int) -> str:
+    """One line for `tiledsl explain`: the launch order this shape gets, and why."""
+    groups = order_groups(mask, pairs, q_tiles, slots)
+    blocks = f"{pairs} (batch, head) pairs x {q_tiles} q tiles on {slots} resident blocks"
+    if groups == pairs:
+        why = "no mask: every block costs the same" if mask is Mask.NONE else "one pair per group"
+        return f"launch order: {blocks}, one pair after another ({why})"
+    low, high = pairs // groups, -(-pairs // groups)
+    size = f"{low}" if low == high else f"{low}-{high}"
+    return (f"launch order: {blocks}, in {groups} group(s) of {size} pairs, longest q tiles first inside each "
+            f"(q tile i sees i+1 kv tiles; each group gives every resident block about "
+            f"{LONGEST_BLOCKS_PER_SLOT:g} of the longest)")

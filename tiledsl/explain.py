@@ -139,6 +139,8 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})" + (f": {t.split_reason}" if t.split_reason else ""),
                 ""]
+    if spec.family is Family.FA2:
+        out += [_launch_order_line(spec, batch * heads, -(-nq // s.tile_q), limits), ""]
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
     out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
@@ -192,3 +194,12 @@ def _blocks_per_sm(spec) -> int:
     from .lower import lower
     from .lower_decode import decode_blocks_per_sm
     return decode_blocks_per_sm(lower(spec))
+
+
+def _launch_order_line(spec, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
+    """block_order.py's choice for this shape, with resident blocks from the plan's estimates."""
+    from .block_order import describe, resident_blocks
+    from .lower import lower
+    plan = lower(spec)
+    per_sm = resident_blocks(plan.launch.smem_bytes, plan.launch.threads, plan.register_estimate, limits.shared_per_sm)
+    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * per_sm)
