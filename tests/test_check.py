@@ -61,6 +61,16 @@ def test_fa1_file_has_both_warp_splits():
     assert axes == {"q", "kv"}
 
 
+def test_wgmma_specs_parse_and_name_the_instruction():
+    from tiledsl.spec import Mma
+    specs = [spec for path in SPEC_FILES if "wgmma" in path.name for spec in load_specs(path)]
+    assert len(specs) == 4 and all(spec.schedule.mma is Mma.WGMMA and spec.kernel_name.endswith("_wgmma") for spec in specs)
+    (plain,) = parse_text(block(schedule="tile q = 128\nwarps 8 along q\nmma mma.sync"))
+    assert plain.schedule.mma is Mma.SYNC and not plain.kernel_name.endswith("wgmma")
+    (space,) = parse_text(block(schedule="tile q = 128, kv = 64\nwarps 8 along q\nmma in {mma.sync, wgmma}"))
+    assert {spec.schedule.mma for spec in space.expand()[0]} == {Mma.SYNC, Mma.WGMMA}
+
+
 def test_default_spec_exists_and_is_fa2_causal():
     # The Makefile's DEFAULT_SPEC; its schedule gets tuned, so only what it computes is pinned.
     (spec,) = load_specs(SPEC_FILES[0].with_name("fa2_d128_causal.tile"))
@@ -138,6 +148,14 @@ ERRORS = [
      "pingpong alternates two consumer warpgroups; this kernel has 1", "overlap pingpong"),
     ("queries = 1", "warpgroups producer 1, consumer 2", 3, "queries (decode) and warpgroups (hopper) exclude", None),
     ("", "warpgroups consumer 2\norder kv, q", 5, "the hopper family runs q outer", None),
+    ("", "mma wgmm", 4, "unknown mma instruction 'wgmm'; did you mean 'wgmma'?", "wgmm"),
+    ("", "mma wgmma", 4, "wgmma runs whole warpgroups (4 warps), each owning 64 query rows: 4 warps and tile q = 128",
+     "mma wgmma"),
+    ("", "tile q = 128, kv = 128\nwarps 4 along q\nmma wgmma", 5, "wgmma runs whole warpgroups", "warps 4 along q"),
+    ("", "tile q = 128, kv = 512\nwarps 8 along q\nmma wgmma", 4, "wgmma's n is at most 256: tile kv = 512", None),
+    ("head_dim_v = 96", "tile q = 128\nwarps 8 along q\nmma wgmma", 3, "wgmma reads 64-column panels", None),
+    ("", "order kv, q\nmma wgmma", 5, "`mma wgmma` is built for the fa2 family; this kernel is fa1", "mma wgmma"),
+    ("queries = 1", "mma wgmma", 5, "`mma wgmma` is built for the fa2 family; this kernel is decode", "mma wgmma"),
     ("", "tile q in {64, 64}", 4, "'64' appears twice in this choice", None),
     ("", "tile q in {64, 100}", 4, "tile q must be a positive multiple of 16, got 100", "100"),
     ("", "tile q = 64\nwarps in {8, 16}", 3, "none of the 2 configs of space 'k' is legal", None),

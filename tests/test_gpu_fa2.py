@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu, run_case
 
@@ -93,6 +93,39 @@ def test_pipeline_depths(stages, tiles):
     check(run_case(spec, batch=2, heads=2, q_len=1000, kv_len=1000))
 
 
+WGMMA = {64: Schedule(tile_q=128, tile_kv=64, warps=8, stages=3, mma=Mma.WGMMA),
+         128: Schedule(tile_q=128, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA),
+         256: Schedule(tile_q=128, tile_kv=64, warps=8, stages=2, mma=Mma.WGMMA)}
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("seqlen", [1, 17, 1000, 4097])
+def test_wgmma_lengths_masks_head_dims(d, mask, seqlen):
+    check(run_case(fa2(d, mask, schedule=WGMMA[d]), batch=2, heads=3, q_len=seqlen, kv_len=seqlen))
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("q_len,kv_len", [(300, 1000), (1000, 300), (1, 4097), (129, 64)])
+def test_wgmma_unequal_lengths_incl_fully_masked_rows(mask, q_len, kv_len):
+    check(run_case(fa2(128, mask, schedule=WGMMA[128]), batch=2, heads=2, q_len=q_len, kv_len=kv_len))
+
+
+@pytest.mark.parametrize("dtype", [DType.FP16, DType.BF16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_wgmma_dtypes_and_layouts(dtype, layout):
+    check(run_case(fa2(128, "causal", dtype, schedule=WGMMA[128]), batch=2, heads=4, q_len=1000, kv_len=1000, layout=layout))
+
+
+def test_wgmma_gqa_kv_lens_long_and_one_warpgroup():
+    check(run_case(fa2(64, "causal", schedule=WGMMA[64]), batch=2, heads=8, kv_heads=2, q_len=513, kv_len=513))
+    check(run_case(fa2(128, "causal", schedule=WGMMA[128]), batch=4, heads=2, q_len=100, kv_len=1000,
+                   kv_lens=[1000, 0, 17, 640]))
+    check(run_case(fa2(128, "none", schedule=WGMMA[128]), batch=1, heads=2, q_len=8192, kv_len=8192))
+    one = Schedule(tile_q=64, tile_kv=128, warps=4, stages=2, mma=Mma.WGMMA)
+    check(run_case(fa2(128, "window", schedule=one), batch=2, heads=3, q_len=1000, kv_len=1000))
+
+
 def test_bad_inputs_are_refused_before_launch():
     import torch
     from tiledsl.errors import RuntimeInputError
@@ -112,15 +145,18 @@ def test_bad_inputs_are_refused_before_launch():
 
 
 def test_memcheck_clean_on_small_shapes(tmp_path):
-    """compute-sanitizer memcheck over a ragged causal and windowed run."""
+    """compute-sanitizer memcheck over a ragged causal and windowed run, mma.sync and wgmma."""
     script = tmp_path / "small.py"
     script.write_text(textwrap.dedent("""
-        from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
+        from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
         from tests.gpu_support import run_case
-        for mask, left, right in ((Mask.CAUSAL, 0, 0), (Mask.WINDOW, 30, 5)):
-            spec = KernelSpec("m", Problem(64, 64, DType.BF16, mask, left, right), Schedule(tile_q=64, tile_kv=32, warps=4))
-            err = run_case(spec, batch=1, heads=2, q_len=77, kv_len=45)
-            assert err[0] < 1e-2 and err[1] < 1e-3, err
+        from tiledsl.spec import Mma
+        schedules = (Schedule(tile_q=64, tile_kv=32, warps=4), Schedule(tile_q=128, tile_kv=64, warps=8, mma=Mma.WGMMA))
+        for schedule in schedules:
+            for mask, left, right in ((Mask.CAUSAL, 0, 0), (Mask.WINDOW, 30, 5)):
+                spec = KernelSpec("m", Problem(64, 64, DType.BF16, mask, left, right), schedule)
+                err = run_case(spec, batch=1, heads=2, q_len=77, kv_len=45)
+                assert err[0] < 1e-2 and err[1] < 1e-3, err
     """))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -177,6 +177,16 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class MmaStatement:
+    key: Word
+    instruction: Slot
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        return f"mma {_slot(self.instruction)}"
+
+
+@dataclass(frozen=True)
 class Warpgroups:
     key: Word
     roles: tuple[Role, ...]
@@ -217,7 +227,7 @@ class UnknownStatement:
         return self.key.text
 
 
-Statement = Union[Order, Tile, Warps, Pipeline, Warpgroups, Overlap, Split, UnknownStatement]
+Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, UnknownStatement]
 
 
 # ---- blocks -----------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from typing import Any, NoReturn
 
 from . import ast
 from .errors import SpecError
-from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule, Span
+from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule, Span
 
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries")
-SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "warpgroups", "overlap", "split")
+SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
 EXAMPLES = {
     "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
     "mask": "mask = causal   (none | causal | window(left = 256, right = 0))",
@@ -30,6 +30,7 @@ EXAMPLES = {
     "order": "order q, kv   (or: kv, q)", "tile": "tile q = 128, kv = 64", "warps": "warps 4 along q",
     "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
+    "mma": "mma wgmma   (or: mma.sync, the default)",
     "schedule": "schedule {", "attention": "attention NAME {",
 }
 WARP_COUNTS = (1, 2, 4, 8, 16)
@@ -292,6 +293,9 @@ class _Checker:
             out["copy"] = self.values(node.copy, lambda a: self.word(a, "copy", {c.value: c for c in CopyVia}))
         return out
 
+    def mma(self, node: ast.MmaStatement) -> dict:
+        return {"mma": self.values(node.instruction, lambda a: self.word(a, "mma instruction", {m.value: m for m in Mma}))}
+
     def warpgroups(self, node: ast.Warpgroups) -> dict:
         limits = {"producer": (lambda v: v == 1, "1"), "consumer": (lambda v: 1 <= v <= 3, "1, 2 or 3")}
         out: dict = {}
@@ -373,6 +377,9 @@ def _rule_family_features(spec: KernelSpec, written: set):
                 "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
     if s.copy is not CopyVia.TMA and fam is Family.HOPPER:
         return ("pipeline", f"the hopper family copies with TMA, not {s.copy.value}", "write `via tma`")
+    if s.mma is Mma.WGMMA and fam is not Family.FA2:
+        return ("mma", f"`mma wgmma` is built for the fa2 family; this kernel is {fam.value}",
+                "remove `mma` (the hopper family always uses wgmma; fa1 and decode use mma.sync)")
     if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
         return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
                 "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
@@ -403,6 +410,28 @@ def _rule_hopper(spec: KernelSpec, written: set):
     return None
 
 
+def _rule_wgmma(spec: KernelSpec, written: set):
+    """fa2 on wgmma: whole warpgroups of 4 warps, 64 query rows each; 64-column panels."""
+    s, p = spec.schedule, spec.problem
+    if spec.family is not Family.FA2 or s.mma is not Mma.WGMMA:
+        return None
+    if s.warps % 4 or s.tile_q != s.warps // 4 * WGMMA_ROWS:
+        fit = max(4, s.tile_q // WGMMA_ROWS * 4)
+        return ("warps" if "warps" in written else "tile" if "tile" in written else "mma",
+                f"wgmma runs whole warpgroups (4 warps), each owning {WGMMA_ROWS} query rows: {s.warps} warps and "
+                f"tile q = {s.tile_q} do not match", f"use warps {fit} with tile q = {fit // 4 * WGMMA_ROWS}")
+    if p.head_dim_qk % 64 or p.head_dim_v % 64:
+        return ("head_dim" if p.head_dim_qk % 64 else "head_dim_v", f"wgmma reads 64-column panels: head dims must be multiples of 64, got "
+                f"{p.head_dim_qk}/{p.head_dim_v}", "use mma.sync for other head dims")
+    if s.tile_kv > 256:
+        return ("tile", f"wgmma's n is at most 256: tile kv = {s.tile_kv}", "use tile kv <= 256")
+    threads, chunks = s.warps * 32, max(p.head_dim_qk, p.head_dim_v) // 8
+    if threads % chunks or (threads // chunks) % 8:
+        return ("head_dim", f"{threads} threads copy whole groups of 8 rows of a {chunks * 8}-wide tile per pass only "
+                f"for head dims 64 and 128 (4 warps) or 64, 128 and 256 (8+ warps)", "use mma.sync for this head dim")
+    return None
+
+
 def _rule_warps_fit(spec: KernelSpec, written: set):
     s = spec.schedule
     if spec.family is Family.HOPPER:
@@ -418,7 +447,7 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
     return None
 
 
-_RULES = (_rule_family_features, _rule_hopper, _rule_warps_fit)
+_RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit)
 
 
 def validate(spec: KernelSpec) -> None:

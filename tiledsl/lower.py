@@ -13,7 +13,7 @@ from pathlib import Path
 from .version import __version__
 from .errors import SpecError
 from .passes import emission_order, run_passes
-from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
+from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask, Mma
 
 SMEM_ALIGN = 128
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
@@ -69,6 +69,8 @@ class KernelPlan:
     launch: Launch
     register_estimate: int
     notes: tuple[str, ...] = field(default=())
+    wgmma_n_qk: int = 0       # fa2 on wgmma: n of the S = Q K^T instruction (the kv tile)
+    wgmma_n_pv: int = 0       # fa2 on wgmma: n of the O += P V instruction (head dim of v)
 
 
 def _align(n: int) -> int:
@@ -161,7 +163,11 @@ LOOP_TEXT = {
 
 
 def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:
+    """The fa2 plan; `mma wgmma` specs go to lower_wgmma.lower_fa2_wgmma (the overrides are mma.sync's)."""
     p, s = spec.problem, spec.schedule
+    if s.mma is Mma.WGMMA:
+        from .lower_wgmma import lower_fa2_wgmma
+        return lower_fa2_wgmma(spec)
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"the fa2 template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
     rows_per_warp = s.tile_q // s.warps

@@ -104,6 +104,9 @@ class _ToAst(Transformer):
     def pipeline(self, meta, children):
         return ast.Pipeline(self._key(meta, "pipeline"), children[0], children[1], self._span(meta))
 
+    def mma(self, meta, children):
+        return ast.MmaStatement(self._key(meta, "mma"), children[0], self._span(meta))
+
     def warpgroups(self, meta, children):
         return ast.Warpgroups(self._key(meta, "warpgroups"), tuple(children), self._span(meta))
 

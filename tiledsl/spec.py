@@ -68,6 +68,12 @@ class CopyVia(Enum):
     TMA = "tma"
 
 
+class Mma(Enum):
+    """The tensor-core instruction of the fa2 family."""
+    SYNC = "mma.sync"      # warp-level m16n8k16: each warp's rows in multiples of 16
+    WGMMA = "wgmma"        # Hopper warpgroup-level m64nNk16, operands read from shared memory
+
+
 AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
 
 
@@ -98,6 +104,7 @@ class Schedule:
     warp_axis: Axis = Axis.Q
     stages: int = 2
     copy: CopyVia = CopyVia.CP_ASYNC
+    mma: Mma = Mma.SYNC
     producer_warpgroups: int = 0    # 0: no warp specialization
     producer_regs: int = 0
     consumer_warpgroups: int = 0
@@ -199,6 +206,8 @@ def kernel_name(spec: KernelSpec) -> str:
     else:
         parts.append(f"w{s.warps}{s.warp_axis.value}")
     parts.append(f"s{s.stages}" + ("tma" if s.copy is CopyVia.TMA else ""))
+    if s.mma is Mma.WGMMA:
+        parts.append("wgmma")
     if s.split_kv != 1:
         parts.append(f"split{s.split_kv}")
     return "_".join(parts)

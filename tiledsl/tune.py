@@ -34,7 +34,7 @@ from .errors import SpecError
 from .lower import lower
 from .passes import run_passes
 from .render import render
-from .spec import Family, KernelSpec, Mask
+from .spec import Family, KernelSpec, Mask, Mma
 from .traffic import hbm_traffic
 from .tune_model import Prediction, Resources, Shape
 from .tune_store import TuneStore, entry_key
@@ -70,6 +70,8 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
     else:
         lines.append(f"        warps    {s.warps} along {s.warp_axis.value}")
     lines.append(f"        pipeline {s.stages} stage{'s' if s.stages != 1 else ''} via {s.copy.value}")
+    if s.mma is not Mma.SYNC:
+        lines.append(f"        mma      {s.mma.value}")
     flags = [flag for flag, on in (("pingpong", s.pingpong), ("intra", s.intra_overlap)) if on]
     if flags:
         lines.append(f"        overlap  {', '.join(flags)}")

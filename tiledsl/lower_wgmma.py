@@ -1,0 +1,106 @@
+"""Lowering of FA2 onto Hopper's warpgroup MMA (wgmma): KernelSpec -> KernelPlan for
+templates/fa2_wgmma.cu.j2.
+
+The algorithm is FA2's (q outer, one block per q tile, O in registers, P kept in registers
+between the two GEMMs); only the tensor-core instruction changes. Each warpgroup (4 warps) owns
+64 query rows: S = Q K^T is an m64n{tile kv}k16 wgmma with both operands in shared memory, and
+O += P V an m64n{dv}k16 wgmma with P from registers and V in shared memory read transposed. Q,
+K and V are stored as 64-column panels with the 128-byte swizzle wgmma reads (wgmma.cuh.j2).
+
+Sizes are derived here; the template only names them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .lower import (Constant, KernelPlan, Launch, Region, _require, _spec_lines, _where, fa2_loop_body,
+                    softmax_constants, tile_row_bytes)
+from .spec import DTYPE_PTX, DType, Family, KernelSpec
+from .version import __version__
+
+WARPGROUP_WARPS = 4
+WGMMA_ROWS = 64           # rows of one warpgroup's m64 wgmma
+PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel
+SWIZZLE_ATOM = 1024       # bytes of 8 swizzled 128-byte rows: panels start on this alignment
+SMEM_PER_BLOCK_LIMIT = 232448
+REGISTER_OVERHEAD = 40
+
+
+def _align_atom(n: int) -> int:
+    return (n + SWIZZLE_ATOM - 1) // SWIZZLE_ATOM * SWIZZLE_ATOM
+
+
+def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
+    p, s = spec.problem, spec.schedule
+    _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
+             f"wgmma computes in fp16 or bf16 here, not {p.dtype.value}", "dtype = bf16 or fp16")
+    _require(s.warps % WARPGROUP_WARPS == 0 and s.tile_q == s.warps // WARPGROUP_WARPS * WGMMA_ROWS, spec, "warps",
+             f"wgmma needs whole warpgroups of 4 warps, each owning {WGMMA_ROWS} query rows: tile q = {s.tile_q} "
+             f"with {s.warps} warps is not {WGMMA_ROWS} rows per warpgroup", "e.g. tile q = 128 with warps 8 along q")
+    _require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0, spec, "head_dim",
+             f"the wgmma layout stores 64-column panels: head dims must be multiples of 64, got "
+             f"{p.head_dim_qk}/{p.head_dim_v}", "head_dim = 64, 128 or 256")
+    _require(s.tile_kv % 16 == 0 and 16 <= s.tile_kv <= 256 and p.head_dim_v <= 256, spec, "tile",
+             f"wgmma n must be a multiple of 16 up to 256: tile kv = {s.tile_kv}, head dim v = {p.head_dim_v}")
+    warpgroups = s.warps // WARPGROUP_WARPS
+    threads = s.warps * 32
+    _require(threads % (p.head_dim_qk // 8) == 0 and (threads // (p.head_dim_qk // 8)) % 8 == 0, spec, "warps",
+             f"{threads} threads do not copy whole groups of 8 rows of a {p.head_dim_qk}-wide tile per pass")
+
+    q_bytes, k_stage, v_stage = s.tile_q * p.head_dim_qk * 2, s.tile_kv * p.head_dim_qk * 2, s.tile_kv * p.head_dim_v * 2
+    v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
+    q_offset = 0
+    k_offset = _align_atom(q_offset + q_bytes)
+    v_offset = _align_atom(k_offset + s.stages * k_stage)
+    end = _align_atom(v_offset + s.stages * v_stage)
+    # O is staged for coalesced stores in Q's space once every warpgroup is past its last Q K^T.
+    o_offset = q_offset if s.tile_q * v_row <= q_bytes else end
+    smem = max(end, o_offset + s.tile_q * v_row)
+    _require(smem <= SMEM_PER_BLOCK_LIMIT, spec, "pipeline",
+             f"{s.stages} stages of {s.tile_kv}-key K/V tiles need {smem} B of shared memory (limit {SMEM_PER_BLOCK_LIMIT})",
+             "fewer stages or a smaller tile kv")
+    acc_o, acc_s = p.head_dim_v // 2, s.tile_kv // 2
+    register_estimate = acc_o + acc_s + s.tile_kv // 4 + REGISTER_OVERHEAD
+
+    consts = [
+        Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("WARPS", "int", s.warps, f"{warpgroups} warpgroups along q"),
+        Constant("THREADS", "int", threads),
+        Constant("ROWS_PER_WARP", "int", 16, "a warp's slice of its warpgroup's 64 rows"),
+        Constant("M_TILES", "int", 1),
+        Constant("S_TILES", "int", s.tile_kv // 8, "8-column tiles of S in a thread's accumulators"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
+        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of the O staging tile"),
+        Constant("V_SWIZZLE", "bool", v_swizzle),
+        Constant("STAGES", "int", s.stages, "K/V buffers in flight (pipeline)"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_STAGE_BYTES", "u32", k_stage),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_STAGE_BYTES", "u32", v_stage),
+        Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
+        Constant("SMEM_BYTES", "u32", smem),
+        Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),
+        *softmax_constants(p),
+    ]
+    regions = {
+        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
+        "load_q": Region(_where(spec, "tile"), f"load the {s.tile_q} x {p.head_dim_qk} Q tile into wgmma panels (cp.async, zero-filled past the end)"),
+        "prologue": Region(_where(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
+        "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner; each warpgroup owns 64 rows"),
+        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
+    }
+    return KernelPlan(
+        kernel_name=spec.kernel_name, family=Family.FA2.value, template="fa2_wgmma.cu.j2",
+        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
+        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
+        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
+        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
+        loop_body=fa2_loop_body(spec, s.stages), min_blocks_per_sm=1,
+        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
+        register_estimate=register_estimate, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v,
+    )
