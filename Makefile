@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 SPECS  ?= $(wildcard specs/*.tile)
-DEFAULT_SPEC ?= specs/fa2_d128_causal.tile
+DEFAULT_SPEC ?= specs/fa2_wgmma_d128_causal.tile
 
 ifeq ($(SYSTEM_PYTHON),1)
 PY := $(PYTHON)

@@ -11,7 +11,7 @@ import os
 from .device_limits import H200, DeviceLimits
 from .graph import EdgeKind, OpKind, Role, ScheduleGraph, Space
 from .passes import emission_order, run_passes
-from .spec import AUTO, Family, KernelSpec
+from .spec import AUTO, Family, KernelSpec, Mma
 from .traffic import Traffic, hbm_traffic, traffic_by_tensor
 
 WIDTH = 92   # the source tags start at this column (or after the text, when it is longer)
@@ -134,7 +134,8 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask {p.mask.value}, "
-           f"tiles Br={s.tile_q} Bc={s.tile_kv}, target {limits.name} ({limits.arch})", ""]
+           f"tiles Br={s.tile_q} Bc={s.tile_kv}, {'wgmma' if s.mma is Mma.WGMMA or spec.family is Family.HOPPER else 'mma.sync'} tensor cores, "
+           f"target {limits.name} ({limits.arch})", ""]
     if t.splits is not None:
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})" + (f": {t.split_reason}" if t.split_reason else ""),

@@ -14,19 +14,16 @@ import sys
 
 from .spec import DType, KernelSpec, Mask, Problem, Schedule
 
-# Generated from H200 measurements; regenerate with `python bench/tune_bench.py OUT.json`
-# (it prints the table for the winners it measured). Today's entries come from
-# bench/results/2026-11-30-fa2-sweep-3.json (bf16; fp16 has the same tile shapes, sizes and
-# ptxas reports within a few registers, so it takes the bf16 winners until measured):
-#   d64, none:    q128/kv128/4 warps/2 stages (1.05-1.08x SDPA flash)
-#   d64, causal:  q128/kv128/4 warps/3 stages (1.06-1.10x)
-#   d128, both:   q128/kv64/4 warps/2 stages (0.97-1.02x; kv128/8 warps wins causal 16k by 1%)
-_SCHEDULES = {
-    (64, "none"): "tile q = 128, kv = 128\n        warps 4 along q\n        pipeline 2 stages via cp.async",
-    (64, "causal"): "tile q = 128, kv = 128\n        warps 4 along q\n        pipeline 3 stages via cp.async",
-    (128, "none"): "tile q = 128, kv = 64\n        warps 4 along q\n        pipeline 2 stages via cp.async",
-    (128, "causal"): "tile q = 128, kv = 64\n        warps 4 along q\n        pipeline 2 stages via cp.async",
-}
+# From H200 measurements. The mma.sync rows came from `python bench/tune_bench.py OUT.json`
+# (bench/results/2026-11-30-fa2-sweep-3.json); the wgmma schedules, which the tuner's spaces do
+# not search yet, beat every mma.sync one in bench/results/2026-11-30-fa2-bundled-6.json (`tiledsl
+# bench` on the bundled specs, SDPA timed in the same run). fp16 has the same tile shapes, sizes
+# and ptxas reports, so it takes the bf16 winners until measured:
+#   d64, both:   wgmma q128/kv64/8 warps/3 stages (1.10-1.19x SDPA flash, causal 1.17-1.29x)
+#   d128, both:  wgmma q128/kv128/8 warps/2 stages (1.07-1.17x, causal 1.12-1.29x)
+_WGMMA_D64 = "tile q = 128, kv = 64\n        warps 8 along q\n        pipeline 3 stages via cp.async\n        mma wgmma"
+_WGMMA_D128 = "tile q = 128, kv = 128\n        warps 8 along q\n        pipeline 2 stages via cp.async\n        mma wgmma"
+_SCHEDULES = {(64, "none"): _WGMMA_D64, (64, "causal"): _WGMMA_D64, (128, "none"): _WGMMA_D128, (128, "causal"): _WGMMA_D128}
 _TEMPLATE = """attention {name} {{
     head_dim = {d}
     dtype    = {dtype}
