@@ -229,11 +229,16 @@ def test_spec_errors_render_file_line_column_and_caret(write_spec):
 def test_bundled_space_expansion(name):
     (space,) = parse_file(SPEC_FILES[0].with_name(name))
     assert isinstance(space, SpecSpace)
-    assert space.size == 36 and [n for n, _ in space.choices] == ["tile_q", "tile_kv", "warps", "stages"]
+    assert space.size == 72 and [n for n, _ in space.choices] == ["tile_q", "tile_kv", "warps", "stages", "mma"]
     legal, rejected = space.expand()
-    assert (len(legal), len(rejected)) == (27, 9)
-    assert all(config["tile_q"] == 64 and config["warps"] == 8 for config, _ in rejected)
-    assert all("a warp needs a multiple of 16" in reason for _, reason in rejected)
+    assert (len(legal), len(rejected)) == (45, 27)
+    from tiledsl.spec import Mma
+    assert sum(spec.schedule.mma is Mma.WGMMA for spec in legal) == 18   # q64 w4 and q128 w8, 3 kv tiles, 3 depths
+    for config, reason in rejected:
+        if config["mma"] is Mma.SYNC:   # 8 warps on 64 rows
+            assert config["tile_q"] == 64 and config["warps"] == 8 and "a warp needs a multiple of 16" in reason
+        else:                           # warpgroups that do not own 64 rows each
+            assert config["warps"] * 16 != config["tile_q"] and "whole warpgroups" in reason
     names = [spec.kernel_name for spec in legal]
     assert len(set(names)) == len(names) and all(spec.name == space.name for spec in legal)
     with pytest.raises(SpecError):
@@ -261,7 +266,7 @@ def test_decode_split_and_hopper_regs_spaces():
 
 def test_load_specs_takes_paths_and_text():
     path = SPEC_FILES[0].with_name("fa2_space_d64.tile")
-    assert len(load_specs(path)) == len(load_specs(str(path))) == 27
+    assert len(load_specs(path)) == len(load_specs(str(path))) == 45
     assert [s.name for s in load_specs(block())] == ["k"]
     with pytest.raises(FileNotFoundError):
         load_specs("specs/no_such_spec.tile")

@@ -36,9 +36,9 @@ def test_check_prints_every_bundled_kernel(capsys):
     (fa1, _) = load_specs(SPEC_FILES[0].with_name("fa1_d64.tile"))
     assert f"{fa1.kernel_name}  (fa1, from 'fa1_d64')" in out
     assert "schedule: order=kv, q tile_q=" in out and "copy=cp.async" in out
-    assert "space 'fa2_space_d64': 36 configs, 27 legal, 9 rejected" in out
-    assert out.count("      legal     fa2_d64_fp16_") == 27
-    assert "rejected  tile_q=64 tile_kv=32 warps=8 stages=1: 8 warps along q" in out
+    assert "space 'fa2_space_d64': 72 configs, 45 legal, 27 rejected" in out
+    assert out.count("      legal     fa2_d64_fp16_") == 45
+    assert "rejected  tile_q=64 tile_kv=32 warps=8 stages=1 mma=mma.sync: 8 warps along q" in out
 
 
 def test_check_json(capsys):
@@ -47,9 +47,9 @@ def test_check_json(capsys):
     items = json.loads(capsys.readouterr().out)
     assert [item["type"] for item in items] == ["kernel", "kernel", "space"]
     assert items[0]["family"] == "fa1" and items[0]["schedule"]["order"] == "kv, q"
-    assert (items[2]["size"], items[2]["legal_count"], len(items[2]["rejected"])) == (36, 27, 9)
+    assert (items[2]["size"], items[2]["legal_count"], len(items[2]["rejected"])) == (72, 45, 27)
     assert items[2]["choices"]["tile_kv"] == [32, 64, 128]
-    assert items[2]["rejected"][0]["config"] == {"tile_q": 64, "tile_kv": 32, "warps": 8, "stages": 1}
+    assert items[2]["rejected"][0]["config"] == {"tile_q": 64, "tile_kv": 32, "warps": 8, "stages": 1, "mma": "mma.sync"}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_SPECS))

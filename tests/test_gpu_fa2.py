@@ -124,6 +124,9 @@ def test_wgmma_gqa_kv_lens_long_and_one_warpgroup():
     check(run_case(fa2(128, "none", schedule=WGMMA[128]), batch=1, heads=2, q_len=8192, kv_len=8192))
     one = Schedule(tile_q=64, tile_kv=128, warps=4, stages=2, mma=Mma.WGMMA)
     check(run_case(fa2(128, "window", schedule=one), batch=2, heads=3, q_len=1000, kv_len=1000))
+    for stages in (1, 3):   # the tuner's spaces hold 1 to 3 stages
+        deep = Schedule(tile_q=128, tile_kv=32, warps=8, stages=stages, mma=Mma.WGMMA)
+        check(run_case(fa2(64, "causal", schedule=deep), batch=2, heads=3, q_len=1000, kv_len=1000))
 
 
 def test_bad_inputs_are_refused_before_launch():

@@ -126,7 +126,7 @@ def test_cli_dry_run_json(capsys, monkeypatch):
     assert main(["tune", str(ROOT / "specs" / "fa2_space_d64.tile"), "--seqlen", "4096", "--causal",
                  "--dry-run", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["configs"] == 36 and out["legal"] == 27
+    assert out["configs"] == 72 and out["legal"] == 45
     pending = [r for r in out["rows"] if r["status"] == "pending"]
     assert 0 < len(pending) <= 0.3 * out["configs"]
     assert all(r["kernel"].startswith("fa2_d64_fp16_causal_") for r in out["rows"])

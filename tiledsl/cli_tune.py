@@ -59,7 +59,7 @@ def shape_of(args, space: SpecSpace) -> Shape:
 
 def short(c: Candidate) -> str:
     s = c.spec.schedule
-    return f"q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}"
+    return f"q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}" + (" wgmma" if s.mma.value == "wgmma" else "")
 
 
 def rows_of(candidates: list[Candidate]) -> list[dict]:
@@ -84,7 +84,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'#':>3} {'config':<20} {'ms':>8} {'TFLOP/s':>8} | {'model#':>6} {'pred ms':>8} {'pred TF':>8} " \
+    head = f"{'#':>3} {'config':<26} {'ms':>8} {'TFLOP/s':>8} | {'model#':>6} {'pred ms':>8} {'pred TF':>8} " \
            f"{'regs':>4} {'spill':>5} {'blk/SM':>6}  status"
     lines = [head, "-" * len(head)]
     place = 0
@@ -92,7 +92,7 @@ def table(rows: list[dict]) -> str:
         measured = r["tflops"] is not None and r["status"] in ("timed", "stored")
         place += measured
         status = r["status"] + (f": {r['reason']}" if r["reason"] and r["status"] != "stored" else "")
-        lines.append(f"{(place if measured else ''):>3} {r['config']:<20} {_fmt(r['ms'], '.3f'):>8} "
+        lines.append(f"{(place if measured else ''):>3} {r['config']:<26} {_fmt(r['ms'], '.3f'):>8} "
                      f"{_fmt(r['tflops'], '.1f'):>8} | {_fmt(r['model_rank'], 'd'):>6} {_fmt(r['predicted_ms'], '.3f'):>8} "
                      f"{_fmt(r['predicted_tflops'], '.1f'):>8} {_fmt(r['registers'], 'd'):>4} {_fmt(r['spills'], 'd'):>5} "
                      f"{_fmt(r['blocks_per_sm'], 'd'):>6}  {status}")

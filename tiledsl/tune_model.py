@@ -5,10 +5,12 @@ Pure and CPU-only (no CuPy, no compiler): it reads a KernelSpec, its lowered pla
 the plan's register estimate) and the device limits, and predicts milliseconds from:
 
   per kv step of one block (one Br x Bc tile of S), in SM cycles:
-    mma      2 Br Bc (d + dv) flops at the mma.sync rate (about 2/3 of Hopper's wgmma peak)
+    mma      2 Br Bc (d + dv) flops at the mma.sync rate (about 2/3 of Hopper's wgmma peak), or at
+             the wgmma rate for `mma wgmma` configs
     smem     bytes read by ldmatrix: every warp reads the whole K and V tile, so shared-memory
              traffic per flop is 1 / rows-per-warp. At 16 rows per warp it is twice that at 32,
-             which is what made the 8-warp, 16-row configs ~10% (d128) to 25% (d64) slower
+             which is what made the 8-warp, 16-row configs ~10% (d128) to 25% (d64) slower;
+             wgmma reads K, V and its 64 Q rows once per warpgroup
     softmax  per S element (max, exp2, sum, convert) and per O element (the rescale)
     the three run on different units; how much they overlap grows with the resident warps
   + a sync latency per kv step (cp.async wait + barrier), hidden by the other resident blocks;
@@ -37,11 +39,13 @@ import numpy as np
 
 from .device_limits import H200, DeviceLimits
 from .reference import tiles_visible
-from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask
+from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask, Mma
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
 CLOCK_HZ = 1.755e9              # sustained SM clock under tensor-core load (boost is 1.98 GHz)
 MMA_FLOPS_PER_CLOCK = 2730      # mma.sync m16n8k16 per SM per clock: ~2/3 of wgmma's 4096
+WGMMA_FLOPS_PER_CLOCK = 4096    # wgmma m64nNk16 (dense bf16/fp16 peak per SM per clock)
+WGMMA_ROWS = 64                 # rows of one warpgroup's wgmma
 SMEM_BYTES_PER_CLOCK = 128      # ldmatrix + cp.async: 32 banks x 4 bytes per clock
 CYCLES_PER_S_ELEMENT = 0.06     # scale, max, exp2 (MUFU 16/clock), row sum, convert to 16 bits
 CYCLES_PER_O_ELEMENT = 1 / 128  # the O rescale: one FMA per element per kv step
@@ -162,10 +166,16 @@ def step_cycles(spec: KernelSpec, resources: Resources, resident_blocks: int) ->
     p, s = spec.problem, spec.schedule
     e = DTYPE_BYTES[p.dtype]
     br, bc, d, dv = s.tile_q, s.tile_kv, p.head_dim_qk, p.head_dim_v
-    smem_read = s.warps * bc * (d + dv) * e + bc * (d + dv) * e   # ldmatrix by every warp + cp.async fill
-    if not resources.q_in_registers:
-        smem_read += br * d * e
-    terms = {"mma": 2 * br * bc * (d + dv) / MMA_FLOPS_PER_CLOCK,
+    if s.mma is Mma.WGMMA:
+        # each warpgroup's wgmmas read the K and V tiles and its 64 Q rows once; plus the cp.async fill
+        smem_read = (br // WGMMA_ROWS) * (bc * (d + dv) + WGMMA_ROWS * d) * e + bc * (d + dv) * e
+        rate = WGMMA_FLOPS_PER_CLOCK
+    else:
+        smem_read = s.warps * bc * (d + dv) * e + bc * (d + dv) * e   # ldmatrix by every warp + cp.async fill
+        if not resources.q_in_registers:
+            smem_read += br * d * e
+        rate = MMA_FLOPS_PER_CLOCK
+    terms = {"mma": 2 * br * bc * (d + dv) / rate,
              "smem": smem_read / SMEM_BYTES_PER_CLOCK,
              "softmax": br * bc * CYCLES_PER_S_ELEMENT + br * dv * CYCLES_PER_O_ELEMENT}
     busiest = max(terms.values())
