@@ -14,16 +14,21 @@ import sys
 
 from .spec import DType, KernelSpec, Mask, Problem, Schedule
 
-# From H200 measurements. The mma.sync rows came from `python bench/tune_bench.py OUT.json`
-# (bench/results/2026-11-30-fa2-sweep-3.json); the wgmma schedules, which the tuner's spaces do
-# not search yet, beat every mma.sync one in bench/results/2026-11-30-fa2-bundled-6.json (`tiledsl
-# bench` on the bundled specs, SDPA timed in the same run). fp16 has the same tile shapes, sizes
-# and ptxas reports, so it takes the bf16 winners until measured:
-#   d64, both:   wgmma q128/kv64/8 warps/3 stages (1.10-1.19x SDPA flash, causal 1.17-1.29x)
-#   d128, both:  wgmma q128/kv128/8 warps/2 stages (1.07-1.17x, causal 1.12-1.29x)
-_WGMMA_D64 = "tile q = 128, kv = 64\n        warps 8 along q\n        pipeline 3 stages via cp.async\n        mma wgmma"
-_WGMMA_D128 = "tile q = 128, kv = 128\n        warps 8 along q\n        pipeline 2 stages via cp.async\n        mma wgmma"
-_SCHEDULES = {(64, "none"): _WGMMA_D64, (64, "causal"): _WGMMA_D64, (128, "none"): _WGMMA_D128, (128, "causal"): _WGMMA_D128}
+# From H200 measurements: `python bench/tune_bench.py OUT.json` over the bundled spaces, which
+# search mma.sync and wgmma (bench/results/2026-11-30-tune-bench-3.json; the pruned tuner's winner
+# was the exhaustive best at every shape). fp16 has the same tile shapes, sizes and ptxas reports,
+# so each head dim's entries serve both dtypes until both are measured:
+#   d64 (fp16), none:     wgmma q64/kv128/4 warps/1 stage   (351-373 TFLOP/s at 4k-16k)
+#   d64 (fp16), causal:   wgmma q64/kv128/4 warps/2 stages  (323-363)
+#   d128 (bf16), none:    wgmma q64/kv64/4 warps/1 stage    (415-425)
+#   d128 (bf16), causal:  wgmma q128/kv128/8 warps/3 stages (381-411)
+def _wgmma(tile_q: int, tile_kv: int, warps: int, stages: int) -> str:
+    return (f"tile q = {tile_q}, kv = {tile_kv}\n        warps {warps} along q\n"
+            f"        pipeline {stages} stage{'s' if stages > 1 else ''} via cp.async\n        mma wgmma")
+
+
+_SCHEDULES = {(64, "none"): _wgmma(64, 128, 4, 1), (64, "causal"): _wgmma(64, 128, 4, 2),
+              (128, "none"): _wgmma(64, 64, 4, 1), (128, "causal"): _wgmma(128, 128, 8, 3)}
 _TEMPLATE = """attention {name} {{
     head_dim = {d}
     dtype    = {dtype}
