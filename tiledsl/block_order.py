@@ -19,7 +19,6 @@ pairs are cut into groups of equal size. Without a mask every block costs the sa
 """
 from __future__ import annotations
 
-import math
 
 from .spec import Mask
 

@@ -104,6 +104,22 @@ def _require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "
         raise SpecError(message, spec.span_of(key), spec.source_text, hint)
 
 
+def make_plan(spec: KernelSpec, family: Family, template: str, constants, regions: dict, loop_body, launch: Launch,
+              min_blocks_per_sm: int, register_estimate: int, kernel_name: str | None = None,
+              plan_class: type = None, **extra) -> KernelPlan:
+    """A KernelPlan (or the family's subclass, `plan_class`) with the fields every family fills
+    the same way (names, hashes, the spec's lines and full config for the generated file's header)."""
+    return (plan_class or KernelPlan)(
+        kernel_name=kernel_name or spec.kernel_name, family=family.value, template=template,
+        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
+        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
+        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
+        dtype_ptx=DTYPE_PTX[spec.problem.dtype], constants=tuple(constants), regions=regions,
+        loop_body=tuple(loop_body), min_blocks_per_sm=min_blocks_per_sm, launch=launch,
+        register_estimate=register_estimate, **extra,
+    )
+
+
 def softmax_constants(p) -> list[Constant]:
     """The mask and softmax-scale constexprs every family's attention.cuh functions read."""
     return [
@@ -237,16 +253,8 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner"),
         "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
     }
-    return KernelPlan(
-        kernel_name=spec.kernel_name, family=Family.FA2.value, template="fa2.cu.j2",
-        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
-        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
-        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
-        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
-        loop_body=fa2_loop_body(spec, s.stages), min_blocks_per_sm=min_blocks_per_sm,
-        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
-        register_estimate=register_estimate,
-    )
+    return make_plan(spec, Family.FA2, "fa2.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate)
 
 
 LOWERINGS = {Family.FA2: lower_fa2}

@@ -13,14 +13,10 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .errors import SpecError
 from .lower import (LOOP_TEXT, LOWERINGS, softmax_constants, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
-                    _spec_lines, _where, tile_row_bytes)
-from .spec import DTYPE_PTX, DType, Family, KernelSpec
-from .version import __version__
+                    _where, make_plan, tile_row_bytes)
+from .spec import DType, Family, KernelSpec
 
 SMEM_PER_BLOCK_LIMIT = 232448      # sm_90 opt-in dynamic shared memory per block
 SMEM_PER_SM = 233472               # sm_90 shared memory per SM (1 KB of it reserved per block)
@@ -157,18 +153,10 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile; {stages} stages: "
              f"{bytes_in_flight} B of K/V in flight per block while one tile is computed",
              f"{smem} B shared memory -> {blocks_per_sm} block(s) per SM")
-    return KernelPlan(
-        kernel_name=spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv)
-        else f"{spec.kernel_name}__kv{tile_kv}_s{stages}",
-        family=Family.DECODE.value, template="decode.cu.j2",
-        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
-        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
-        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
-        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
-        loop_body=decode_loop_body(spec, stages), min_blocks_per_sm=min_blocks_per_sm,
-        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
-        register_estimate=register_estimate, notes=notes,
-    )
+    name = spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
+    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages),
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
+                     kernel_name=name, notes=notes)
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:

@@ -17,14 +17,11 @@ All sizes are derived here; the template only names them (STYLE.md 1).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from .version import __version__
 from .lower import (LOWERINGS, softmax_constants, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
-                    _spec_lines, _where, tile_row_bytes)
-from .spec import DTYPE_PTX, Axis, DType, Family, KernelSpec
+                    _where, make_plan, tile_row_bytes)
+from .spec import Axis, DType, Family, KernelSpec
 
 SHARED_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
 MAX_REGISTERS = 255
@@ -207,17 +204,9 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     }
     notes = (f"workspace: O fp32 (batch, heads, q_len, {p.head_dim_v}), m and l fp32 (batch, heads, q_len); "
              "allocated by the runtime per call, never initialised (a q tile's first kv tile starts from empty)",)
-    return Fa1Plan(
-        kernel_name=spec.kernel_name, family=Family.FA1.value, template="fa1.cu.j2",
-        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
-        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
-        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
-        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
-        loop_body=per_tile, pass_body=per_pass, min_blocks_per_sm=min_blocks_per_sm,
-        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
-        register_estimate=register_estimate, notes=notes,
-        kv_step=fa1_kv_step(spec, s.stages), split_k=split_k,
-    )
+    return make_plan(spec, Family.FA1, "fa1.cu.j2", consts, regions, per_tile,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
+                     plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=fa1_kv_step(spec, s.stages), split_k=split_k)
 
 
 LOWERINGS[Family.FA1] = lower_fa1

@@ -11,13 +11,8 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from .lower import (Constant, KernelPlan, Launch, Region, _require, _spec_lines, _where, fa2_loop_body,
-                    softmax_constants, tile_row_bytes)
-from .spec import DTYPE_PTX, DType, Family, KernelSpec
-from .version import __version__
+from .lower import Constant, KernelPlan, Launch, Region, _require, _where, fa2_loop_body, make_plan, softmax_constants, tile_row_bytes
+from .spec import DType, Family, KernelSpec
 
 WARPGROUP_WARPS = 4
 WGMMA_ROWS = 64           # rows of one warpgroup's m64 wgmma
@@ -94,13 +89,6 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner; each warpgroup owns 64 rows"),
         "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
     }
-    return KernelPlan(
-        kernel_name=spec.kernel_name, family=Family.FA2.value, template="fa2_wgmma.cu.j2",
-        tiledsl_version=__version__, source_file=Path(spec.source_file).name,
-        config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
-        config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
-        dtype_ptx=DTYPE_PTX[p.dtype], constants=tuple(consts), regions=regions,
-        loop_body=fa2_loop_body(spec, s.stages), min_blocks_per_sm=1,
-        launch=Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q),
-        register_estimate=register_estimate, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v,
-    )
+    return make_plan(spec, Family.FA2, "fa2_wgmma.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
+                     wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v)
