@@ -1,4 +1,9 @@
-"""Scratch A/B: the wgmma kernels before (wait after each GEMM) and after software pipelining."""
+"""A/B kept as the record of an experiment that did not pay (bench/NOTES.md, "Software-pipelined
+wgmma loop"; results 2026-11-30-ab-wgmma-pipeline-{1,2}.json): the wgmma kernels with a wait
+after each GEMM, whose generated CUDA was read from ab_old/ (written there by `tiledsl compile`
+at 8f5a0be), against the software-pipelined template of that experiment, which was not kept.
+To run it again, re-create the pipelined template and ab_old/; as it stands it only documents
+the method. Usage: python bench/experiments/ab_wgmma_pipeline.py OUT.json"""
 import sys
 from pathlib import Path
 import torch
