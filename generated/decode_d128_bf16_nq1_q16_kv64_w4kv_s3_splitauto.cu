@@ -689,11 +689,11 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
         const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
         const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
         float acc_s[W::M_TILES][W::S_TILES][4];
-// [decode_d128.tile:11] wait for K_j (V_j and later tiles may still be in flight)
+        // [decode_d128.tile:11] wait for K_j (V_j and later tiles may still be in flight)
         cp_async_wait<3>();
         __syncthreads();
 
-// [decode_d128.tile:11] prefetch K, V of tile j+2 into the buffer freed last step
+        // [decode_d128.tile:11] prefetch K, V of tile j+2 into the buffer freed last step
         if (tile + 2 < tile_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
                 smem_base + C::K_OFFSET + ((stage + 2) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 2) * C::BC * k_row_stride,
@@ -713,7 +713,7 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
             mask_packed_rows(acc_s, row0, q_len, key0, seq_kv, diag, lane);
     // [decode_d128.tile:8] m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O (per warp)
         online_softmax<W>(acc_s, row_max, row_sum, acc_o);
-// [decode_d128.tile:11] wait for V_j
+        // [decode_d128.tile:11] wait for V_j
         cp_async_wait<4>();
         __syncthreads();
 

@@ -417,7 +417,6 @@ struct C {
     static constexpr u32 V_STAGE_BYTES = 16384;
     static constexpr u32 O_OFFSET = 0;   // O staging for coalesced stores
     static constexpr u32 SMEM_BYTES = 49152;
-    static constexpr int Q_PENDING_GROUPS = 0;   // cp.async groups issued after Q's
     static constexpr MaskKind MASK = MASK_NONE;
     static constexpr int WINDOW_LEFT = 0;
     static constexpr int WINDOW_RIGHT = 0;
@@ -628,6 +627,7 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
         float acc_s[C::M_TILES][C::S_TILES][4];
         // [fa2_wgmma_d128.tile:12] one stage: every warp is done with the buffer before it is refilled
         __syncthreads();
+
         // [fa2_wgmma_d128.tile:12] load K_j, V_j
         if (tile + 0 < tile_end) {
             load_tile_panels<C::BC, C::D / 8, C::THREADS>(
@@ -640,23 +640,30 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
             cp_async_commit();
         }
         else { cp_async_commit(); cp_async_commit(); }
+
         // [fa2_wgmma_d128.tile:12] wait for K_j (V_j and later tiles may still be in flight)
         cp_async_wait<1>();
         fence_proxy_async();
         __syncthreads();
+
         // [fa2_wgmma_d128.tile:10] S = scale * Q_i K_j^T
         wgmma_qk<C>(acc_s, q_rows, k_tile);
+
         // [fa2_wgmma_d128.tile:7] S = -inf where key >= kv_len (ragged last tile)
         if (tile_needs_mask<C>(q0, C::BR, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
+
         // [fa2_wgmma_d128.tile:9] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
         online_softmax<C>(acc_s, row_max, row_sum, acc_o);
+
         // [fa2_wgmma_d128.tile:12] wait for V_j
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
+
         // [fa2_wgmma_d128.tile:10] PV = P V_j
         wgmma_pv<C>(acc_o, acc_s, v_tile);
+
     }
 
     // [fa2_wgmma_d128.tile:9] O /= l once; LSE = scale m + log l; store

@@ -527,11 +527,11 @@ fa2_d64_bf16_q128_kv128_w4q_s2(const u16* __restrict__ q, const u16* __restrict_
         const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
         const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
         float acc_s[C::M_TILES][C::S_TILES][4];
-// [fa2_d64.tile:10] wait for K_j (V_j and later tiles may still be in flight)
+        // [fa2_d64.tile:10] wait for K_j (V_j and later tiles may still be in flight)
         cp_async_wait<1>();
         __syncthreads();
 
-// [fa2_d64.tile:10] prefetch K, V of tile j+1 into the buffer freed last step
+        // [fa2_d64.tile:10] prefetch K, V of tile j+1 into the buffer freed last step
         if (tile + 1 < tile_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
                 smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
@@ -544,21 +544,21 @@ fa2_d64_bf16_q128_kv128_w4q_s2(const u16* __restrict__ q, const u16* __restrict_
         }
         else { cp_async_commit(); cp_async_commit(); }
 
-// [fa2_d64.tile:8] S = scale * Q_i K_j^T
+        // [fa2_d64.tile:8] S = scale * Q_i K_j^T
         mma_qk<C>(acc_s, q_regs, q_tile, k_tile, warp_row, lane);
 
-// [fa2_d64.tile:5] S = -inf where key >= kv_len (ragged last tile)
+        // [fa2_d64.tile:5] S = -inf where key >= kv_len (ragged last tile)
         if (tile_needs_mask<C>(q0, C::BR, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
 
-// [fa2_d64.tile:7] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
+        // [fa2_d64.tile:7] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
         online_softmax<C>(acc_s, row_max, row_sum, acc_o);
 
-// [fa2_d64.tile:10] wait for V_j
+        // [fa2_d64.tile:10] wait for V_j
         cp_async_wait<2>();
         __syncthreads();
 
-// [fa2_d64.tile:8] PV = P V_j
+        // [fa2_d64.tile:8] PV = P V_j
         mma_pv<C>(acc_o, acc_s, v_tile, lane);
 
     }

@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from tiledsl.block_order import block_coordinates, group_bounds, order_groups, resident_blocks
+from tiledsl.block_order import block_coordinates, group_bounds, order_groups
+from tiledsl.device_limits import H200
+from tiledsl.device_limits import resident_blocks as blocks_and_limit
 from tiledsl.spec import Mask
 
 
@@ -52,6 +54,12 @@ def test_causal_groups_give_each_slot_one_and_a_half_longest_blocks(pairs, q_til
     assert order_groups(Mask.WINDOW, pairs, q_tiles, 264) == expected
 
 
+def resident_blocks(smem_bytes, threads, registers, smem_per_sm):
+    """At least one block, as the launch order counts slots."""
+    assert smem_per_sm == H200.shared_per_sm
+    return max(1, blocks_and_limit(H200, registers, threads, smem_bytes)[0])
+
+
 def test_resident_blocks_are_limited_by_registers_smem_and_threads():
     assert resident_blocks(98304, 128, 255, 233472) == 2          # the bundled d128 FA2 kernel
     assert resident_blocks(102400, 128, 178, 233472) == 2         # decode: shared memory binds
@@ -69,3 +77,22 @@ def test_explain_states_the_launch_order():
     assert "launch order: 256 (batch, head) pairs x 8 q tiles on 264 resident blocks, in 3 group(s) of 85-86 pairs" in causal
     plain = explain(load_spec(str(specs / "fa2_d128.tile")), batch=1, heads=16, seqlen_q=4096)
     assert "one pair after another (no mask: every block costs the same)" in plain
+
+
+def test_runtime_counts_slots_once_per_device_from_the_compiled_registers(monkeypatch):
+    from types import SimpleNamespace
+
+    from tiledsl import runtime
+    from tiledsl.parse import load_spec
+    from tiledsl.runtime import Kernel, Shapes
+    from pathlib import Path
+    monkeypatch.setitem(runtime._DEVICE_LIMITS, 0, H200)
+    spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "fa2_d128_causal.tile"))
+    kernel = Kernel(spec)
+    kernel._function = SimpleNamespace(num_regs=255)          # what ptxas gave the bundled kernel
+    assert kernel.slots(0) == 132 * 2
+    assert kernel.order_groups_for(Shapes(16, 16, 16, 1024, 1024), 0) == 3
+    kernel._function = SimpleNamespace(num_regs=64)           # not read again: slots are per device
+    assert kernel.slots(0) == 264
+    kernel.order_groups = 7
+    assert kernel.order_groups_for(Shapes(16, 16, 16, 1024, 1024), 0) == 7

@@ -19,24 +19,10 @@ pairs are cut into groups of equal size. Without a mask every block costs the sa
 """
 from __future__ import annotations
 
-
 from .spec import Mask
 
 # Longest-block durations a group gives every resident slot (see above: 1 to 2 measured best).
 LONGEST_BLOCKS_PER_SLOT = 1.5
-REGISTERS_PER_SM = 65536
-REGISTER_GRANULE = 256          # registers are given to warps in units of 8 per thread
-MAX_THREADS_PER_SM = 2048
-SMEM_RESERVED_PER_BLOCK = 1024
-
-
-def resident_blocks(smem_bytes: int, threads: int, registers: int, smem_per_sm: int) -> int:
-    """Blocks of one kernel that fit on an SM at once: shared memory, registers and threads."""
-    warps = -(-threads // 32)
-    per_warp = -(-registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
-    by_registers = REGISTERS_PER_SM // max(per_warp * warps, 1)
-    by_smem = smem_per_sm // (smem_bytes + SMEM_RESERVED_PER_BLOCK)
-    return max(1, min(by_registers, by_smem, MAX_THREADS_PER_SM // threads))
 
 
 def order_groups(mask: Mask, pairs: int, q_tiles: int, slots: int) -> int:

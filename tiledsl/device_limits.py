@@ -44,6 +44,26 @@ H200 = DeviceLimits(
 )
 
 
+REGISTER_GRANULE = 8            # registers are allocated per thread in multiples of 8
+MAX_THREADS_PER_SM = 2048
+MAX_BLOCKS_PER_SM = 32
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB of shared memory per block on sm_8x/9x
+
+
+def resident_blocks(limits: DeviceLimits, registers: int, threads: int, smem_bytes: int) -> tuple[int, str]:
+    """(blocks of one kernel resident on an SM at once, the resource that limits it: registers,
+    shared, threads or blocks). 0 when one block does not fit."""
+    regs = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
+    by = {
+        "registers": limits.registers_per_sm // max(regs * threads, 1),
+        "shared": limits.shared_per_sm // (smem_bytes + SMEM_RESERVED_PER_BLOCK),
+        "threads": MAX_THREADS_PER_SM // max(threads, 1),
+        "blocks": MAX_BLOCKS_PER_SM,
+    }
+    limit = min(by, key=lambda k: (by[k], k != "registers"))
+    return by[limit], limit
+
+
 def read_device_limits(device: int = 0) -> DeviceLimits | None:
     """The limits a live GPU reports through CuPy, or None when CuPy or a GPU is not there.
 

@@ -199,8 +199,9 @@ def _blocks_per_sm(spec) -> int:
 
 def _launch_order_line(spec, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
     """block_order.py's choice for this shape, with resident blocks from the plan's estimates."""
-    from .block_order import describe, resident_blocks
+    from .block_order import describe
+    from .device_limits import resident_blocks
     from .lower import lower
     plan = lower(spec)
-    per_sm = resident_blocks(plan.launch.smem_bytes, plan.launch.threads, plan.register_estimate, limits.shared_per_sm)
-    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * per_sm)
+    per_sm, _ = resident_blocks(limits, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
+    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(per_sm, 1))

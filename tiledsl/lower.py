@@ -178,6 +178,19 @@ LOOP_TEXT = {
 }
 
 
+def fa2_regions(spec: KernelSpec, q_layout: str = "", kv_loop_note: str = "") -> dict:
+    """The regions of the fa2 kernels (mma.sync and wgmma templates): `q_layout` and
+    `kv_loop_note` name what the wgmma one does differently."""
+    s, p = spec.schedule, spec.problem
+    return {
+        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
+        "load_q": Region(_where(spec, "tile"), f"load the {s.tile_q} x {p.head_dim_qk} Q tile{q_layout} (cp.async, zero-filled past the end)"),
+        "prologue": Region(_where(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
+        "kv_loop": Region(_where(spec, "order"), f"q outer (one block per q tile), kv inner{kv_loop_note}"),
+        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
+    }
+
+
 def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:
     """The fa2 plan; `mma wgmma` specs go to lower_wgmma.lower_fa2_wgmma (the overrides are mma.sync's)."""
     p, s = spec.problem, spec.schedule
@@ -246,13 +259,7 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
     ]
-    regions = {
-        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
-        "load_q": Region(_where(spec, "tile"), f"load the {s.tile_q} x {p.head_dim_qk} Q tile (cp.async, zero-filled past the end)"),
-        "prologue": Region(_where(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
-        "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner"),
-        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
-    }
+    regions = fa2_regions(spec)
     return make_plan(spec, Family.FA2, "fa2.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate)
 

@@ -11,7 +11,7 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
-from .lower import Constant, KernelPlan, Launch, Region, _require, _where, fa2_loop_body, make_plan, softmax_constants, tile_row_bytes
+from .lower import Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, make_plan, softmax_constants, tile_row_bytes
 from .spec import DType, Family, KernelSpec
 
 WARPGROUP_WARPS = 4
@@ -79,16 +79,9 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         Constant("V_STAGE_BYTES", "u32", v_stage),
         Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
         Constant("SMEM_BYTES", "u32", smem),
-        Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),
         *softmax_constants(p),
     ]
-    regions = {
-        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
-        "load_q": Region(_where(spec, "tile"), f"load the {s.tile_q} x {p.head_dim_qk} Q tile into wgmma panels (cp.async, zero-filled past the end)"),
-        "prologue": Region(_where(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
-        "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner; each warpgroup owns 64 rows"),
-        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; store"),
-    }
+    regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
     return make_plan(spec, Family.FA2, "fa2_wgmma.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
                      wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v)

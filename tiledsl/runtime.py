@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .block_order import order_groups, resident_blocks
+from .block_order import order_groups
+from .device_limits import DeviceLimits, current_limits, resident_blocks
 from .errors import LaunchError, RuntimeInputError
 from .lower import KernelPlan, lower
 from .render import render
@@ -91,6 +92,7 @@ class Kernel:
         self.source = render(self.plan)
         self.name = self.plan.kernel_name
         self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
+        self._slots: dict[int, int] = {}       # device -> resident blocks (slots())
         self._function = None
 
     def __repr__(self) -> str:
@@ -184,12 +186,18 @@ class Kernel:
         pairs = shapes.batch * shapes.heads
         if self.order_groups is not None:
             return max(1, min(int(self.order_groups), pairs))
-        tile_q = self.plan.launch.tile_q
-        fn = self.function()
-        sm_count, smem_per_sm = _sm_resources(device_id)
-        slots = sm_count * resident_blocks(self.plan.launch.smem_bytes, self.plan.launch.threads,
-                                           int(getattr(fn, "num_regs", 255) or 255), smem_per_sm)
-        return order_groups(self.spec.problem.mask, pairs, -(-shapes.q_len // tile_q), slots)
+        return order_groups(self.spec.problem.mask, pairs, -(-shapes.q_len // self.plan.launch.tile_q),
+                            self.slots(device_id))
+
+    def slots(self, device_id: int) -> int:
+        """Blocks of this kernel resident at once on the device (SMs x blocks per SM, from the
+        compiled kernel's registers), worked out once per device: every launch reads it."""
+        if device_id not in self._slots:
+            limits, launch = device_limits(device_id), self.plan.launch
+            registers = int(getattr(self.function(), "num_regs", 0) or limits.max_registers_per_thread)
+            per_sm, _ = resident_blocks(limits, registers, launch.threads, launch.smem_bytes)
+            self._slots[device_id] = limits.sm_count * max(per_sm, 1)
+        return self._slots[device_id]
 
     def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
                kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
@@ -204,15 +212,14 @@ class Kernel:
         self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
 
 
-_SM_RESOURCES: dict[int, tuple[int, int]] = {}
+_DEVICE_LIMITS: dict[int, DeviceLimits] = {}
 
 
-def _sm_resources(device_id: int) -> tuple[int, int]:
-    """(SM count, shared memory bytes per SM) of a device, asked once."""
-    if device_id not in _SM_RESOURCES:
-        props = _cupy().cuda.runtime.getDeviceProperties(device_id)
-        _SM_RESOURCES[device_id] = (int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]))
-    return _SM_RESOURCES[device_id]
+def device_limits(device_id: int) -> DeviceLimits:
+    """The limits of a live device (device_limits.read_device_limits), asked once per device."""
+    if device_id not in _DEVICE_LIMITS:
+        _DEVICE_LIMITS[device_id] = current_limits(device_id)
+    return _DEVICE_LIMITS[device_id]
 
 
 def _allow_dynamic_shared(fn, nbytes: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .errors import LaunchError, RuntimeInputError
 from .lower_decode import constant, decode_blocks_per_sm
-from .runtime import Kernel, Shapes, _cupy
+from .runtime import Kernel, Shapes, _cupy, device_limits
 from .spec import AUTO
 from .splits import choose_splits
 from .tensors import TensorView
@@ -37,8 +37,7 @@ class DecodeKernel(Kernel):
         return f"<tiledsl.DecodeKernel {self.name}>"
 
     def sm_count(self, device_id: int) -> int:
-        cupy = _cupy()
-        return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+        return device_limits(device_id).sm_count
 
     def splits_for(self, shapes: Shapes, device_id: int = 0) -> tuple[int, str]:
         """The split count of a launch: the spec's, or for `auto` choose_splits on this device."""

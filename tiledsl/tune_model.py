@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .device_limits import H200, DeviceLimits
+from .device_limits import H200, DeviceLimits, resident_blocks
 from .reference import tiles_visible
 from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask, Mma
 
@@ -55,10 +55,6 @@ SYNC_CYCLES_ONE_STAGE = 1500    # one stage: the whole K/V load is exposed each 
 SPILL_COST_PER_BYTE = 0.0005    # slowdown per byte of spill stores + loads (per thread)
 SPILL_HOPELESS_BYTES = 128      # spill stores above this: pruned before timing
 L2_REUSE = 3.0                  # HBM bytes the no-cache traffic count overstates by (K/V re-reads)
-REGISTER_GRANULE = 8            # registers are allocated per thread in multiples of 8
-MAX_THREADS_PER_SM = 2048
-MAX_BLOCKS_PER_SM = 32
-SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB of shared memory per block on sm_8x/9x
 PRUNE_FRACTION = 0.30           # by default at most this share of the legal configs is timed
 
 
@@ -139,15 +135,7 @@ def parse_ptxas(text: str) -> dict[str, tuple[int, int, int]]:
 
 def blocks_per_sm(resources: Resources, limits: DeviceLimits = H200) -> tuple[int, str]:
     """(resident blocks per SM, the resource that limits it)."""
-    regs = math.ceil(resources.registers / REGISTER_GRANULE) * REGISTER_GRANULE
-    by = {
-        "registers": limits.registers_per_sm // max(regs * resources.threads, 1),
-        "shared": limits.shared_per_sm // (resources.smem_bytes + SMEM_RESERVED_PER_BLOCK),
-        "threads": MAX_THREADS_PER_SM // max(resources.threads, 1),
-        "blocks": MAX_BLOCKS_PER_SM,
-    }
-    limit = min(by, key=lambda k: (by[k], k != "registers"))
-    return by[limit], limit
+    return resident_blocks(limits, resources.registers, resources.threads, resources.smem_bytes)
 
 
 def kv_steps_per_q_tile(spec: KernelSpec, shape: Shape) -> np.ndarray:
