@@ -13,7 +13,7 @@ import torch
 from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
 from tiledsl.runtime import compile
-from tiledsl.validate import lse_error, reference_attention, relative_error
+from tiledsl.validate import run_errors
 
 CASES = [("specs/fa2_d128_causal.tile", n) for n in (1024, 4096, 8192, 16384)] + \
         [("specs/fa2_d64_causal.tile", n) for n in (1024, 4096, 8192, 16384)]
@@ -25,12 +25,8 @@ def check(kernel, group):
     p = kernel.spec.problem
     q = torch.randn(3, 5, 700, p.head_dim_qk, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(3, 5, 900, p.head_dim_qk, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     kernel.order_groups = group
-    kernel(q, k, v, out=out, lse=lse)
-    ref_o, ref_lse = reference_attention(p, q, k, v)
-    return relative_error(out, ref_o), lse_error(lse, ref_lse)
+    return run_errors(kernel, q, k, v)
 
 
 def main(out_path: str) -> None:

@@ -12,7 +12,7 @@ import torch
 from tiledsl.bench import attention_flops, prefill_shape, record, time_ms
 from tiledsl.parse import load_spec
 from tiledsl.runtime import compile
-from tiledsl.validate import reference_attention, relative_error
+from tiledsl.validate import run_errors
 
 CP_ASYNC = "cp.async.cg.shared.global [%0]"
 SKIP = "const bool warp_active = warp_sees_tile<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::BC, C::BC, diag);"
@@ -40,9 +40,7 @@ def check(kernel, spec):
     nq = p.queries_per_seq or 300
     q = torch.randn(2, 8, nq, p.head_dim_qk, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2 if p.queries_per_seq else 8, 1000, p.head_dim_qk, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    o, _ = kernel(q, k, v)
-    ref, _ = reference_attention(p, q, k, v)
-    return relative_error(o, ref)
+    return run_errors(kernel, q, k, v)[0]
 
 
 def main(out_path: str, experiment: str) -> None:

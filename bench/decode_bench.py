@@ -39,15 +39,8 @@ def copy_gbps(torch) -> float:
 
 
 def validate(kernel, q, k, v):
-    from tiledsl.validate import lse_error, reference_attention, relative_error
-    import torch
-    out = torch.full((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
-    kernel(q, k, v, out=out, lse=lse)
-    torch.cuda.synchronize()
-    ref_o, ref_lse = reference_attention(kernel.spec.problem, q, k, v)
-    err_o, err_lse = relative_error(out, ref_o), lse_error(lse, ref_lse)
-    del ref_o, ref_lse
+    from tiledsl.validate import run_errors
+    err_o, err_lse = run_errors(kernel, q, k, v)
     if not (err_o < 1e-2 and err_lse < 1e-3):
         raise SystemExit(f"{kernel.name}: validation failed: O error {err_o}, LSE error {err_lse}")
     return err_o, err_lse

@@ -15,7 +15,7 @@ import torch
 from tiledsl.bench import record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
 from tiledsl.runtime import compile
-from tiledsl.validate import lse_error, reference_attention, relative_error
+from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
 MERGE = "if (ticket != num_splits - 1) return;"
@@ -38,14 +38,6 @@ def build(base, changes, overrides, patch):
     return kernel
 
 
-def check(kernel, q, k, v):
-    out = torch.full((q.shape[0], q.shape[1], 1, v.shape[3]), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    kernel(q, k, v, out=out, lse=lse)
-    ref_o, ref_lse = reference_attention(kernel.spec.problem, q, k, v)
-    return relative_error(out, ref_o), lse_error(lse, ref_lse)
-
-
 def main(out_path: str) -> None:
     base = load_spec("specs/decode_d128.tile")
     kernels = {name: build(base, *variant) for name, variant in VARIANTS.items() if variant}
@@ -59,7 +51,7 @@ def main(out_path: str) -> None:
         for name, kernel in kernels.items():
             if name in ("spec", "no_merge"):   # cuDNN at the start and in the middle
                 cudnn.append(nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6)
-            err = check(kernel, q, k, v) if name != "no_merge" else (None, None)
+            err = run_errors(kernel, q, k, v) if name != "no_merge" else (None, None)
             run, _, _ = kernel.bind(q, k, v)
             gbps = nbytes / time_ms(run) / 1e6
             rows.append({"kernel": kernel.name, "variant": name, "batch": batch, "heads": heads, "kv_heads": kv_heads,

@@ -12,7 +12,7 @@ import torch
 from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
 from tiledsl.runtime import Kernel
 from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
-from tiledsl.validate import lse_error, reference_attention, relative_error
+from tiledsl.validate import run_errors
 
 VARIANTS = {  # head dim -> (tile q, tile kv, warps, stages); sweep 3: 32-row warps now spill-free at d128
     64: [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3)],
@@ -37,12 +37,7 @@ def validate(kernel: Kernel, causal: bool) -> dict:
         q = torch.randn(2, heads, q_len, kernel.spec.problem.head_dim_qk, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(2, kv_heads, kv_len, kernel.spec.problem.head_dim_qk, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(2, kv_heads, kv_len, kernel.spec.problem.head_dim_v, device="cuda", dtype=torch.bfloat16)
-        out = torch.full((2, heads, q_len, kernel.spec.problem.head_dim_v), float("nan"), device="cuda", dtype=torch.bfloat16)
-        lse = torch.full((2, heads, q_len), float("nan"), device="cuda", dtype=torch.float32)
-        kernel(q, k, v, out=out, lse=lse)
-        torch.cuda.synchronize()
-        ref_o, ref_lse = reference_attention(kernel.spec.problem, q, k, v)
-        errors[f"{q_len}x{kv_len}"] = (relative_error(out, ref_o), lse_error(lse, ref_lse))
+        errors[f"{q_len}x{kv_len}"] = run_errors(kernel, q, k, v)
     return errors
 
 

@@ -30,7 +30,7 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory;
     order_groups overrides an FA2 kernel's launch order (None: its own choice)."""
     import torch
-    from tiledsl.validate import lse_error, reference_attention, relative_error
+    from tiledsl.validate import run_errors
     p = spec.problem
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype.value]
     kv_heads = kv_heads or heads
@@ -40,12 +40,7 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
             return torch.randn(batch, n, h, d, device="cuda", dtype=dtype).transpose(1, 2)
         return torch.randn(batch, h, n, d, device="cuda", dtype=dtype)
     q, k, v = make(heads, q_len, p.head_dim_qk), make(kv_heads, kv_len, p.head_dim_qk), make(kv_heads, kv_len, p.head_dim_v)
-    out = torch.full((batch, heads, q_len, p.head_dim_v), float("nan"), device="cuda", dtype=dtype)
-    lse = torch.full((batch, heads, q_len), float("nan"), device="cuda", dtype=torch.float32)
     lens = torch.tensor(kv_lens, device="cuda", dtype=torch.int32) if kv_lens is not None else None
     kernel = kernel_for(spec)
     kernel.order_groups = order_groups
-    kernel(q, k, v, kv_lens=lens, out=out, lse=lse)
-    torch.cuda.synchronize()
-    ref_o, ref_lse = reference_attention(p, q, k, v, kv_lens=lens)
-    return relative_error(out, ref_o), lse_error(lse, ref_lse)
+    return run_errors(kernel, q, k, v, kv_lens=lens)

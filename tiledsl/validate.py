@@ -93,3 +93,15 @@ def lse_error(lse, ref_lse) -> float:
     if not bool(finite.any()):
         return 0.0
     return float(cupy.abs(l[finite] - ref_lse[finite]).max())
+
+
+def run_errors(kernel, q, k, v, kv_lens=None) -> tuple[float, float]:
+    """(O relative error, LSE max error) of one run of `kernel` into NaN-poisoned outputs (so an
+    element it fails to write shows up), against the float64 reference."""
+    from .bench import poisoned_outputs
+    batch, heads, q_len = view(q, "q").shape[:3]
+    out, lse = poisoned_outputs(q, (batch, heads, q_len, kernel.spec.problem.head_dim_v), (batch, heads, q_len))
+    kernel(q, k, v, kv_lens=kv_lens, out=out, lse=lse)
+    _cupy().cuda.runtime.deviceSynchronize()   # the inputs may come from another framework's stream
+    ref_o, ref_lse = reference_attention(kernel.spec.problem, q, k, v, kv_lens=kv_lens)
+    return relative_error(out, ref_o), lse_error(lse, ref_lse)
