@@ -457,6 +457,15 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i]) :: "memory");
 }
 
+// The same for A fragments read from registers: they must hold their values until the wgmma that
+// reads them has been waited for, so the compiler may not reuse those registers before then.
+template <int N>
+__device__ __forceinline__ void fence_fragments(u32 (&frag)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+r"(frag[i][0]), "+r"(frag[i][1]), "+r"(frag[i][2]), "+r"(frag[i][3]) :: "memory");
+}
+
 // Cooperative copy of a ROWS x (CHUNKS*8) tile of 16-bit values into the panel layout; rows >=
 // rows_valid read as zero. THREADS cover whole rows per pass (ROW_STEP a multiple of 8, so every
 // pass has the first pass's swizzle): one base address and one stride per thread.
@@ -551,6 +560,7 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[C::M_TILES][C::O_TILES][4], 
     wgmma_commit();
     wgmma_wait<0>();
     fence_accumulators(d);
+    fence_fragments(p_frag);
 }
 
 // One thread block per (query tile, batch * head); each warpgroup owns 64 query rows (split-Q),
