@@ -30,6 +30,15 @@ SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 
 
 READ_SOURCE = r"""
 typedef unsigned long long u64;
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+#ifndef CHUNK
+#define CHUNK 16384
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
 extern "C" __global__ void read_ldg(const uint4* __restrict__ src, long long n16, long long per_block, unsigned* sink) {
     const long long begin = (long long)blockIdx.x * per_block;
     const long long end = min(begin + per_block, n16);
@@ -160,6 +169,11 @@ def percentiles(values) -> dict:
     return {"min": pick(0), "p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "max": pick(1.0)}
 
 
+def device_global(kernel, name: str, nbytes: int):
+    address = kernel._module.get_global_var(name)
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(address, nbytes, kernel), 0)
+
+
 def timeline(out_path: str) -> None:
     base = compile(load_spec("specs/decode_d128.tile"))
     probe = compile(load_spec("specs/decode_d128.tile"))
@@ -178,8 +192,8 @@ def timeline(out_path: str) -> None:
         gbps = {"spec": nbytes / time_ms(run_base) / 1e6, "probe": nbytes / time_ms(run_probe) / 1e6}
         cudnn = nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6
         blocks = probe.last_splits * kv_heads * batch
-        stamps_ptr = probe._module.get_global("probe_stamps")
-        merge_ptr = probe._module.get_global("probe_merge_end")
+        stamps_ptr = device_global(probe, "probe_stamps", 16384 * 4 * 8)
+        merge_ptr = device_global(probe, "probe_merge_end", 16384 * 8)
         runs = []
         for _ in range(5):   # a flushed L2 before each, as the bench times it
             flush.zero_()
@@ -197,6 +211,11 @@ def timeline(out_path: str) -> None:
             if probe.last_splits > 1:
                 run["merge_end_us"] = percentiles(us(merges))
             runs.append(run)
+        # the last run in full: (split, kv group) order, SM id, entry, loop end, block end
+        raw = {"sm": stamps[:, 3].astype(int).tolist(), "entry_us": np.round(entry, 2).tolist(),
+               "loop_end_us": np.round(loop_end, 2).tolist(), "block_end_us": np.round(block_end, 2).tolist()}
+        if probe.last_splits > 1:
+            raw["merge_end_us"] = np.round(us(merges), 2).tolist()
         last = runs[-1]
         print(f"b{batch} h{heads}/{kv_heads} n{kv_len:6d}: spec {gbps['spec']:.0f} GB/s, probe {gbps['probe']:.0f},"
               f" cuDNN {cudnn:.0f}; {blocks} blocks on {last['sms_used']} SMs, err {err[0]}", flush=True)
@@ -204,7 +223,7 @@ def timeline(out_path: str) -> None:
             print("   entry", run["entry_us"], "\n   loop ", run["loop_us"], "\n   end  ", run["block_end_us"],
                   "\n   merge", run.get("merge_end_us"), flush=True)
         rows.append({"kernel": probe.name, "batch": batch, "heads": heads, "kv_heads": kv_heads, "kv_len": kv_len,
-                     "splits": probe.last_splits, "gbps": gbps, "error_o": err[0], "runs": runs,
+                     "splits": probe.last_splits, "gbps": gbps, "error_o": err[0], "runs": runs, "last_run": raw,
                      "peers": {"sdpa_cudnn_gbps": cudnn}})
         del q, k, v
         torch.cuda.empty_cache()
