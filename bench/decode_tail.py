@@ -1,8 +1,9 @@
 """Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
-that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes;
-this one: one barrier per kv tile instead of two), the merge skipped (a wrong answer; it measures
-the cost of the ticket and merge tail), and the spec again at the end; cuDNN timed before and after
-each shape so the spread shows the noise. Variants other than `no_merge` are validated first.
+that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes, one
+barrier per kv tile, the merge skipped; this one: the kernel as it was before each warp loaded its
+own key slice (block-wide barriers), and other tile / warp / stage shapes now that warps no longer
+wait for each other), and the spec again at the end; cuDNN timed before and after each shape so the
+spread shows the noise. Variants other than `no_merge` are validated first.
 
 Usage: python bench/decode_tail.py OUT.json"""
 from __future__ import annotations
@@ -19,12 +20,13 @@ from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
 MERGE = "if (ticket != num_splits - 1) return;"
-WAIT_K = "        cp_async_wait<3>();\n        __syncthreads();\n"
-WAIT_V = "        cp_async_wait<4>();\n        __syncthreads();\n"
-VARIANTS = {   # name: (schedule changes, lowering overrides, source patches)
+BLOCK_BARRIERS = "block_barriers"   # the generated CUDA of commit 99927a6 (same arguments, same plan)
+VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or BLOCK_BARRIERS)
     "spec": ({}, {}, ()),
-    "one_barrier": ({}, {}, ((WAIT_K, "        cp_async_wait<2>();\n        __syncthreads();\n"), (WAIT_V, ""))),
-    "no_merge": ({}, {}, ((MERGE, "return;"),)),
+    "block_barriers": ({}, {}, BLOCK_BARRIERS),
+    "kv64_s2": ({"stages": 2}, {}, ()),
+    "kv32_w2_s6": ({"tile_kv": 32, "warps": 2, "stages": 6}, {}, ()),
+    "kv128_w8_s2": ({"tile_kv": 128, "warps": 8, "stages": 2}, {}, ()),
     "spec_again": None,   # the first kernel timed again: the spread of the two is the noise
 }
 
@@ -32,6 +34,11 @@ VARIANTS = {   # name: (schedule changes, lowering overrides, source patches)
 def build(base, changes, overrides, patch):
     spec = dataclasses.replace(base, schedule=dataclasses.replace(base.schedule, **changes))
     kernel = compile(spec, **overrides)
+    if patch == BLOCK_BARRIERS:
+        # git show 99927a6:generated/<name>.cu > scratch/decode_block_barriers.cu (the GPU box has no git)
+        kernel.source = open("scratch/decode_block_barriers.cu").read()
+        assert kernel.name in kernel.source
+        return kernel
     for old, new in patch:   # each must match exactly once: a stale patch fails loudly
         assert kernel.source.count(old) == 1, old
         kernel.source = kernel.source.replace(old, new)
@@ -49,7 +56,7 @@ def main(out_path: str) -> None:
         nbytes = 2 * batch * kv_heads * kv_len * 128 * 2
         cudnn = []
         for name, kernel in kernels.items():
-            if name in ("spec", "no_merge"):   # cuDNN at the start and in the middle
+            if name in ("spec", "kv64_s2"):   # cuDNN at the start and in the middle
                 cudnn.append(nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6)
             err = run_errors(kernel, q, k, v) if name != "no_merge" else (None, None)
             run, _, _ = kernel.bind(q, k, v)

@@ -103,12 +103,15 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // When the threads cover whole rows per pass, each thread keeps one chunk column and steps down
 // by ROW_STEP rows: one base address and one stride instead of an address per copy (registers),
 // and with ROW_STEP a multiple of 8 the swizzle of every pass is the first pass's.
+// `thread` is the caller's index among the THREADS that share the copy (a warp's lane when one
+// warp loads its own rows).
 template <int ROWS, int CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
-__device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 row_stride, int rows_valid) {
+__device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 row_stride, int rows_valid,
+                                                int thread = (int)threadIdx.x) {
     constexpr int TOTAL = ROWS * CHUNKS;
     if constexpr (THREADS % CHUNKS == 0 && TOTAL % THREADS == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
-        const int row0 = (int)threadIdx.x / CHUNKS, chunk = (int)threadIdx.x % CHUNKS;
+        const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
         const u16* from = src + row0 * row_stride + chunk * 8;
         const u32 to = tile + chunk_offset<ROW_BYTES, SWIZZLE>(row0, chunk);
 #pragma unroll
@@ -122,7 +125,7 @@ __device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 ro
     } else {
 #pragma unroll
         for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-            const int index = i * THREADS + (int)threadIdx.x;
+            const int index = i * THREADS + thread;
             if (TOTAL % THREADS == 0 || index < TOTAL) {
                 const int row = index / CHUNKS, chunk = index % CHUNKS;
                 const bool valid = row < rows_valid;
@@ -415,17 +418,15 @@ struct C {
     static constexpr bool V_SWIZZLE = true;
     static constexpr int STAGES = 3;   // K/V buffers; STAGES-1 tiles in flight while one is computed
     static constexpr u32 Q_OFFSET = 0;
-    static constexpr int Q_SLOTS = 3;   // packed Q tiles of the items whose steps are in flight
-    static constexpr u32 Q_SLOT_BYTES = 4096;
-    static constexpr u32 K_OFFSET = 12288;
+    static constexpr u32 K_OFFSET = 4096;
     static constexpr u32 K_STAGE_BYTES = 16384;
-    static constexpr u32 V_OFFSET = 61440;
+    static constexpr u32 V_OFFSET = 53248;
     static constexpr u32 V_STAGE_BYTES = 16384;
-    static constexpr bool COMBINE_IN_K_STAGE = true;   // the combine's scratch is the K buffer just read
-    static constexpr u32 COMBINE_OFFSET = 0;   // the combine's own region when it does not fit a K buffer
+    static constexpr u32 COMBINE_OFFSET = 0;   // warp states for the combine reuse the Q/K/V bytes
     static constexpr int COMBINE_ROW_FLOATS = 132;   // staged O row, padded against bank conflicts
     static constexpr u32 COMBINE_BYTES = 8832;
-    static constexpr u32 SMEM_BYTES = 110592;
+    static constexpr u32 SMEM_BYTES = 102400;
+    static constexpr int Q_PENDING_GROUPS = 4;   // cp.async groups issued after Q's
     static constexpr bool Q_IN_REGISTERS = true;   // Q fragments held for the whole kv loop
     static constexpr int Q_REG_TILES = 1;
     static constexpr MaskKind MASK = MASK_NONE;
@@ -437,8 +438,7 @@ struct C {
 static_assert(C::ROWS == 16 * C::M_TILES, "packed query rows fill whole 16-row mma tiles");
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 keys of a tile");
 static_assert(C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
-static_assert(C::COMBINE_IN_K_STAGE ? C::COMBINE_BYTES <= C::K_STAGE_BYTES : C::COMBINE_OFFSET + C::COMBINE_BYTES <= C::SMEM_BYTES,
-              "the combine scratch fits in a K stage or its own region");
+static_assert(C::SMEM_BYTES >= C::COMBINE_BYTES, "the combine scratch fits in the kernel's shared memory");
 static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
 
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
@@ -547,13 +547,11 @@ __device__ __forceinline__ void mask_packed_rows(float (&s)[W::M_TILES][W::S_TIL
 // owns columns 4l..4l+3 (and +128...). lse = max + log(sum exp(lse_i - max)), weights
 // exp(lse_i - lse). Empty or fully masked splits have lse = -inf and weight 0 (their partial O is
 // a finite 0); with every split empty the row is O = 0, LSE = -inf, and -inf - -inf is never
-// computed. The last group's merge is the tail of the launch, so it is written for latency: the
-// first MERGE_BATCH splits' partial O are loaded together with the LSEs, lane l reads the LSEs of
-// splits l, l + 32, ... (MERGE_LSE_REGS of them) once and the weights travel by shuffle, and each
-// later batch of MERGE_BATCH partials is loaded before any is used. Splits past
-// 32 * MERGE_LSE_REGS take a slower path that reads their LSE again.
+// computed. The merge is the tail of the launch, so it is written for latency: the first
+// MERGE_BATCH splits' partial O are loaded together with the LSEs (one L2 round trip for the
+// usual split counts), lane s reads split s's LSE once and the weights travel by shuffle; splits
+// past 32 take a slower path that reads their LSE again.
 constexpr int MERGE_BATCH = 8;
-constexpr int MERGE_LSE_REGS = 4;
 __device__ __forceinline__ float4 weighted_add(float4 acc, float weight, float4 part) {
     return make_float4(fmaf(weight, part.x, acc.x), fmaf(weight, part.y, acc.y), fmaf(weight, part.z, acc.z),
                        fmaf(weight, part.w, acc.w));
@@ -572,27 +570,19 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
             const int col = lane * 4 + c * 128;
             first[c][j] = j < num_splits && col < C::DV ? load_cg4(parts + (i64)j * C::DV + col) : zero;
         }
-    float own[MERGE_LSE_REGS];
-#pragma unroll
-    for (int r = 0; r < MERGE_LSE_REGS; ++r) own[r] = lane + 32 * r < num_splits ? load_cg(lse_row + lane + 32 * r) : NEG_INF;
-    constexpr int HELD = 32 * MERGE_LSE_REGS;
-    float top = own[0];
-#pragma unroll
-    for (int r = 1; r < MERGE_LSE_REGS; ++r) top = fmaxf(top, own[r]);
-    for (int s = lane + HELD; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
+    const float own = lane < num_splits ? load_cg(lse_row + lane) : NEG_INF;
+    float top = own;
+    for (int s = lane + 32; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
     top = warp_max(top);
     float total = 0.f;
     if (top != NEG_INF) {
-#pragma unroll
-        for (int r = 0; r < MERGE_LSE_REGS; ++r) total += expf(own[r] - top);   // own = -inf gives 0
-        for (int s = lane + HELD; s < num_splits; s += 32) total += expf(load_cg(lse_row + s) - top);
+        total = expf(own - top);   // own = -inf gives 0
+        for (int s = lane + 32; s < num_splits; s += 32) total += expf(load_cg(lse_row + s) - top);
     }
     total = warp_sum(total);
     const float merged = top != NEG_INF ? top + logf(total) : NEG_INF;
-    float own_weight[MERGE_LSE_REGS];
-#pragma unroll
-    for (int r = 0; r < MERGE_LSE_REGS; ++r) own_weight[r] = merged != NEG_INF ? expf(own[r] - merged) : 0.f;
-    const int shuffled = min(num_splits, HELD);
+    const float own_weight = merged != NEG_INF ? expf(own - merged) : 0.f;
+    const int shuffled = min(num_splits, 32);
 #pragma unroll
     for (int c = 0; c < COL_STEPS; ++c) {
         const int col = lane * 4 + c * 128;
@@ -600,286 +590,191 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
         float4 acc = zero;
 #pragma unroll
         for (int j = 0; j < MERGE_BATCH; ++j)
-            acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight[0], j), first[c][j]);   // past num_splits: 0 * 0
+            acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight, j), first[c][j]);   // past num_splits: 0 * 0
+        for (int s0 = MERGE_BATCH; s0 < shuffled; s0 += MERGE_BATCH) {
+            float4 part[MERGE_BATCH];
 #pragma unroll
-        for (int r = 0; r < MERGE_LSE_REGS; ++r)
-            for (int s0 = r == 0 ? MERGE_BATCH : 32 * r; s0 < min(shuffled, 32 * (r + 1)); s0 += MERGE_BATCH) {
-                float4 part[MERGE_BATCH];
+            for (int j = 0; j < MERGE_BATCH; ++j)   // issue the batch's loads before the first use
+                part[j] = s0 + j < shuffled ? load_cg4(parts + (i64)(s0 + j) * C::DV + col) : zero;
 #pragma unroll
-                for (int j = 0; j < MERGE_BATCH; ++j)   // issue the batch's loads before the first use
-                    part[j] = s0 + j < shuffled ? load_cg4(parts + (i64)(s0 + j) * C::DV + col) : zero;
-#pragma unroll
-                for (int j = 0; j < MERGE_BATCH; ++j)
-                    acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight[r], (s0 + j) & 31), part[j]);
-            }
+            for (int j = 0; j < MERGE_BATCH; ++j)
+                acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight, (s0 + j) & 31), part[j]);
+        }
         if (merged != NEG_INF)
-            for (int s = HELD; s < num_splits; ++s)
+            for (int s = 32; s < num_splits; ++s)
                 acc = weighted_add(acc, expf(load_cg(lse_row + s) - merged), load_cg4(parts + (i64)s * C::DV + col));
         *reinterpret_cast<uint2*>(o_row + col) = make_uint2(pack2(acc.x, acc.y), pack2(acc.z, acc.w));
     }
     if (lane == 0) lse[row] = merged;
 }
 
-// The work of a launch is a list of items, numbered group-major: item = kv group * num_splits +
-// split, where a kv group is (batch, kv head, row tile) and a split is an even share of the
-// group's kv tiles. Blocks are persistent: block b starts with item b and claims the next one from
-// a global counter when it starts an item, so blocks on faster SMs do more items (SMs of one H200
-// stream K/V at rates up to 20% apart), and consecutive claims keep merges spread over the launch.
-// A block's items form one stream of steps, one kv tile each (an item with no tile gets one empty
-// step), that the K/V pipeline runs through without draining between items.
-constexpr int STEP_FIRST = 1, STEP_LAST = 2, STEP_EMPTY = 4, STEP_END = 8;   // flags; bits 8+: Q slot
-constexpr int STEP_RING = C::STAGES + 1;   // steps j .. j+STAGES are live during step j
-struct Step { int tile, flags, item, seq_kv; };
-
-// One kv group: which batch and kv head, and which packed query rows.
-struct Group { int batch, kv_head, row0, rows_valid; };
-__device__ __forceinline__ Group group_of(int item, int num_splits, int groups_per_batch, int row_tiles, int rows_per_kv_head) {
-    const int group = item / num_splits, in_batch = group % groups_per_batch;
-    Group g;
-    g.batch = group / groups_per_batch;
-    g.kv_head = in_batch / row_tiles;
-    g.row0 = (in_batch % row_tiles) * C::ROWS;
-    g.rows_valid = min(C::ROWS, rows_per_kv_head - g.row0);
-    return g;
-}
-
-// The kv tiles of split `split` of a sequence of seq_kv keys (the same even shares as
-// tiledsl.splits.split_ranges); keys a window mask hides from every query are never loaded.
-__device__ __forceinline__ void split_tiles(int seq_kv, int q_len, int split, int num_splits, int& begin, int& end) {
-    int kv_lo = 0;
-    if constexpr (C::MASK == MASK_WINDOW) kv_lo = max(0, seq_kv - q_len - C::WINDOW_LEFT);   // query 0's first key
-    const int first_tile = kv_lo / C::BC;
-    const int num_tiles = seq_kv > kv_lo ? (seq_kv + C::BC - 1) / C::BC - first_tile : 0;
-    begin = first_tile + (int)((i64)split * num_tiles / num_splits);
-    end = first_tile + (int)((i64)(split + 1) * num_tiles / num_splits);
-}
-
-// Persistent blocks (as many as are resident, at most one per item); each walks the step stream
-// of the items it claims. Warps split every kv tile along the keys; the combine merges them at
-// the end of each item.
+// Grid (splits, kv_heads * row_tiles, batch): one block per kv split of one kv head's packed
+// query rows. Warps split every kv tile along the keys, each loading and multiplying its own
+// slice with its own cp.async pipeline (warps meet only at Q's load and at the end); the
+// combine merges them at the end.
 extern "C" __global__ void __launch_bounds__(C::THREADS, 2)
 decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
         u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
-        int* __restrict__ counters, const int* __restrict__ kv_lens, int q_len, int kv_len, int heads, int kv_group,
-        int row_tiles, int num_splits, int groups_per_batch, int num_groups,
+        int* __restrict__ split_counters, const int* __restrict__ kv_lens, int q_len, int kv_len, int heads, int kv_group, int row_tiles, int num_splits,
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride) {
     extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ Step steps[STEP_RING];
-    __shared__ int ticket;
     const u32 smem_base = shared_address(smem);
+    const u32 q_tile = smem_base + C::Q_OFFSET;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int rows_per_kv_head = kv_group * q_len;
-    const int total_items = num_groups * num_splits;
-    // counters: [num_groups] merge tickets, then the item counter and the count of finished blocks.
-    int* item_counter = counters + num_groups;
-    int* blocks_done = item_counter + 1;
 
-    // [decode_d128.tile:12] work items (kv group, split), claimed by persistent blocks from a counter; a split is an even share of its sequence's kv tiles (one with none writes LSE = -inf)
-    // Thread 0 writes the step stream; the block reads step j after a barrier of step j.
-    int item = -1, next_item = blockIdx.x, tile = 0, tile_end = 0, tile_begin = 0, seq = 0, items_started = 0;
-    auto produce = [&](int position) {
-        Step step;
-        if (tile >= tile_end) {   // the current item has no tile left: start the next one
-            item = next_item;
-            if (item >= total_items) {
-                step.tile = 0, step.flags = STEP_END, step.item = 0, step.seq_kv = 0;
-                steps[position % STEP_RING] = step;
-                return;
-            }
-            next_item = (int)gridDim.x + atomicAdd(item_counter, 1);   // used when this item ends
-            const Group g = group_of(item, num_splits, groups_per_batch, row_tiles, rows_per_kv_head);
-            seq = kv_lens ? kv_lens[g.batch] : kv_len;
-            split_tiles(seq, q_len, item % num_splits, num_splits, tile_begin, tile_end);
-            tile = tile_begin;
-            const int q_slot = items_started++ % C::Q_SLOTS;
-            if (tile_begin == tile_end) {   // an empty split still writes its (empty) partial
-                step.tile = 0, step.flags = STEP_FIRST | STEP_LAST | STEP_EMPTY | (q_slot << 8), step.item = item, step.seq_kv = seq;
-                steps[position % STEP_RING] = step;
-                return;
-            }
-        }
-        step.tile = tile;
-        step.flags = (tile == tile_begin ? STEP_FIRST : 0) | (tile == tile_end - 1 ? STEP_LAST : 0) |
-                     (((items_started - 1) % C::Q_SLOTS) << 8);
-        step.item = item, step.seq_kv = seq;
-        steps[position % STEP_RING] = step;
-        ++tile;
-    };
-    // Loads of step `position`: its K and V tiles (one cp.async group each), and with the first
-    // step of an item the item's packed Q rows into the item's Q slot (in K's group).
-    auto issue_step = [&](int position) {
-        const Step step = steps[position % STEP_RING];
-        const int stage = position % C::STAGES;
-        if (step.flags & (STEP_EMPTY | STEP_END)) {
-            cp_async_commit();
-            cp_async_commit();
-            return;
-        }
-        const Group g = group_of(step.item, num_splits, groups_per_batch, row_tiles, rows_per_kv_head);
-        if (step.flags & STEP_FIRST) {
+    const int split = blockIdx.x, batch = blockIdx.z;
+    const int kv_head = blockIdx.y / row_tiles, row0 = (blockIdx.y % row_tiles) * C::ROWS;
+    const int rows_valid = min(C::ROWS, kv_group * q_len - row0);
+    const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
+    const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
+    const u16* k_rows = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_rows = v + batch * v_batch_stride + kv_head * v_head_stride;
+
+    // [decode_d128.tile:12] this split's kv tiles: an even share of the sequence's tiles (a split with none writes LSE = -inf)
+    int kv_lo = 0;
+    if constexpr (C::MASK == MASK_WINDOW) kv_lo = max(0, diag - C::WINDOW_LEFT);   // query 0's first key
+    const int first_tile = kv_lo / C::BC;
+    const int num_tiles = seq_kv > kv_lo ? (seq_kv + C::BC - 1) / C::BC - first_tile : 0;
+    const int tile_begin = first_tile + (int)((i64)split * num_tiles / num_splits);
+    const int tile_end = first_tile + (int)((i64)(split + 1) * num_tiles / num_splits);
+
     // [decode_d128.tile:9] load the packed 16 x 128 Q tile: row r is head r / queries of the kv group, query r % queries (zero-filled past the group)
-            const u32 q_tile = smem_base + C::Q_OFFSET + (step.flags >> 8) * C::Q_SLOT_BYTES;
 #pragma unroll
-            for (int i = 0; i < (C::ROWS * C::D / 8 + C::THREADS - 1) / C::THREADS; ++i) {
-                const int index = i * C::THREADS + (int)threadIdx.x;
-                if ((C::ROWS * C::D / 8) % C::THREADS == 0 || index < C::ROWS * C::D / 8) {
-                    const int row = index / (C::D / 8), chunk = index % (C::D / 8);
-                    const bool valid = row < g.rows_valid;
-                    const int packed = g.row0 + row;
-                    const u16* src = q + g.batch * q_batch_stride + (i64)(g.kv_head * kv_group + packed / q_len) * q_head_stride
-                                       + (i64)(packed % q_len) * q_row_stride + chunk * 8;
-                    cp_async_16(q_tile + chunk_offset<C::QK_ROW_BYTES, C::QK_SWIZZLE>(row, chunk), valid ? src : q, valid);
-                }
-            }
+    for (int i = 0; i < (C::ROWS * C::D / 8 + C::THREADS - 1) / C::THREADS; ++i) {
+        const int index = i * C::THREADS + (int)threadIdx.x;
+        if ((C::ROWS * C::D / 8) % C::THREADS == 0 || index < C::ROWS * C::D / 8) {
+            const int row = index / (C::D / 8), chunk = index % (C::D / 8);
+            const bool valid = row < rows_valid;
+            const int packed = row0 + row;
+            const u16* src = q + batch * q_batch_stride + (i64)(kv_head * kv_group + packed / q_len) * q_head_stride
+                               + (i64)(packed % q_len) * q_row_stride + chunk * 8;
+            cp_async_16(q_tile + chunk_offset<C::QK_ROW_BYTES, C::QK_SWIZZLE>(row, chunk), valid ? src : q, valid);
         }
-        const u16* k_rows = k + g.batch * k_batch_stride + g.kv_head * k_head_stride;
-        const u16* v_rows = v + g.batch * v_batch_stride + g.kv_head * v_head_stride;
-        load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-            smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES, k_rows + (i64)step.tile * C::BC * k_row_stride,
-            k_row_stride, step.seq_kv - step.tile * C::BC);
-        cp_async_commit();
-        load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-            smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES, v_rows + (i64)step.tile * C::BC * v_row_stride,
-            v_row_stride, step.seq_kv - step.tile * C::BC);
-        cp_async_commit();
-    };
-
-    // [decode_d128.tile:11] pipeline prologue: first 2 K/V tiles in flight; the pipeline runs on across items
-    if (threadIdx.x == 0)
-        for (int position = 0; position < C::STAGES; ++position) produce(position);
+    }
+    cp_async_commit();
+    // [decode_d128.tile:11] pipeline prologue: first 2 K/V tiles in flight
+#pragma unroll
+    for (int s = 0; s < C::STAGES - 1; ++s) {
+        if (tile_begin + s < tile_end) {
+            const int slice0 = (tile_begin + s) * C::BC + warp * C::KEYS_PER_WARP;
+            load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
+                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
+                k_rows + (i64)slice0 * k_row_stride, k_row_stride, seq_kv - slice0, lane);
+            cp_async_commit();
+            load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
+                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
+                v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
+            cp_async_commit();
+        }
+        else { cp_async_commit(); cp_async_commit(); }
+    }
+    cp_async_wait<C::Q_PENDING_GROUPS>();
     __syncthreads();
-    for (int position = 0; position < C::STAGES - 1; ++position) issue_step(position);
+    u32 q_regs[W::Q_REG_TILES][W::D / 16][4];
+    if constexpr (C::Q_IN_REGISTERS) load_q_fragments<W>(q_regs, q_tile, 0, lane);
+
+    float acc_o[W::M_TILES][W::O_TILES][4];
+    float row_max[W::M_TILES][2], row_sum[W::M_TILES][2];
+#pragma unroll
+    for (int mt = 0; mt < W::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < W::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = 0.f;
+        row_max[mt][0] = row_max[mt][1] = NEG_INF;
+        row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    }
 
     // [decode_d128.tile:10] each warp: keys [warp * 16, +16) of every tile, its own online softmax state
-    // Outer loop: items; inner loop: the item's steps. The online-softmax state and Q's fragments
-    // live only inside one item, so the combine and merge get their registers.
-    for (int j = 0;;) {
-        float acc_o[W::M_TILES][W::O_TILES][4];
-        float row_max[W::M_TILES][2], row_sum[W::M_TILES][2];
-#pragma unroll
-        for (int mt = 0; mt < W::M_TILES; ++mt) {
-#pragma unroll
-            for (int nd = 0; nd < W::O_TILES; ++nd)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = 0.f;
-            row_max[mt][0] = row_max[mt][1] = NEG_INF;
-            row_sum[mt][0] = row_sum[mt][1] = 0.f;
-        }
-        u32 q_regs[W::Q_REG_TILES][W::D / 16][4];
-        Step cur;
-        int stage;
-        bool finished = false;
-        for (;; ++j) {
-            stage = j % C::STAGES;
-            const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES;
-            const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
-            float acc_s[W::M_TILES][W::S_TILES][4];
-            // [decode_d128.tile:11] wait for K_j (V_j and later tiles may still be in flight)
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int stage = (tile - tile_begin) % C::STAGES;
+        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES;
+        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
+        const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
+        float acc_s[W::M_TILES][W::S_TILES][4];
+        // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j and later tiles may still be in flight)
         cp_async_wait<3>();
-        __syncthreads();
-
-            cur = steps[j % STEP_RING];   // written by thread 0 before an earlier barrier
-            if (cur.flags & STEP_END) {
-                finished = true;
-                break;
-            }
-        // [decode_d128.tile:11] prefetch K, V of tile j+2 into the buffer freed last step; thread 0 writes step j+STAGES into the slot step j-1 used
-            issue_step(j + 2);
-            if (threadIdx.x == 0) produce(j + C::STAGES);
-        // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
-            if (!(cur.flags & STEP_EMPTY)) {
-                const u32 q_tile = smem_base + C::Q_OFFSET + (cur.flags >> 8) * C::Q_SLOT_BYTES;
-                if (C::Q_IN_REGISTERS && (cur.flags & STEP_FIRST)) load_q_fragments<W>(q_regs, q_tile, 0, lane);   // Q landed with K
-                mma_qk<W>(acc_s, q_regs, q_tile, k_tile, 0, lane);
-            }
-        // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window
-            if (!(cur.flags & STEP_EMPTY)) {
-                const Group g = group_of(cur.item, num_splits, groups_per_batch, row_tiles, rows_per_kv_head);
-                const int key0 = cur.tile * C::BC + warp * C::KEYS_PER_WARP, diag = cur.seq_kv - q_len;
-                if (tile_needs_mask<C>(0, q_len, key0, C::KEYS_PER_WARP, cur.seq_kv, diag))
-                    mask_packed_rows(acc_s, g.row0, q_len, key0, cur.seq_kv, diag, lane);
-            }
-        // [decode_d128.tile:8] m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O (per warp)
-            if (!(cur.flags & STEP_EMPTY)) online_softmax<W>(acc_s, row_max, row_sum, acc_o);
-            // [decode_d128.tile:11] wait for V_j
+        __syncwarp();
+        // [decode_d128.tile:11] prefetch the warp's slice of K, V of tile j+2 into the buffer it freed last step
+        if (tile + 2 < tile_end) {
+            const int slice0 = (tile + 2) * C::BC + warp * C::KEYS_PER_WARP;
+            load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
+                smem_base + C::K_OFFSET + ((stage + 2) % C::STAGES) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
+                k_rows + (i64)slice0 * k_row_stride, k_row_stride, seq_kv - slice0, lane);
+            cp_async_commit();
+            load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
+                smem_base + C::V_OFFSET + ((stage + 2) % C::STAGES) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
+                v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
+            cp_async_commit();
+        }
+        else { cp_async_commit(); cp_async_commit(); }
+    // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
+        mma_qk<W>(acc_s, q_regs, q_tile, k_tile, 0, lane);
+    // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window
+        if (tile_needs_mask<C>(0, q_len, key0, C::KEYS_PER_WARP, seq_kv, diag))
+            mask_packed_rows(acc_s, row0, q_len, key0, seq_kv, diag, lane);
+    // [decode_d128.tile:8] m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O (per warp)
+        online_softmax<W>(acc_s, row_max, row_sum, acc_o);
+        // [decode_d128.tile:11] wait for the warp's slice of V_j
         cp_async_wait<4>();
-        __syncthreads();
+        __syncwarp();
+    // [decode_d128.tile:9] O += P V_j (P from registers, V via ldmatrix.trans)
+        mma_pv<W>(acc_o, acc_s, v_tile, lane);
+    }
 
-        // [decode_d128.tile:9] O += P V_j (P from registers, V via ldmatrix.trans)
-            if (!(cur.flags & STEP_EMPTY)) mma_pv<W>(acc_o, acc_s, v_tile, lane);
-            if (cur.flags & STEP_LAST) {
-                ++j;
-                break;
-            }
-        }
-        if (finished) break;
-
-    // [decode_d128.tile:10] end of an item: combine the warps' (m, l, O) through shared memory
-        // Every warp has read this stage's K (a barrier since), and the stage is refilled only
-        // after the next step's first barrier: its K buffer holds the combine's scratch.
-        float* scratch = reinterpret_cast<float*>(smem + (C::COMBINE_IN_K_STAGE ? C::K_OFFSET + stage * C::K_STAGE_BYTES
-                                                                                 : C::COMBINE_OFFSET));
-        combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane);
+    // [decode_d128.tile:10] combine the warps' (m, l, O) through shared memory
+    cp_async_wait<0>();
+    __syncthreads();   // the combine's scratch reuses the K/V buffers
+    float* scratch = reinterpret_cast<float*>(smem + C::COMBINE_OFFSET);
+    combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane);
     // [decode_d128.tile:12] one split: final O and LSE; several: fp32 partial O and LSE to the workspace
-        // combine.cuh leaves o_sum[ROWS][COMBINE_ROW_FLOATS], m_part[WARPS][ROWS], m[ROWS], l[ROWS].
-        const Group g = group_of(cur.item, num_splits, groups_per_batch, row_tiles, rows_per_kv_head);
-        const int split = cur.item % num_splits;
-        const float* o_sum = scratch;
-        const float* m_all = o_sum + C::ROWS * C::COMBINE_ROW_FLOATS + C::WARPS * C::ROWS;
-        const float* l_all = m_all + C::ROWS;
-        const i64 out_row0 = (i64)g.batch * heads * q_len;
-        for (int index = threadIdx.x; index < g.rows_valid * (C::DV / 4); index += C::THREADS) {
-            const int row = index / (C::DV / 4), col = index % (C::DV / 4) * 4;
-            const float l = l_all[row];
-            const float inv = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: O = 0, LSE = -inf
-            const float4 sum = *reinterpret_cast<const float4*>(o_sum + row * C::COMBINE_ROW_FLOATS + col);
-            const float row_lse = l > 0.f ? m_all[row] * C::SCALE + logf(l) : NEG_INF;
-            const int packed = g.row0 + row;
-            const int head = g.kv_head * kv_group + packed / q_len, query = packed % q_len;
-            const i64 out_row = out_row0 + (i64)head * q_len + query;
-            if (num_splits > 1) {
-                *reinterpret_cast<float4*>(o_part + (out_row * num_splits + split) * C::DV + col) =
-                    make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
-                if (col == 0) lse_part[out_row * num_splits + split] = row_lse;
-            } else {
-                *reinterpret_cast<uint2*>(o + g.batch * o_batch_stride + head * o_head_stride + query * o_row_stride + col) =
-                    make_uint2(pack2(sum.x * inv, sum.y * inv), pack2(sum.z * inv, sum.w * inv));
-                if (col == 0) lse[out_row] = row_lse;
-            }
+    // combine.cuh leaves o_sum[ROWS][COMBINE_ROW_FLOATS], m_part[WARPS][ROWS], m[ROWS], l[ROWS].
+    const float* o_sum = scratch;
+    const float* m_all = o_sum + C::ROWS * C::COMBINE_ROW_FLOATS + C::WARPS * C::ROWS;
+    const float* l_all = m_all + C::ROWS;
+    const i64 out_row0 = (i64)batch * heads * q_len;
+    for (int index = threadIdx.x; index < rows_valid * (C::DV / 4); index += C::THREADS) {
+        const int row = index / (C::DV / 4), col = index % (C::DV / 4) * 4;
+        const float l = l_all[row];
+        const float inv = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: O = 0, LSE = -inf
+        const float4 sum = *reinterpret_cast<const float4*>(o_sum + row * C::COMBINE_ROW_FLOATS + col);
+        const float row_lse = l > 0.f ? m_all[row] * C::SCALE + logf(l) : NEG_INF;
+        const int packed = row0 + row;
+        const int head = kv_head * kv_group + packed / q_len, query = packed % q_len;
+        const i64 out_row = out_row0 + (i64)head * q_len + query;
+        if (o_part) {
+            *reinterpret_cast<float4*>(o_part + (out_row * num_splits + split) * C::DV + col) =
+                make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+            if (col == 0) lse_part[out_row * num_splits + split] = row_lse;
+        } else {
+            *reinterpret_cast<uint2*>(o + batch * o_batch_stride + head * o_head_stride + query * o_row_stride + col) =
+                make_uint2(pack2(sum.x * inv, sum.y * inv), pack2(sum.z * inv, sum.w * inv));
+            if (col == 0) lse[out_row] = row_lse;
         }
-        if (num_splits == 1) continue;   // the next combine writes the scratch after the next step's barriers
+    }
+    if (!o_part) return;
 
     // [decode_d128.tile:12] merge the splits: lse = max + log sum exp(lse_i - max), O = sum exp(lse_i - lse) O_i
-        // The last split of this kv group to finish merges all of them. Publish this split's
-        // partials with the ticket: the barrier orders every thread's partial stores before
-        // thread 0's release; the acquire half orders the merging block's loads after the other
-        // splits' releases. The merging block resets the counter for the next launch.
-        __syncthreads();
-        int* counter = counters + cur.item / num_splits;
-        if (threadIdx.x == 0) ticket = atomic_add_acq_rel(counter, 1);
-        __syncthreads();
-        if (ticket != num_splits - 1) continue;
-        for (int row = warp; row < g.rows_valid; row += C::WARPS) {
-            const int packed = g.row0 + row;
-            const int head = g.kv_head * kv_group + packed / q_len, query = packed % q_len;
-            merge_row(out_row0 + (i64)head * q_len + query, lane, o_part, lse_part,
-                      o + g.batch * o_batch_stride + head * o_head_stride + query * o_row_stride, lse, num_splits);
-        }
-        if (threadIdx.x == 0) *counter = 0;
+    // The last split of this (batch, kv head, row tile) to finish merges all of them, so a call is
+    // one launch. Publish this split's partials with the ticket; the counter is reset for
+    // the next launch by the block that merges.
+    // The barrier orders every thread's partial stores before thread 0's release; the acquire
+    // half orders the merging block's loads after the other splits' releases.
+    __shared__ int ticket;
+    __syncthreads();
+    int* counter = split_counters + (i64)blockIdx.z * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) ticket = atomic_add_acq_rel(counter, 1);
+    __syncthreads();
+    if (ticket != num_splits - 1) return;
+    for (int row = warp; row < rows_valid; row += C::WARPS) {
+        const int packed = row0 + row;
+        const int head = kv_head * kv_group + packed / q_len, query = packed % q_len;
+        merge_row(out_row0 + (i64)head * q_len + query, lane, o_part, lse_part,
+                  o + batch * o_batch_stride + head * o_head_stride + query * o_row_stride, lse, num_splits);
     }
-
-    // The last block to finish resets the item counter for the next launch (every block has
-    // made its last claim before it counts itself done).
-    cp_async_wait<0>();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(blocks_done, 1) == (int)gridDim.x - 1) {
-            *item_counter = 0;
-            *blocks_done = 0;
-        }
-    }
+    if (threadIdx.x == 0) *counter = 0;
 }
 

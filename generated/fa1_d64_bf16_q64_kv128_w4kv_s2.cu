@@ -102,12 +102,15 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // When the threads cover whole rows per pass, each thread keeps one chunk column and steps down
 // by ROW_STEP rows: one base address and one stride instead of an address per copy (registers),
 // and with ROW_STEP a multiple of 8 the swizzle of every pass is the first pass's.
+// `thread` is the caller's index among the THREADS that share the copy (a warp's lane when one
+// warp loads its own rows).
 template <int ROWS, int CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
-__device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 row_stride, int rows_valid) {
+__device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 row_stride, int rows_valid,
+                                                int thread = (int)threadIdx.x) {
     constexpr int TOTAL = ROWS * CHUNKS;
     if constexpr (THREADS % CHUNKS == 0 && TOTAL % THREADS == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS;
-        const int row0 = (int)threadIdx.x / CHUNKS, chunk = (int)threadIdx.x % CHUNKS;
+        const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
         const u16* from = src + row0 * row_stride + chunk * 8;
         const u32 to = tile + chunk_offset<ROW_BYTES, SWIZZLE>(row0, chunk);
 #pragma unroll
@@ -121,7 +124,7 @@ __device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 ro
     } else {
 #pragma unroll
         for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-            const int index = i * THREADS + (int)threadIdx.x;
+            const int index = i * THREADS + thread;
             if (TOTAL % THREADS == 0 || index < TOTAL) {
                 const int row = index / CHUNKS, chunk = index % CHUNKS;
                 const bool valid = row < rows_valid;

@@ -120,12 +120,10 @@ def test_decode_auto_split_prints_the_count_and_why(write_spec):
     from tiledsl.lower import lower
     from tiledsl.lower_decode import decode_blocks_per_sm
     slots = 132 * decode_blocks_per_sm(lower(spec))                      # resident blocks, as the runtime
-    from tiledsl.splits import ITEMS_PER_SLOT, MAX_AUTO_SPLITS
-    wanted = ITEMS_PER_SLOT * slots // 8                                 # 8 kv groups (2 x 4 kv heads)
-    assert m and int(m.group(1)) == min(wanted, MAX_AUTO_SPLITS) and "work items per block" in m.group(2)
+    assert m and int(m.group(1)) == slots // 8 and "one wave" in m.group(2)   # 8 blocks (2 x 4 kv heads)
     assert "kernel merge" in text and "O_part[s" in text
-    full = explain(spec, batch=64, heads=32, seqlen_kv=4096)          # 2048 groups: enough items already
-    assert "split kv = auto: 1 splits (chosen for this shape)" in full and "no split" in full
+    full = explain(spec, batch=64, heads=32, seqlen_kv=4096)          # 2048 blocks fill 132 SMs
+    assert "split kv = auto: 1 splits (chosen for this shape)" in full and "already fill" in full
 
 
 def test_cli_prints_every_spec_and_writes_dot(write_spec, tmp_path, capsys):

@@ -1,14 +1,13 @@
 """Lowering of the decode family (flash-decoding): KernelSpec -> KernelPlan for templates/decode.cu.j2.
 
-The work is one item per (kv split, batch, kv head, row tile). The queries that read the same KV
+One thread block per (kv split, batch, kv head, row tile). The queries that read the same KV
 head -- the kv group's heads times the queries per sequence -- are packed into the rows of one
-MMA tile, so every K/V byte is read once per group. Persistent blocks (as many as are resident)
-claim items from a counter and run their tiles as one pipelined stream. The block's warps split
-each kv tile along the keys (split-K), each runs attention.cuh's QK^T / online softmax / PV on
-its own key slice, and combine.cuh merges the warps' (m, l, O) through shared memory at the end
-of each item. A split writes normalised O (fp32) and LSE to a workspace; the last split of each
-(batch, kv head, row tile) to finish merges them (an atomic ticket), so a call is one launch.
-With one split the item writes the final output directly.
+MMA tile, so every K/V byte is read once per group. The block's warps split each kv tile along
+the keys (split-K), each runs attention.cuh's QK^T / online softmax / PV on its own key slice,
+and combine.cuh merges the warps' (m, l, O) through shared memory at the end. A split writes
+normalised O (fp32) and LSE to a workspace; the last split of each (batch, kv head) to finish
+merges them (an atomic ticket), so a call is one launch. With one split the block writes the
+final output directly.
 
 Sizes are derived here; the template only names them.
 """
@@ -27,8 +26,10 @@ REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpa
 
 
 def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
-    """The kv loop of one split, in emission order. K and V are separate cp.async groups (QK^T
-    starts before V lands); with 2+ stages tile j+S-1 is prefetched as soon as K_j has landed.
+    """The kv loop of one split, in emission order, run by each warp on its own key slice of every
+    tile: the warp loads the slice it multiplies, so waits and buffer reuse are per warp (a warp
+    barrier, no block barrier). K and V are separate cp.async groups (QK^T starts before V lands);
+    with 2+ stages tile j+S-1 is prefetched as soon as K_j has landed.
 
     The scheduler graph merges the warps' states after every kv step (`combine_warps` inside the
     loop); here each warp keeps a running online-softmax state over its own key slices of every
@@ -36,20 +37,21 @@ def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     merging once saves a shared-memory round trip and two barriers per tile."""
     pipe, tile, mask, order = (_where(spec, key) for key in ("pipeline", "tile", "mask", "order"))
     if stages == 1:
-        head = [LoopOp("barrier", pipe, "one stage: every warp is done with the buffer before it is refilled"),
-                LoopOp("prefetch_kv", pipe, "load K_j, V_j", distance=0),
-                LoopOp("wait_k", pipe, "wait for K_j", pending=1)]
+        head = [LoopOp("barrier", pipe, "one stage: the warp is done with its slice of the buffer before refilling it"),
+                LoopOp("prefetch_kv", pipe, "load this warp's slice of K_j, V_j", distance=0),
+                LoopOp("wait_k", pipe, "wait for the warp's slice of K_j", pending=1)]
         wait_v = 0
     else:
-        head = [LoopOp("wait_k", pipe, "wait for K_j (V_j and later tiles may still be in flight)", pending=2 * stages - 3),
-                LoopOp("prefetch_kv", pipe, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
-                       distance=stages - 1)]
+        head = [LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
+                       pending=2 * stages - 3),
+                LoopOp("prefetch_kv", pipe, f"prefetch the warp's slice of K, V of tile j+{stages - 1} into the buffer "
+                       "it freed last step", distance=stages - 1)]
         wait_v = 2 * stages - 2
     return tuple(head + [
         LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
         LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
         LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
-        LoopOp("wait_v", pipe, "wait for V_j", pending=wait_v),
+        LoopOp("wait_v", pipe, "wait for the warp's slice of V_j", pending=wait_v),
         LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
     ])
 
@@ -80,20 +82,16 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
 
-    # Shared memory: one Q slot per stage (a block may have the Q of STAGES items in flight), then
-    # STAGES K/V buffers. At the end of an item the warps' states for the combine go into the K
-    # buffer of the step just computed (free until the next step's first barrier) when they fit,
-    # else into a region of their own.
-    q_offset, q_slot = 0, s.tile_q * qk_row
-    k_offset = _align(q_offset + stages * q_slot)
+    # Shared memory: Q once, then STAGES K/V buffers. After the kv loop the same bytes hold the
+    # warps' states for the combine (Q is no longer read, the pipeline is drained).
+    q_offset = 0
+    k_offset = _align(q_offset + s.tile_q * qk_row)
     k_stage, v_stage = tile_kv * qk_row, tile_kv * v_row
     v_offset = _align(k_offset + stages * k_stage)
     end = _align(v_offset + stages * v_stage)
     combine_row_floats = p.head_dim_v + COMBINE_PAD_FLOATS
     combine_bytes = 4 * (s.tile_q * combine_row_floats + (s.warps + 2) * s.tile_q)   # combine.cuh's contract
-    combine_in_k_stage = combine_bytes <= k_stage
-    combine_offset = 0 if combine_in_k_stage else end
-    smem = end if combine_in_k_stage else _align(end + combine_bytes)
+    smem = max(end, _align(combine_bytes))
     if smem > SMEM_PER_BLOCK_LIMIT:
         raise SpecError(f"decode needs {smem} B of shared memory ({stages} stages x {k_stage + v_stage} B of K/V "
                         f"+ Q); an sm_90 block may use {SMEM_PER_BLOCK_LIMIT}", spec.span_of("pipeline"),
@@ -127,32 +125,29 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("V_SWIZZLE", "bool", v_swizzle),
         Constant("STAGES", "int", stages, "K/V buffers; STAGES-1 tiles in flight while one is computed"),
         Constant("Q_OFFSET", "u32", q_offset),
-        Constant("Q_SLOTS", "int", stages, "packed Q tiles of the items whose steps are in flight"),
-        Constant("Q_SLOT_BYTES", "u32", q_slot),
         Constant("K_OFFSET", "u32", k_offset),
         Constant("K_STAGE_BYTES", "u32", k_stage),
         Constant("V_OFFSET", "u32", v_offset),
         Constant("V_STAGE_BYTES", "u32", v_stage),
-        Constant("COMBINE_IN_K_STAGE", "bool", combine_in_k_stage, "the combine's scratch is the K buffer just read"),
-        Constant("COMBINE_OFFSET", "u32", combine_offset, "the combine's own region when it does not fit a K buffer"),
+        Constant("COMBINE_OFFSET", "u32", 0, "warp states for the combine reuse the Q/K/V bytes"),
         Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
         Constant("COMBINE_BYTES", "u32", combine_bytes),
         Constant("SMEM_BYTES", "u32", smem),
+        Constant("Q_PENDING_GROUPS", "int", 2 * (stages - 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
     ]
     tile_where, pipe_where = _where(spec, "tile"), _where(spec, "pipeline")
     regions = {
-        "kv_range": Region(_where(spec, "split"), "work items (kv group, split), claimed by persistent blocks from a "
-                           "counter; a split is an even share of its sequence's kv tiles (one with none writes LSE = -inf)"),
+        "kv_range": Region(_where(spec, "split"), "this split's kv tiles: an even share of the sequence's tiles "
+                           "(a split with none writes LSE = -inf)"),
         "load_q": Region(tile_where, f"load the packed {s.tile_q} x {p.head_dim_qk} Q tile: row r is head "
                          "r / queries of the kv group, query r % queries (zero-filled past the group)"),
-        "prologue": Region(pipe_where, f"pipeline prologue: first {stages - 1} K/V tiles in flight; the pipeline "
-                           "runs on across items"),
+        "prologue": Region(pipe_where, f"pipeline prologue: first {stages - 1} K/V tiles in flight"),
         "kv_loop": Region(_where(spec, "warps"), f"each warp: keys [warp * {keys_per_warp}, +{keys_per_warp}) "
                           "of every tile, its own online softmax state"),
-        "combine": Region(_where(spec, "warps"), "end of an item: combine the warps' (m, l, O) through shared memory"),
+        "combine": Region(_where(spec, "warps"), "combine the warps' (m, l, O) through shared memory"),
         "epilogue": Region(_where(spec, "split"), "one split: final O and LSE; several: fp32 partial O and LSE "
                            "to the workspace"),
         "merge": Region(_where(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
@@ -160,7 +155,9 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     }
     notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile; {stages} stages: "
              f"{bytes_in_flight} B of K/V in flight per block while one tile is computed",
-             f"{smem} B shared memory -> {blocks_per_sm} block(s) per SM")
+             f"{smem} B shared memory -> {min(blocks_per_sm, min_blocks_per_sm)} resident block(s) per SM"
+             + (f" (shared memory alone would allow {blocks_per_sm}; the launch bounds promise ptxas "
+                f"{min_blocks_per_sm})" if blocks_per_sm > min_blocks_per_sm else ""))
     name = spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
@@ -168,8 +165,11 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:
-    """Resident blocks per SM that shared memory allows (registers never bind at 128-256 threads)."""
-    return max(1, SMEM_PER_SM // (plan.launch.smem_bytes + SMEM_RESERVED_PER_BLOCK))
+    """Resident blocks per SM the launch can count on: what shared memory allows, but no more than
+    the launch bounds promise ptxas (min_blocks_per_sm): past that ptxas may use up to 255
+    registers a thread, and 3 blocks of 128 threads at more than 170 registers do not fit."""
+    by_shared = max(1, SMEM_PER_SM // (plan.launch.smem_bytes + SMEM_RESERVED_PER_BLOCK))
+    return min(by_shared, max(plan.min_blocks_per_sm, 1))
 
 
 def constant(plan: KernelPlan, name: str):

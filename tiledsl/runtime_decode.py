@@ -1,13 +1,11 @@
 """Runtime of the decode family: one launch per call.
 
-The grid is persistent: one block per resident slot (at most one per work item), each claiming
-(kv group, split) items from a counter. With one split an item writes the final O and LSE itself.
-With several, each split writes its normalised O (fp32) and LSE to a workspace of
-(batch * heads * queries, splits, dv) floats, kept on the kernel and grown on demand, and the last
-split of each (batch, kv head, row tile) to finish merges them; it finds out through an int32
-ticket per group. The counters (tickets, the item counter, finished blocks) are zeroed once here
-and left at zero by every launch. `split kv = auto` picks the count at launch for the device in
-hand; the count and the reason are kept on the kernel (`last_splits`, `last_split_reason`).
+With one split each block writes the final O and LSE itself. With several, each split writes its
+normalised O (fp32) and LSE to a workspace of (batch * heads * queries, splits, dv) floats, kept
+on the kernel and grown on demand, and the last split of each (batch, kv head, row tile) to
+finish merges them; it finds out through an int32 ticket counter per group, zeroed once here and
+reset by the merging block. `split kv = auto` picks the count at launch for the device in hand;
+the count and the reason are kept on the kernel (`last_splits`, `last_split_reason`).
 """
 from __future__ import annotations
 
@@ -19,7 +17,9 @@ from .spec import AUTO
 from .splits import choose_splits
 from .tensors import TensorView
 
-MAX_ITEMS = 2**31 - 1   # items are numbered in int32
+MAX_GRID_YZ = 65535
+# Per-block start-up cost, in tile-times, for the wave model below: a block's first tile waits
+# a full memory latency with nothing else of the block in flight.
 
 
 class DecodeKernel(Kernel):
@@ -58,15 +58,9 @@ class DecodeKernel(Kernel):
         wanted = self.spec.problem.queries_per_seq
         if shapes.q_len != wanted:
             raise RuntimeInputError(f"{self.name}: built for {wanted} queries per sequence, q has {shapes.q_len}")
-        groups = shapes.batch * shapes.kv_heads * self.row_tiles(shapes)
-        if groups * max(self._fixed_splits(), 1) > MAX_ITEMS or groups + 2 > MAX_ITEMS:
-            raise RuntimeInputError(f"{self.name}: batch x kv_heads x row tiles x splits = {groups} x "
-                                    f"{self._fixed_splits()} work items, over the int32 item numbering")
+        if shapes.batch > MAX_GRID_YZ or shapes.kv_heads * self.row_tiles(shapes) > MAX_GRID_YZ:
+            raise RuntimeInputError(f"{self.name}: batch {shapes.batch} or kv_heads x row tiles exceeds {MAX_GRID_YZ}")
         return shapes
-
-    def _fixed_splits(self) -> int:
-        chosen = self.spec.schedule.split_kv
-        return 1 if chosen == AUTO else int(chosen)
 
     def _counters_for(self, groups: int, device_id: int):
         cupy = _cupy()
@@ -105,23 +99,20 @@ class DecodeKernel(Kernel):
             return lambda: None
         row_tiles = self.row_tiles(shapes)
         rows = shapes.batch * shapes.heads * shapes.q_len
-        groups_per_batch = shapes.kv_heads * row_tiles
-        groups = shapes.batch * groups_per_batch
-        slots = self.sm_count(q.device_id) * decode_blocks_per_sm(plan)
-        grid = (min(groups * splits, slots), 1, 1)
-        counters = self._counters_for(groups + 2, q.device_id)   # tickets, item counter, finished blocks
+        grid = (splits, shapes.kv_heads * row_tiles, shapes.batch)
         if splits > 1:
             o_part, lse_part = self._workspace_for(rows, splits, q.device_id)
-            o_part_ptr, lse_part_ptr = o_part.data.ptr, lse_part.data.ptr
+            counters = self._counters_for(grid[1] * grid[2], q.device_id)
+            o_part_ptr, lse_part_ptr, counters_ptr = o_part.data.ptr, lse_part.data.ptr, counters.data.ptr
         else:
-            o_part = lse_part = None
-            o_part_ptr = lse_part_ptr = 0
+            o_part = lse_part = counters = None
+            o_part_ptr = lse_part_ptr = counters_ptr = 0
         i64, i32 = np.int64, np.int32
         args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
-                np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(counters.data.ptr),
+                np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(counters_ptr),
                 np.uintp(kv_lens.pointer if kv_lens else 0),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
-                i32(row_tiles), i32(splits), i32(groups_per_batch), i32(groups),
+                i32(row_tiles), i32(splits),
                 *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
                 *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
         threads, smem = plan.launch.threads, plan.launch.smem_bytes

@@ -1,8 +1,8 @@
 """Split-KV: how many splits, and which kv tiles each split owns.
 
 Decode has few queries per sequence, so a kernel with one block per (sequence, kv head) leaves
-most SMs idle while each block walks the whole KV cache alone. Split-KV cuts every sequence's
-cache into slices (work items that any block may take) and merges the partial (O, LSE) afterwards. The heuristic below picks the
+most SMs idle while each block walks the whole KV cache alone. Split-KV gives every block a
+slice of the cache and merges the partial (O, LSE) afterwards. The heuristic below picks the
 number of splits for `split kv = auto`; the reference executor, the traffic model and the
 lowering all share `split_ranges`, so they agree on which keys each split sees.
 """
@@ -10,40 +10,28 @@ from __future__ import annotations
 
 import math
 
-# Work items per resident block that `split kv = auto` aims for: the decode kernel's blocks are
-# persistent and claim (kv group, split) items from a counter, so a block on a fast SM takes more
-# of them. SMs of one H200 stream K/V at rates up to 20% apart (per-block timeline,
-# bench/results/2026-11-30-decode-timeline-1.json); with one fixed share per block the slowest
-# SM's blocks set the time. More items balance finer but add partials to write and merge.
-ITEMS_PER_SLOT = 8
-MAX_AUTO_SPLITS = 128      # the merge reads splits x dv floats per output row: keep it a short tail
-MIN_TILES_PER_SPLIT = 2    # a split of one tile would pay an item's combine for every tile
-
-
 def choose_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count: int,
                   blocks_per_sm: int = 1) -> tuple[int, str]:
     """(number of splits, one-line reason) for a decode launch.
 
-    `kv_heads` counts kv groups per sequence (kv heads x row tiles). The kernel runs one
-    persistent block per resident slot (sm_count * blocks_per_sm) over batch * kv_heads * splits
-    work items; aim for ITEMS_PER_SLOT items per slot, with at least MIN_TILES_PER_SPLIT kv tiles
-    per split and at most MAX_AUTO_SPLITS splits. No split when the kv groups alone give that many
-    items."""
-    groups = max(batch * kv_heads, 1)
+    One block per (sequence, kv head, split). Aim for exactly one wave of resident blocks
+    (sm_count * blocks_per_sm): more splits only add partial outputs to write and merge, and a
+    ragged second wave idles SMs. Measured on an H200 (bench/results/2026-11-30-decode-splits-1.json,
+    32 kv heads, 2 resident blocks per SM): 4 or 8 splits 3.8-4.1 TB/s, 16 3.6-4.0, 64 3.2-3.7.
+    No split when batch*kv_heads blocks already fill the resident slots; never more splits than
+    kv tiles (a split without a tile would only write an empty partial)."""
+    blocks = max(batch * kv_heads, 1)
     tiles = max(math.ceil(kv_len / tile_kv), 1)
     slots = sm_count * max(blocks_per_sm, 1)
-    wanted = ITEMS_PER_SLOT * slots // groups
-    splits = max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT, MAX_AUTO_SPLITS))
-    reason = (f"{groups} kv groups on {slots} resident blocks ({sm_count} SMs x {blocks_per_sm}); "
-              f"aim for {ITEMS_PER_SLOT} work items per block")
-    if splits == 1:
-        return 1, reason + (": the groups alone are enough, no split" if wanted <= 1 else
-                            f", but {tiles} kv tiles of {tile_kv} keys are too few to split")
+    if blocks * 2 > slots:
+        return 1, (f"batch*kv_heads = {batch}*{kv_heads} = {blocks} blocks already fill "
+                   f"{slots} resident slots ({sm_count} SMs x {blocks_per_sm}): no split")
+    wanted = slots // blocks
+    splits = max(1, min(wanted, tiles))
+    reason = f"batch*kv_heads = {blocks} blocks; one wave of {slots} resident slots ({sm_count} SMs x {blocks_per_sm})"
     if splits < wanted:
-        limit = (f"{MIN_TILES_PER_SPLIT}+ of the {tiles} kv tiles per split" if splits == tiles // MIN_TILES_PER_SPLIT
-                 else f"at most {MAX_AUTO_SPLITS} splits")
-        reason += f", capped at {limit}"
-    return splits, reason + f": {splits} splits -> {groups * splits} items"
+        reason += f", capped at the {tiles} kv tiles of {tile_kv} keys"
+    return splits, reason + f": {splits} splits -> {blocks * splits} blocks"
 
 
 def split_ranges(num_tiles: int, splits: int) -> list[tuple[int, int]]:
