@@ -1,8 +1,8 @@
 """Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
 that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes, one
-barrier per kv tile, the merge skipped; this one: the kernel as it was before each warp loaded its
-own key slice (block-wide barriers), and other tile / warp / stage shapes now that warps no longer
-wait for each other), and the spec again at the end; cuDNN timed before and after each shape so the
+barrier per kv tile, the merge skipped, per-warp pipelines; this one: each warp refilling its
+buffer before it waits (the spec) against waiting first, the kernel with block-wide barriers, and
+other tile / warp / stage shapes), and the spec again at the end; cuDNN timed before and after each shape so the
 spread shows the noise. Variants other than `no_merge` are validated first.
 
 Usage: python bench/decode_tail.py OUT.json"""
@@ -23,10 +23,10 @@ MERGE = "if (ticket != num_splits - 1) return;"
 BLOCK_BARRIERS = "block_barriers"   # the generated CUDA of commit 99927a6 (same arguments, same plan)
 VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or BLOCK_BARRIERS)
     "spec": ({}, {}, ()),
+    "wait_first": ({}, {"prefetch_first": False}, ()),
     "block_barriers": ({}, {}, BLOCK_BARRIERS),
     "kv64_s2": ({"stages": 2}, {}, ()),
     "kv32_w2_s6": ({"tile_kv": 32, "warps": 2, "stages": 6}, {}, ()),
-    "kv128_w8_s2": ({"tile_kv": 128, "warps": 8, "stages": 2}, {}, ()),
     "spec_again": None,   # the first kernel timed again: the spread of the two is the noise
 }
 

@@ -695,10 +695,9 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
         const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
         const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
         float acc_s[W::M_TILES][W::S_TILES][4];
-        // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j and later tiles may still be in flight)
-        cp_async_wait<3>();
+        // [decode_d128.tile:11] the warp is done with its slice of the buffer of tile j-1
         __syncwarp();
-        // [decode_d128.tile:11] prefetch the warp's slice of K, V of tile j+2 into the buffer it freed last step
+        // [decode_d128.tile:11] refill it with the warp's slice of K, V of tile j+2, before waiting for tile j
         if (tile + 2 < tile_end) {
             const int slice0 = (tile + 2) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
@@ -711,6 +710,9 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
             cp_async_commit();
         }
         else { cp_async_commit(); cp_async_commit(); }
+        // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j and later tiles may still be in flight)
+        cp_async_wait<5>();
+        __syncwarp();
     // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
         mma_qk<W>(acc_s, q_regs, q_tile, k_tile, 0, lane);
     // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window

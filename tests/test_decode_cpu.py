@@ -13,7 +13,7 @@ import pytest
 from tiledsl import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.lower import LOWERINGS, lower
-from tiledsl.lower_decode import constant, decode_blocks_per_sm, lower_decode
+from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
 from tiledsl.parse import load_specs
 from tiledsl.render import render
 from tiledsl.splits import choose_splits
@@ -71,10 +71,14 @@ def test_loop_body_pipeline_accounting(stages):
     if stages == 1:
         assert kinds[0] == "barrier" and prefetch.distance == 0 and (wait_k.pending, wait_v.pending) == (1, 0)
     else:
-        # S-1 tiles ahead, two cp.async groups (K, V) per tile: K_j is complete when at most
-        # 2(S-1) - 1 groups are pending, V_j when 2(S-1).
-        assert prefetch.distance == stages - 1
-        assert (wait_k.pending, wait_v.pending) == (2 * stages - 3, 2 * stages - 2)
+        # The warp refills the buffer of tile j-1 with tile j+S-1 first, then waits: two cp.async
+        # groups (K, V) per tile, so K_j is complete when at most 2S-1 groups are pending (V_j and
+        # the S-1 tiles after it), V_j when 2S-2.
+        assert kinds[:3] == ["barrier", "prefetch_kv", "wait_k"] and prefetch.distance == stages - 1
+        assert (wait_k.pending, wait_v.pending) == (2 * stages - 1, 2 * stages - 2)
+        # Waiting first (the block-barrier order) keeps one tile fewer in flight.
+        late = {op.kind: op for op in decode_loop_body(spec(tile_kv=64, stages=stages), stages, prefetch_first=False)}
+        assert (late["wait_k"].pending, late["wait_v"].pending) == (2 * stages - 3, 2 * stages - 2)
 
 
 def test_override_renames_the_kernel():

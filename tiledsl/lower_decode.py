@@ -25,11 +25,14 @@ COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 
 REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
 
 
-def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
+def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
     """The kv loop of one split, in emission order, run by each warp on its own key slice of every
     tile: the warp loads the slice it multiplies, so waits and buffer reuse are per warp (a warp
-    barrier, no block barrier). K and V are separate cp.async groups (QK^T starts before V lands);
-    with 2+ stages tile j+S-1 is prefetched as soon as K_j has landed.
+    barrier, no block barrier). K and V are separate cp.async groups (QK^T starts before V lands).
+
+    With 2+ stages the warp refills the buffer it finished last step with tile j+S-1 before it
+    waits for tile j (`prefetch_first`), so S tiles are in flight while it waits, not S-1; waiting
+    first (the order a block-wide barrier forces) holds the refill back until tile j has landed.
 
     The scheduler graph merges the warps' states after every kv step (`combine_warps` inside the
     loop); here each warp keeps a running online-softmax state over its own key slices of every
@@ -41,6 +44,14 @@ def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
                 LoopOp("prefetch_kv", pipe, "load this warp's slice of K_j, V_j", distance=0),
                 LoopOp("wait_k", pipe, "wait for the warp's slice of K_j", pending=1)]
         wait_v = 0
+    elif prefetch_first:
+        # Groups in flight after the refill: V_j, then K, V of tiles j+1 .. j+S-1.
+        head = [LoopOp("barrier", pipe, "the warp is done with its slice of the buffer of tile j-1"),
+                LoopOp("prefetch_kv", pipe, f"refill it with the warp's slice of K, V of tile j+{stages - 1}, "
+                       "before waiting for tile j", distance=stages - 1),
+                LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
+                       pending=2 * stages - 1)]
+        wait_v = 2 * stages - 2
     else:
         head = [LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
                        pending=2 * stages - 3),
@@ -56,8 +67,10 @@ def decode_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     ])
 
 
-def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None) -> KernelPlan:
-    """The decode plan. `stages` / `tile_kv` override the spec's (benchmarks compare variants)."""
+def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None,
+                 prefetch_first: bool = True) -> KernelPlan:
+    """The decode plan. `stages` / `tile_kv` / `prefetch_first` override the spec's or the default
+    (benchmarks compare variants)."""
     p, s = spec.problem, spec.schedule
     stages = s.stages if stages is None else stages
     tile_kv = s.tile_kv if tile_kv is None else tile_kv
@@ -159,7 +172,9 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
              + (f" (shared memory alone would allow {blocks_per_sm}; the launch bounds promise ptxas "
                 f"{min_blocks_per_sm})" if blocks_per_sm > min_blocks_per_sm else ""))
     name = spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
-    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages),
+    if not prefetch_first:
+        name += "__wait_first"
+    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
                      kernel_name=name, notes=notes)
 
