@@ -1,8 +1,8 @@
 """Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
 that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes, one
-barrier per kv tile, the merge skipped, per-warp pipelines; this one: each warp refilling its
-buffer before it waits (the spec) against waiting first, the kernel with block-wide barriers, and
-other tile / warp / stage shapes), and the spec again at the end; cuDNN timed before and after each shape so the
+barrier per kv tile, the merge skipped, per-warp pipelines, refilling before waiting; this one:
+the warp combine limited to the kv group's real rows (the spec) against all 16, and the kernel
+with block-wide barriers), and the spec again at the end; cuDNN timed before and after each shape so the
 spread shows the noise. Variants other than `no_merge` are validated first.
 
 Usage: python bench/decode_tail.py OUT.json"""
@@ -20,13 +20,12 @@ from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
 MERGE = "if (ticket != num_splits - 1) return;"
+COMBINE = "combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane, rows_valid);"
 BLOCK_BARRIERS = "block_barriers"   # the generated CUDA of commit 99927a6 (same arguments, same plan)
 VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or BLOCK_BARRIERS)
     "spec": ({}, {}, ()),
-    "wait_first": ({}, {"prefetch_first": False}, ()),
+    "full_combine": ({}, {}, ((COMBINE, COMBINE.replace(", rows_valid)", ")")),)),
     "block_barriers": ({}, {}, BLOCK_BARRIERS),
-    "kv64_s2": ({"stages": 2}, {}, ()),
-    "kv32_w2_s6": ({"tile_kv": 32, "warps": 2, "stages": 6}, {}, ()),
     "spec_again": None,   # the first kernel timed again: the spread of the two is the noise
 }
 
@@ -56,7 +55,7 @@ def main(out_path: str) -> None:
         nbytes = 2 * batch * kv_heads * kv_len * 128 * 2
         cudnn = []
         for name, kernel in kernels.items():
-            if name in ("spec", "kv64_s2"):   # cuDNN at the start and in the middle
+            if name in ("spec", "block_barriers"):   # cuDNN at the start and in the middle
                 cudnn.append(nbytes / sdpa_peers(q, k, v, False)["sdpa_cudnn"] / 1e6)
             err = run_errors(kernel, q, k, v) if name != "no_merge" else (None, None)
             run, _, _ = kernel.bind(q, k, v)

@@ -444,7 +444,8 @@ static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block l
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
 template <class C>
 __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
-                                                    float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane) {
+                                                    float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane,
+                                                    int rows_valid = C::M_TILES * 16) {
     constexpr int ROWS = C::M_TILES * 16;
     float* o_sum = scratch;
     float* m_part = o_sum + ROWS * C::COMBINE_ROW_FLOATS;
@@ -488,6 +489,7 @@ __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = mt * 16 + (lane >> 2) + 8 * h;
+                    if (row >= rows_valid) continue;   // padding rows: nobody reads their O
 #pragma unroll
                     for (int nd = 0; nd < C::O_TILES; ++nd) {
                         float2* cell = reinterpret_cast<float2*>(o_sum + row * C::COMBINE_ROW_FLOATS + nd * 8 + 2 * (lane & 3));
@@ -731,7 +733,7 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
     cp_async_wait<0>();
     __syncthreads();   // the combine's scratch reuses the K/V buffers
     float* scratch = reinterpret_cast<float*>(smem + C::COMBINE_OFFSET);
-    combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane);
+    combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane, rows_valid);
     // [decode_d128.tile:12] one split: final O and LSE; several: fp32 partial O and LSE to the workspace
     // combine.cuh leaves o_sum[ROWS][COMBINE_ROW_FLOATS], m_part[WARPS][ROWS], m[ROWS], l[ROWS].
     const float* o_sum = scratch;

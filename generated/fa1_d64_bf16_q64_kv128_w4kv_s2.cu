@@ -444,7 +444,8 @@ static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block l
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
 template <class C>
 __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
-                                                    float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane) {
+                                                    float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane,
+                                                    int rows_valid = C::M_TILES * 16) {
     constexpr int ROWS = C::M_TILES * 16;
     float* o_sum = scratch;
     float* m_part = o_sum + ROWS * C::COMBINE_ROW_FLOATS;
@@ -488,6 +489,7 @@ __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = mt * 16 + (lane >> 2) + 8 * h;
+                    if (row >= rows_valid) continue;   // padding rows: nobody reads their O
 #pragma unroll
                     for (int nd = 0; nd < C::O_TILES; ++nd) {
                         float2* cell = reinterpret_cast<float2*>(o_sum + row * C::COMBINE_ROW_FLOATS + nd * 8 + 2 * (lane & 3));
