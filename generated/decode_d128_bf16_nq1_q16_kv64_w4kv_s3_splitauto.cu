@@ -659,7 +659,7 @@ decode_d128_bf16_nq1_q16_kv64_w4kv_s3_splitauto(const u16* __restrict__ q, const
     cp_async_commit();
     // [decode_d128.tile:11] pipeline prologue: first 2 K/V tiles in flight
 #pragma unroll
-    for (int s = 0; s < C::STAGES - 1; ++s) {
+    for (int s = 0; s < (C::STAGES > 1 ? C::STAGES - 1 : 1); ++s) {   // one stage: K and V of the first tile
         if (tile_begin + s < tile_end) {
             const int slice0 = (tile_begin + s) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(

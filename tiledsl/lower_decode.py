@@ -40,11 +40,21 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True)
     merging once saves a shared-memory round trip and two barriers per tile."""
     pipe, tile, mask, order = (_where(spec, key) for key in ("pipeline", "tile", "mask", "order"))
     if stages == 1:
-        head = [LoopOp("barrier", pipe, "one stage: the warp is done with its slice of the buffer before refilling it"),
-                LoopOp("prefetch_kv", pipe, "load this warp's slice of K_j, V_j", distance=0),
-                LoopOp("wait_k", pipe, "wait for the warp's slice of K_j", pending=1)]
-        wait_v = 0
-    elif prefetch_first:
+        # One buffer each for K and V, refilled as soon as it is read: K_{j+1} loads during the
+        # softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T (K and V staggered by half a step).
+        return (
+            LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j may still be in flight)", pending=1),
+            LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
+            LoopOp("barrier", pipe, "the warp is done with its slice of K_j"),
+            LoopOp("prefetch_k", pipe, "refill the K buffer with the warp's slice of K_{j+1}", distance=1),
+            LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
+            LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
+            LoopOp("wait_v", pipe, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)", pending=1),
+            LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
+            LoopOp("barrier", pipe, "the warp is done with its slice of V_j"),
+            LoopOp("prefetch_v", pipe, "refill the V buffer with the warp's slice of V_{j+1}", distance=1),
+        )
+    if prefetch_first:
         # Groups in flight after the refill: V_j, then K, V of tiles j+1 .. j+S-1.
         head = [LoopOp("barrier", pipe, "the warp is done with its slice of the buffer of tile j-1"),
                 LoopOp("prefetch_kv", pipe, f"refill it with the warp's slice of K, V of tile j+{stages - 1}, "
@@ -146,7 +156,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
         Constant("COMBINE_BYTES", "u32", combine_bytes),
         Constant("SMEM_BYTES", "u32", smem),
-        Constant("Q_PENDING_GROUPS", "int", 2 * (stages - 1), "cp.async groups issued after Q's"),
+        Constant("Q_PENDING_GROUPS", "int", 2 * max(stages - 1, 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
