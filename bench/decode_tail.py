@@ -1,9 +1,9 @@
 """Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
 that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes, one
 barrier per kv tile, the merge skipped, per-warp pipelines, refilling before waiting; this one:
-the spec (kv128, one K and one V buffer per warp) against a second V buffer so that V, waited for
-last, loads one tile further ahead (100 KB), and the previous spec, kv64 with 3 stages), and the
-spec again at the end; cuDNN timed before and after each shape so the
+the spec (kv128, one K and one V buffer per warp) against the previous spec, kv64 with 3 stages;
+the run before also had a second V buffer loading V a tile further ahead, the `v_ahead` lowering of
+commit 5626875, since removed), and the spec again at the end; cuDNN timed before and after each shape so the
 spread shows the noise. Variants other than `no_merge` are validated first.
 
 Usage: python bench/decode_tail.py OUT.json"""
@@ -25,7 +25,6 @@ COMBINE = "combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane, 
 BLOCK_BARRIERS = "block_barriers"   # the generated CUDA of commit 99927a6 (same arguments, same plan)
 VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or BLOCK_BARRIERS)
     "spec": ({}, {}, ()),
-    "v_ahead": ({}, {"v_ahead": True}, ()),
     "kv64_s3": ({"tile_kv": 64, "stages": 3}, {}, ()),
     "spec_again": None,   # the first kernel timed again: the spread of the two is the noise
 }

@@ -427,8 +427,6 @@ struct C {
     static constexpr u32 COMBINE_BYTES = 8832;
     static constexpr u32 SMEM_BYTES = 69632;
     static constexpr int Q_PENDING_GROUPS = 2;   // cp.async groups issued after Q's
-    static constexpr int K_BUFFERS = 1;   // K buffers (= STAGES)
-    static constexpr int V_BUFFERS = 1;   // V buffers (= STAGES, or 2 with one stage and V ahead)
     static constexpr bool Q_IN_REGISTERS = true;   // Q fragments held for the whole kv loop
     static constexpr int Q_REG_TILES = 1;
     static constexpr MaskKind MASK = MASK_NONE;
@@ -675,16 +673,6 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         }
         else { cp_async_commit(); cp_async_commit(); }
     }
-    if constexpr (C::V_BUFFERS > C::K_BUFFERS) {   // V one tile further ahead
-        if (tile_begin + 1 < tile_end) {
-            const int slice0 = (tile_begin + 1) * C::BC + warp * C::KEYS_PER_WARP;
-            load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + (1) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
-                v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
-            cp_async_commit();
-        }
-        else cp_async_commit();
-    }
     cp_async_wait<C::Q_PENDING_GROUPS>();
     __syncthreads();
     u32 q_regs[W::Q_REG_TILES][W::D / 16][4];
@@ -706,7 +694,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
         const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + ((tile - tile_begin) % C::V_BUFFERS) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
+        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
         const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
         float acc_s[W::M_TILES][W::S_TILES][4];
         // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j may still be in flight)
@@ -720,7 +708,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + ((tile - tile_begin + 1) % C::K_BUFFERS) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
+                smem_base + C::K_OFFSET + (0) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
                 k_rows + (i64)slice0 * k_row_stride, k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
@@ -741,7 +729,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + ((tile - tile_begin + 1) % C::V_BUFFERS) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
+                smem_base + C::V_OFFSET + (0) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
                 v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }

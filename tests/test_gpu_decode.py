@@ -143,7 +143,7 @@ def test_dtypes(dtype, splits):
     check(run_decode(decode_spec(splits, dtype=dtype), batch=3, heads=8, kv_heads=2, kv_len=4097))
 
 
-@pytest.mark.parametrize("tile_kv,warps,stages", [(64, 4, 1), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2)])
+@pytest.mark.parametrize("tile_kv,warps,stages", [(64, 4, 1), (128, 4, 1), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 2)])
 def test_other_schedules(tile_kv, warps, stages):
     check(run_decode(decode_spec(AUTO, tile_kv=tile_kv, warps=warps, stages=stages), batch=2, heads=4, kv_len=4097))
 

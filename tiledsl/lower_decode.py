@@ -25,7 +25,7 @@ COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 
 REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
 
 
-def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True, v_ahead: bool = False) -> tuple[LoopOp, ...]:
+def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
     """The kv loop of one split, in emission order, run by each warp on its own key slice of every
     tile: the warp loads the slice it multiplies, so waits and buffer reuse are per warp (a warp
     barrier, no block barrier). K and V are separate cp.async groups (QK^T starts before V lands).
@@ -39,23 +39,6 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True,
     tile and the warps are merged once, after the loop. Both are the same exact merge formula;
     merging once saves a shared-memory round trip and two barriers per tile."""
     pipe, tile, mask, order = (_where(spec, key) for key in ("pipeline", "tile", "mask", "order"))
-    if stages == 1 and v_ahead:
-        # One K buffer, two V buffers: V is waited for last in a step, so it gets the longer lead.
-        # Groups: K0 V0 V1 | K1 V2 | K2 V3 ...: K_j is complete with 1 group pending (2 in step 0:
-        # waiting for 1 is merely early there), V_j with 2 (K_j+1... V_j+1, K_j+1 may fly).
-        return (
-            LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j+1 may still be in flight)", pending=1),
-            LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
-            LoopOp("barrier", pipe, "the warp is done with its slice of K_j"),
-            LoopOp("prefetch_k", pipe, "refill the K buffer with the warp's slice of K_{j+1}", distance=1),
-            LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
-            LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
-            LoopOp("wait_v", pipe, "wait for the warp's slice of V_j (V_{j+1}, K_{j+1} may still be in flight)",
-                   pending=2),
-            LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
-            LoopOp("barrier", pipe, "the warp is done with its slice of V_j"),
-            LoopOp("prefetch_v", pipe, "refill that V buffer with the warp's slice of V_{j+2}", distance=2),
-        )
     if stages == 1:
         # One buffer each for K and V, refilled as soon as it is read: K_{j+1} loads during the
         # softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T (K and V staggered by half a step).
@@ -95,7 +78,7 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True,
 
 
 def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None,
-                 prefetch_first: bool = True, v_ahead: bool = False) -> KernelPlan:
+                 prefetch_first: bool = True) -> KernelPlan:
     """The decode plan. `stages` / `tile_kv` / `prefetch_first` override the spec's or the default
     (benchmarks compare variants)."""
     p, s = spec.problem, spec.schedule
@@ -127,10 +110,8 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     q_offset = 0
     k_offset = _align(q_offset + s.tile_q * qk_row)
     k_stage, v_stage = tile_kv * qk_row, tile_kv * v_row
-    v_ahead = v_ahead and stages == 1
-    k_buffers, v_buffers = stages, (2 if v_ahead else stages)
-    v_offset = _align(k_offset + k_buffers * k_stage)
-    end = _align(v_offset + v_buffers * v_stage)
+    v_offset = _align(k_offset + stages * k_stage)
+    end = _align(v_offset + stages * v_stage)
     combine_row_floats = p.head_dim_v + COMBINE_PAD_FLOATS
     combine_bytes = 4 * (s.tile_q * combine_row_floats + (s.warps + 2) * s.tile_q)   # combine.cuh's contract
     smem = max(end, _align(combine_bytes))
@@ -175,9 +156,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
         Constant("COMBINE_BYTES", "u32", combine_bytes),
         Constant("SMEM_BYTES", "u32", smem),
-        Constant("Q_PENDING_GROUPS", "int", 2 * max(stages - 1, 1) + (1 if v_ahead else 0), "cp.async groups issued after Q's"),
-        Constant("K_BUFFERS", "int", k_buffers, "K buffers (= STAGES)"),
-        Constant("V_BUFFERS", "int", v_buffers, "V buffers (= STAGES, or 2 with one stage and V ahead)"),
+        Constant("Q_PENDING_GROUPS", "int", 2 * max(stages - 1, 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
@@ -205,9 +184,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     name = spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     if not prefetch_first:
         name += "__wait_first"
-    if v_ahead:
-        name += "__v_ahead"
-    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first, v_ahead),
+    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
                      kernel_name=name, notes=notes)
 
