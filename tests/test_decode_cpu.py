@@ -13,7 +13,8 @@ import pytest
 from tiledsl import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.lower import LOWERINGS, lower
-from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
+from tiledsl.lower_decode import (SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK, constant, decode_blocks_per_sm,
+                                  decode_loop_body, lower_decode)
 from tiledsl.parse import load_specs
 from tiledsl.render import render
 from tiledsl.splits import choose_splits
@@ -57,6 +58,17 @@ def test_plan_invariants(tile_kv, warps, stages):
     assert c("COMBINE_ROW_FLOATS") % 4 == 0 and c("COMBINE_ROW_FLOATS") >= c("DV")
     assert c("Q_PENDING_GROUPS") == 2 * max(stages - 1, 1)   # one stage: K and V of the first tile
     assert decode_blocks_per_sm(plan) >= plan.min_blocks_per_sm >= 1
+
+
+def test_resident_blocks_follow_the_launch_bounds():
+    # kv64 with 2 stages needs 68 KB: shared memory alone would fit 3 blocks, but the launch bounds
+    # promise ptxas 2 (so it may use 255 registers), and 3 x 128 threads at 184 do not fit 64K.
+    plan = lower(spec(tile_kv=64, stages=2))
+    assert SMEM_PER_SM // (plan.launch.smem_bytes + SMEM_RESERVED_PER_BLOCK) == 3 and plan.min_blocks_per_sm == 2
+    assert decode_blocks_per_sm(plan) == 2
+    assert "shared memory alone would allow 3" in " ".join(plan.notes)
+    big = lower(spec(tile_kv=128, stages=3))   # 196 KB: one block by shared memory
+    assert decode_blocks_per_sm(big) == 1
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
