@@ -113,6 +113,25 @@ def test_cli_refuses_illegal_schedule_with_exit_2(write_spec, capsys):
     assert "big.tile:6:" in err and "917504 bytes needed" in err and "232448 available" in err
 
 
+def test_explain_shows_the_generated_kernels_loop_in_emission_order(write_spec):
+    # The graph is the algorithm; this section is what the lowering emits, op for op.
+    from tiledsl.lower import lower
+    for text_, name in ((DECODE_TEXT, "dec.tile"), (FA2_TEXT, "fa2.tile")):
+        spec = load(write_spec, text_, name)
+        plan = lower(spec)
+        text = explain(spec, batch=2, heads=4)
+        section = text[text.index("generated kernel ("):]
+        assert plan.kernel_name in section and f"{plan.launch.smem_bytes} B shared memory" in section
+        kinds = [line.split()[0] for line in section.split("kv loop body, in emission order:")[1].splitlines()[1:]
+                 if line.startswith("      ")]
+        assert kinds == [op.kind for op in plan.loop_body]
+        assert all(note in section for note in plan.notes)
+    from pathlib import Path
+    from tiledsl.parse import load_spec
+    hopper = explain(load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "hopper_d128.tile")))
+    assert "generated kernel: none (" in hopper and "no CUDA template yet" in hopper
+
+
 def test_decode_auto_split_prints_the_count_and_why(write_spec):
     spec = load(write_spec, DECODE_TEXT, "dec.tile")
     text = explain(spec, batch=2, heads=4, seqlen_kv=65536)

@@ -145,8 +145,31 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
     out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
+    out += generated_kernel_lines(spec) + [""]
     out += traffic_lines(graph, t, limits)
     return "\n".join(out) + "\n"
+
+
+def generated_kernel_lines(spec: KernelSpec) -> list[str]:
+    """What the lowering made of the graph: the kv loop body the template emits, in order, and the
+    lowering's notes (buffers, resident blocks). The graph above is the algorithm; this is the
+    kernel (e.g. decode merges its warps once after the loop, and its warps pipeline on their own)."""
+    from .errors import SpecError
+    from .lower import lower
+    try:
+        plan = lower(spec)
+    except SpecError as err:
+        return ["generated kernel: none (" + str(err).splitlines()[0] + ")"]
+    lines = [f"generated kernel ({plan.template}): {plan.kernel_name}, {plan.launch.threads} threads, "
+             f"{plan.launch.smem_bytes} B shared memory"]
+    lines += ["    " + note for note in plan.notes]
+    lines.append("    kv loop body, in emission order:")
+    width = max((len(op.kind) for op in plan.loop_body), default=0)
+    for op in plan.loop_body:
+        detail = (f" (cp.async groups left in flight: {op.pending})" if op.kind.startswith("wait") else
+                  f" (tile j+{op.distance})" if op.kind.startswith("prefetch") else "")
+        lines.append(f"      {op.kind:<{width}}  {op.what}{detail}   [{op.where}]")
+    return lines
 
 
 def _dot_quote(text: str) -> str:

@@ -127,7 +127,8 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     register_estimate = base_estimate + (m_tiles * p.head_dim_qk // 4 if q_in_registers else 0)
     # Never ask ptxas for more than 2 blocks' worth of registers: 2 x 128 threads still allow 255.
     min_blocks_per_sm = min(blocks_per_sm, 2)
-    bytes_in_flight = (stages - 1) * (k_stage + v_stage)
+    # One stage: the K and V buffers are refilled half a step apart, so about one tile is in flight.
+    bytes_in_flight = (stages - 1) * (k_stage + v_stage) if stages > 1 else k_stage + v_stage
 
     consts = [
         Constant("BC", "int", tile_kv, "keys per kv tile (tile kv); one cp.async tile"),
@@ -176,8 +177,10 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         "merge": Region(_where(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
                         "O = sum exp(lse_i - lse) O_i"),
     }
-    notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile; {stages} stages: "
-             f"{bytes_in_flight} B of K/V in flight per block while one tile is computed",
+    notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile, each warp loading its own slice; "
+             + (f"{stages} stages: {bytes_in_flight} B of K/V in flight per block while one tile is computed"
+                if stages > 1 else f"one K and one V buffer, each refilled as soon as it is read: about "
+                f"{bytes_in_flight} B of K/V in flight per block"),
              f"{smem} B shared memory -> {min(blocks_per_sm, min_blocks_per_sm)} resident block(s) per SM"
              + (f" (shared memory alone would allow {blocks_per_sm}; the launch bounds promise ptxas "
                 f"{min_blocks_per_sm})" if blocks_per_sm > min_blocks_per_sm else ""))
