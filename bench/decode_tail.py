@@ -1,10 +1,10 @@
 """Decode: where the last percent goes, in one GPU run. Times the bundled spec next to variants
-that change one thing (earlier runs: an L2 evict-first hint, other tile / warp / stage shapes, one
-barrier per kv tile, the merge skipped, per-warp pipelines, refilling before waiting; this one:
-the spec (kv128, one K and one V buffer per warp) against the previous spec, kv64 with 3 stages;
-the run before also had a second V buffer loading V a tile further ahead, the `v_ahead` lowering of
-commit 5626875, since removed), and the spec again at the end; cuDNN timed before and after each shape so the
-spread shows the noise. Variants other than `no_merge` are validated first.
+that change one thing, and the spec again at the end; cuDNN is timed before and after each shape so
+the spread shows the noise. Earlier runs (bench/NOTES.md): an L2 evict-first hint, other tile /
+warp / stage shapes, one barrier per kv tile, the merge skipped (MERGE below), per-warp pipelines
+against block-wide barriers, refilling before waiting, a second V buffer. This one: the spec (kv128,
+one K and one V buffer per warp) against the previous spec, kv64 with 3 stages. Variants other than
+`no_merge` are validated first.
 
 Usage: python bench/decode_tail.py OUT.json"""
 from __future__ import annotations
@@ -20,10 +20,8 @@ from tiledsl.runtime import compile
 from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
-MERGE = "if (ticket != num_splits - 1) return;"
-COMBINE = "combine_warp_states<C>(acc_o, row_max, row_sum, scratch, warp, lane, rows_valid);"
-BLOCK_BARRIERS = "block_barriers"   # the generated CUDA of commit 99927a6 (same arguments, same plan)
-VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or BLOCK_BARRIERS)
+MERGE = "if (ticket != num_splits - 1) return;"   # a "no_merge" variant patches this to "return;"
+VARIANTS = {   # name: (schedule changes, lowering overrides, source patches)
     "spec": ({}, {}, ()),
     "kv64_s3": ({"tile_kv": 64, "stages": 3}, {}, ()),
     "spec_again": None,   # the first kernel timed again: the spread of the two is the noise
@@ -33,11 +31,6 @@ VARIANTS = {   # name: (schedule changes, lowering overrides, source patches or 
 def build(base, changes, overrides, patch):
     spec = dataclasses.replace(base, schedule=dataclasses.replace(base.schedule, **changes))
     kernel = compile(spec, **overrides)
-    if patch == BLOCK_BARRIERS:
-        # git show 99927a6:generated/<name>.cu > scratch/decode_block_barriers.cu (the GPU box has no git)
-        kernel.source = open("scratch/decode_block_barriers.cu").read()
-        assert kernel.name in kernel.source
-        return kernel
     for old, new in patch:   # each must match exactly once: a stale patch fails loudly
         assert kernel.source.count(old) == 1, old
         kernel.source = kernel.source.replace(old, new)
