@@ -13,8 +13,8 @@ import pytest
 from tiledsl import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.lower import LOWERINGS, lower
-from tiledsl.lower_decode import (SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK, constant, decode_blocks_per_sm,
-                                  decode_loop_body, lower_decode)
+from tiledsl.device_limits import H200, SMEM_RESERVED_PER_BLOCK
+from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
 from tiledsl.parse import load_specs
 from tiledsl.render import render
 from tiledsl.splits import choose_splits
@@ -60,6 +60,9 @@ def test_plan_invariants(tile_kv, warps, stages):
     assert decode_blocks_per_sm(plan) >= plan.min_blocks_per_sm >= 1
 
 
+SMEM_PER_SM = H200.shared_per_sm
+
+
 def test_resident_blocks_follow_the_launch_bounds():
     # kv64 with 2 stages needs 68 KB: shared memory alone would fit 3 blocks, but the launch bounds
     # promise ptxas 2 (so it may use 255 registers), and 3 x 128 threads at 184 do not fit 64K.
@@ -69,6 +72,18 @@ def test_resident_blocks_follow_the_launch_bounds():
     assert "shared memory alone would allow 3" in " ".join(plan.notes)
     big = lower(spec(tile_kv=128, stages=3))   # 196 KB: one block by shared memory
     assert decode_blocks_per_sm(big) == 1
+
+
+def test_runtime_splits_count_the_compiled_kernels_resident_blocks():
+    # The runtime asks choose_splits with the slots Kernel.slots found from the compiled kernel's
+    # registers (set by hand here: no GPU), not with the lowering's estimate.
+    from tiledsl.runtime import Shapes, compile
+    kernel = compile(bundled())
+    shapes = Shapes(batch=1, heads=32, kv_heads=32, q_len=1, kv_len=32768)
+    tile_kv = constant(kernel.plan, "BC")
+    for per_sm in (1, 2, 3):
+        kernel._slots[0] = H200.sm_count * per_sm
+        assert kernel.splits_for(shapes, 0) == choose_splits(1, 32, 32768, tile_kv, H200.sm_count, per_sm)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])

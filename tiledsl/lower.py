@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .passes import emission_order, run_passes
@@ -229,7 +230,7 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         o_offset, end = end, _align(end + s.tile_q * v_row)
     smem = end
     if min_blocks_per_sm is None:
-        min_blocks_per_sm = 2 if register_estimate <= 128 - 8 and 2 * smem <= 232448 else 1
+        min_blocks_per_sm = 2 if register_estimate <= 128 - 8 and 2 * smem <= H200.max_shared_per_block else 1
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),

@@ -13,14 +13,12 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
+from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
 from .errors import SpecError
 from .lower import (LOOP_TEXT, LOWERINGS, softmax_constants, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
                     _where, make_plan, tile_row_bytes)
 from .spec import DType, Family, KernelSpec
 
-SMEM_PER_BLOCK_LIMIT = 232448      # sm_90 opt-in dynamic shared memory per block
-SMEM_PER_SM = 233472               # sm_90 shared memory per SM (1 KB of it reserved per block)
-SMEM_RESERVED_PER_BLOCK = 1024
 COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
 REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
 
@@ -115,11 +113,11 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     combine_row_floats = p.head_dim_v + COMBINE_PAD_FLOATS
     combine_bytes = 4 * (s.tile_q * combine_row_floats + (s.warps + 2) * s.tile_q)   # combine.cuh's contract
     smem = max(end, _align(combine_bytes))
-    if smem > SMEM_PER_BLOCK_LIMIT:
+    if smem > H200.max_shared_per_block:
         raise SpecError(f"decode needs {smem} B of shared memory ({stages} stages x {k_stage + v_stage} B of K/V "
-                        f"+ Q); an sm_90 block may use {SMEM_PER_BLOCK_LIMIT}", spec.span_of("pipeline"),
+                        f"+ Q); an sm_90 block may use {H200.max_shared_per_block}", spec.span_of("pipeline"),
                         spec.source_text, "use fewer stages or a smaller tile kv")
-    blocks_per_sm = max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_BLOCK))
+    blocks_per_sm = max(1, H200.shared_per_sm // (smem + SMEM_RESERVED_PER_BLOCK))
     # Registers: O (M_TILES x DV/8 x 4), S (M_TILES x keys/8 x 4) and Q fragments (M_TILES x D/4).
     # Q stays in registers when that fits (one 16-row tile: yes); else mma_qk reads it from shared.
     base_estimate = m_tiles * p.head_dim_v // 2 + m_tiles * keys_per_warp // 2 + REGISTER_OVERHEAD
@@ -193,11 +191,13 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:
-    """Resident blocks per SM the launch can count on: what shared memory allows, but no more than
-    the launch bounds promise ptxas (min_blocks_per_sm): past that ptxas may use up to 255
-    registers a thread, and 3 blocks of 128 threads at more than 170 registers do not fit."""
-    by_shared = max(1, SMEM_PER_SM // (plan.launch.smem_bytes + SMEM_RESERVED_PER_BLOCK))
-    return min(by_shared, max(plan.min_blocks_per_sm, 1))
+    """Resident blocks per SM before compiling (explain, the traffic model): device_limits'
+    resident_blocks on the H200 from the plan's estimates, but no more than the launch bounds
+    promise ptxas (min_blocks_per_sm): past that ptxas may use up to 255 registers a thread, and 3
+    blocks of 128 threads at more than 170 registers do not fit. The runtime counts with the
+    compiled kernel's registers instead (Kernel.slots)."""
+    per_sm, _ = resident_blocks(H200, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
+    return max(1, min(per_sm, plan.min_blocks_per_sm))
 
 
 def constant(plan: KernelPlan, name: str):

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .device_limits import H200
 from .lower import (LOWERINGS, softmax_constants, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
                     _where, make_plan, tile_row_bytes)
 from .spec import Axis, DType, Family, KernelSpec
 
-SHARED_LIMIT = 232448          # sm_90 opt-in shared memory per block (227 KB)
+SHARED_LIMIT = H200.max_shared_per_block   # sm_90 opt-in shared memory per block (227 KB)
 MAX_REGISTERS = 255
 ACCUMULATOR_BUDGET = 128       # O + S accumulator registers per thread that leave room (measured with ptxas) for
                                # fragments, addresses and the combine without spills

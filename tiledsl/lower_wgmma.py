@@ -11,6 +11,7 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
+from .device_limits import H200
 from .lower import Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, make_plan, softmax_constants, tile_row_bytes
 from .spec import DType, Family, KernelSpec
 
@@ -18,7 +19,6 @@ WARPGROUP_WARPS = 4
 WGMMA_ROWS = 64           # rows of one warpgroup's m64 wgmma
 PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel
 SWIZZLE_ATOM = 1024       # bytes of 8 swizzled 128-byte rows: panels start on this alignment
-SMEM_PER_BLOCK_LIMIT = 232448
 REGISTER_OVERHEAD = 40
 
 
@@ -52,8 +52,8 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
     # O is staged for coalesced stores in Q's space once every warpgroup is past its last Q K^T.
     o_offset = q_offset if s.tile_q * v_row <= q_bytes else end
     smem = max(end, o_offset + s.tile_q * v_row)
-    _require(smem <= SMEM_PER_BLOCK_LIMIT, spec, "pipeline",
-             f"{s.stages} stages of {s.tile_kv}-key K/V tiles need {smem} B of shared memory (limit {SMEM_PER_BLOCK_LIMIT})",
+    _require(smem <= H200.max_shared_per_block, spec, "pipeline",
+             f"{s.stages} stages of {s.tile_kv}-key K/V tiles need {smem} B of shared memory (limit {H200.max_shared_per_block})",
              "fewer stages or a smaller tile kv")
     acc_o, acc_s = p.head_dim_v // 2, s.tile_kv // 2
     register_estimate = acc_o + acc_s + s.tile_kv // 4 + REGISTER_OVERHEAD

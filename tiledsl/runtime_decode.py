@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from .errors import LaunchError, RuntimeInputError
-from .lower_decode import constant, decode_blocks_per_sm
+from .lower_decode import constant
 from .runtime import Kernel, Shapes, _cupy, device_limits
 from .spec import AUTO
 from .splits import choose_splits
@@ -36,9 +36,6 @@ class DecodeKernel(Kernel):
     def __repr__(self) -> str:
         return f"<tiledsl.DecodeKernel {self.name}>"
 
-    def sm_count(self, device_id: int) -> int:
-        return device_limits(device_id).sm_count
-
     def splits_for(self, shapes: Shapes, device_id: int = 0) -> tuple[int, str]:
         """The split count of a launch: the spec's, or for `auto` choose_splits on this device."""
         chosen = self.spec.schedule.split_kv
@@ -46,8 +43,9 @@ class DecodeKernel(Kernel):
             return int(chosen), f"split kv = {chosen} (from the spec)"
         tile_kv = constant(self.plan, "BC")
         row_tiles = self.row_tiles(shapes)
+        sm_count = device_limits(device_id).sm_count
         return choose_splits(shapes.batch, shapes.kv_heads * row_tiles, shapes.kv_len, tile_kv,
-                             self.sm_count(device_id), decode_blocks_per_sm(self.plan))
+                             sm_count, self.slots(device_id) // sm_count)
 
     def row_tiles(self, shapes: Shapes) -> int:
         rows = (shapes.heads // shapes.kv_heads) * shapes.q_len
