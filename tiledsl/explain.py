@@ -128,9 +128,10 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
     seqlen q (4096 for decode)."""
     graph = run_passes(spec, limits)
+    plan, no_plan = _lowered(spec)
     nq = seqlen_q or spec.problem.queries_per_seq or 4096
     nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
-    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, _blocks_per_sm(spec))
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, _blocks_per_sm(spec, plan))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask {p.mask.value}, "
@@ -140,26 +141,32 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})" + (f": {t.split_reason}" if t.split_reason else ""),
                 ""]
-    if spec.family is Family.FA2:
-        out += [_launch_order_line(spec, batch * heads, -(-nq // s.tile_q), limits), ""]
+    if spec.family is Family.FA2 and plan is not None:
+        out += [_launch_order_line(spec, plan, batch * heads, -(-nq // s.tile_q), limits), ""]
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
     out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
-    out += generated_kernel_lines(spec) + [""]
+    out += generated_kernel_lines(plan, no_plan) + [""]
     out += traffic_lines(graph, t, limits)
     return "\n".join(out) + "\n"
 
 
-def generated_kernel_lines(spec: KernelSpec) -> list[str]:
-    """What the lowering made of the graph: the kv loop body the template emits, in order, and the
-    lowering's notes (buffers, resident blocks). The graph above is the algorithm; this is the
-    kernel (e.g. decode merges its warps once after the loop, and its warps pipeline on their own)."""
+def _lowered(spec: KernelSpec):
+    """(the lowered plan, None), or (None, why not) for a family without a CUDA template."""
     from .errors import SpecError
     from .lower import lower
     try:
-        plan = lower(spec)
+        return lower(spec), None
     except SpecError as err:
-        return ["generated kernel: none (" + str(err).splitlines()[0] + ")"]
+        return None, str(err).splitlines()[0]
+
+
+def generated_kernel_lines(plan, no_plan: str | None) -> list[str]:
+    """What the lowering made of the graph: the kv loop body the template emits, in order, and the
+    lowering's notes (buffers, resident blocks). The graph above is the algorithm; this is the
+    kernel (e.g. decode merges its warps once after the loop, and its warps pipeline on their own)."""
+    if plan is None:
+        return [f"generated kernel: none ({no_plan})"]
     lines = [f"generated kernel ({plan.template}): {plan.kernel_name}, {plan.launch.threads} threads, "
              f"{plan.launch.smem_bytes} B shared memory"]
     lines += ["    " + note for note in plan.notes]
@@ -211,20 +218,17 @@ def to_dot(graph: ScheduleGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _blocks_per_sm(spec) -> int:
-    """Resident blocks per SM of the lowered decode kernel (what the runtime's split choice uses)."""
-    if spec.family is not Family.DECODE:
+def _blocks_per_sm(spec, plan) -> int:
+    """Resident blocks per SM of the lowered decode kernel (the estimate before compiling)."""
+    if spec.family is not Family.DECODE or plan is None:
         return 1
-    from .lower import lower
     from .lower_decode import decode_blocks_per_sm
-    return decode_blocks_per_sm(lower(spec))
+    return decode_blocks_per_sm(plan)
 
 
-def _launch_order_line(spec, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
+def _launch_order_line(spec, plan, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
     """block_order.py's choice for this shape, with resident blocks from the plan's estimates."""
     from .block_order import describe
     from .device_limits import resident_blocks
-    from .lower import lower
-    plan = lower(spec)
     per_sm, _ = resident_blocks(limits, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
     return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(per_sm, 1))
