@@ -414,9 +414,9 @@ struct C {
     static constexpr int O_TILES = 16;   // 8-column mma tiles of O
     static constexpr int QK_ROW_BYTES = 256;   // shared-memory row of Q and K tiles
     static constexpr bool QK_SWIZZLE = true;   // XOR swizzle (else padded rows)
-    static constexpr int V_ROW_BYTES = 256;   // shared-memory row of V tiles
+    static constexpr int V_ROW_BYTES = 256;   // shared-memory row of V (and O) tiles
     static constexpr bool V_SWIZZLE = true;
-    static constexpr int STAGES = 1;   // K/V buffers; STAGES-1 tiles in flight while one is computed
+    static constexpr int STAGES = 1;   // K/V buffers (pipeline stages)
     static constexpr u32 Q_OFFSET = 0;
     static constexpr u32 K_OFFSET = 4096;
     static constexpr u32 K_STAGE_BYTES = 32768;
@@ -657,7 +657,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         }
     }
     cp_async_commit();
-    // [decode_d128.tile:11] pipeline prologue: first 0 K/V tiles in flight
+    // [decode_d128.tile:11] pipeline prologue: first 1 K/V tile(s) in flight
 #pragma unroll
     for (int s = 0; s < (C::STAGES > 1 ? C::STAGES - 1 : 1); ++s) {   // one stage: K and V of the first tile
         if (tile_begin + s < tile_end) {

@@ -414,9 +414,9 @@ struct C {
     static constexpr int O_TILES = 8;   // 8-column mma tiles of O per row block
     static constexpr int QK_ROW_BYTES = 128;   // shared-memory row of Q and K tiles
     static constexpr bool QK_SWIZZLE = true;   // XOR swizzle (else padded rows)
-    static constexpr int V_ROW_BYTES = 128;   // shared-memory row of V and O tiles
+    static constexpr int V_ROW_BYTES = 128;   // shared-memory row of V (and O) tiles
     static constexpr bool V_SWIZZLE = true;
-    static constexpr int STAGES = 2;   // K/V buffers in flight (pipeline)
+    static constexpr int STAGES = 2;   // K/V buffers (pipeline stages)
     static constexpr u32 Q_OFFSET = 0;
     static constexpr u32 K_OFFSET = 8192;
     static constexpr u32 K_STAGE_BYTES = 16384;

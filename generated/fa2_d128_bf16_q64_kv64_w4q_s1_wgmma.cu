@@ -412,7 +412,7 @@ struct C {
     static constexpr int O_TILES = 16;   // 8-column tiles of O in a thread's accumulators
     static constexpr int V_ROW_BYTES = 256;   // shared-memory row of the O staging tile
     static constexpr bool V_SWIZZLE = true;
-    static constexpr int STAGES = 1;   // K/V buffers in flight (pipeline)
+    static constexpr int STAGES = 1;   // K/V buffers (pipeline stages)
     static constexpr u32 Q_OFFSET = 0;
     static constexpr u32 K_OFFSET = 16384;
     static constexpr u32 K_STAGE_BYTES = 16384;

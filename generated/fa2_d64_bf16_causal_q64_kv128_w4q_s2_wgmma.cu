@@ -412,7 +412,7 @@ struct C {
     static constexpr int O_TILES = 8;   // 8-column tiles of O in a thread's accumulators
     static constexpr int V_ROW_BYTES = 128;   // shared-memory row of the O staging tile
     static constexpr bool V_SWIZZLE = true;
-    static constexpr int STAGES = 2;   // K/V buffers in flight (pipeline)
+    static constexpr int STAGES = 2;   // K/V buffers (pipeline stages)
     static constexpr u32 Q_OFFSET = 0;
     static constexpr u32 K_OFFSET = 8192;
     static constexpr u32 K_STAGE_BYTES = 16384;

@@ -132,6 +132,30 @@ def softmax_constants(p) -> list[Constant]:
     ]
 
 
+def tile_row_constants(qk_row: int, qk_swizzle: bool, v_row: int, v_swizzle: bool) -> list[Constant]:
+    """The shared-memory row layout of Q/K and V tiles (tile_row_bytes) that common.cuh's loads and
+    attention.cuh's ldmatrix addressing read."""
+    return [
+        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
+        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
+        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V (and O) tiles"),
+        Constant("V_SWIZZLE", "bool", v_swizzle),
+    ]
+
+
+def kv_buffer_constants(stages: int, q_offset: int, k_offset: int, k_stage: int, v_offset: int,
+                        v_stage: int) -> list[Constant]:
+    """Where Q and the STAGES K and V buffers sit in shared memory (every family lays them out so)."""
+    return [
+        Constant("STAGES", "int", stages, "K/V buffers (pipeline stages)"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_STAGE_BYTES", "u32", k_stage),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_STAGE_BYTES", "u32", v_stage),
+    ]
+
+
 def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     """The kv loop of FA2, in the scheduler graph's emission order (passes.emission_order).
 
@@ -243,16 +267,8 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         Constant("M_TILES", "int", m_tiles, "16-row mma tiles per warp"),
         Constant("S_TILES", "int", s.tile_kv // 8, "8-column mma tiles of S per row block"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
-        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
-        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
-        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V and O tiles"),
-        Constant("V_SWIZZLE", "bool", v_swizzle),
-        Constant("STAGES", "int", s.stages, "K/V buffers in flight (pipeline)"),
-        Constant("Q_OFFSET", "u32", q_offset),
-        Constant("K_OFFSET", "u32", k_offset),
-        Constant("K_STAGE_BYTES", "u32", k_stage),
-        Constant("V_OFFSET", "u32", v_offset),
-        Constant("V_STAGE_BYTES", "u32", v_stage),
+        *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
+        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
         Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
         Constant("SMEM_BYTES", "u32", smem),
         Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
 from .errors import SpecError
-from .lower import (LOOP_TEXT, LOWERINGS, softmax_constants, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
-                    _where, make_plan, tile_row_bytes)
+from .lower import (LOOP_TEXT, LOWERINGS, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
+                    kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
 from .spec import DType, Family, KernelSpec
 
 COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
@@ -141,16 +141,8 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("WARP_K_BYTES", "u32", keys_per_warp * qk_row, "offset of a warp's key slice in a K tile"),
         Constant("WARP_V_BYTES", "u32", keys_per_warp * v_row, "offset of a warp's key slice in a V tile"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O"),
-        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
-        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
-        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V tiles"),
-        Constant("V_SWIZZLE", "bool", v_swizzle),
-        Constant("STAGES", "int", stages, "K/V buffers; STAGES-1 tiles in flight while one is computed"),
-        Constant("Q_OFFSET", "u32", q_offset),
-        Constant("K_OFFSET", "u32", k_offset),
-        Constant("K_STAGE_BYTES", "u32", k_stage),
-        Constant("V_OFFSET", "u32", v_offset),
-        Constant("V_STAGE_BYTES", "u32", v_stage),
+        *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
+        *kv_buffer_constants(stages, q_offset, k_offset, k_stage, v_offset, v_stage),
         Constant("COMBINE_OFFSET", "u32", 0, "warp states for the combine reuse the Q/K/V bytes"),
         Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
         Constant("COMBINE_BYTES", "u32", combine_bytes),
@@ -166,7 +158,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
                            "(a split with none writes LSE = -inf)"),
         "load_q": Region(tile_where, f"load the packed {s.tile_q} x {p.head_dim_qk} Q tile: row r is head "
                          "r / queries of the kv group, query r % queries (zero-filled past the group)"),
-        "prologue": Region(pipe_where, f"pipeline prologue: first {stages - 1} K/V tiles in flight"),
+        "prologue": Region(pipe_where, f"pipeline prologue: first {max(stages - 1, 1)} K/V tile(s) in flight"),
         "kv_loop": Region(_where(spec, "warps"), f"each warp: keys [warp * {keys_per_warp}, +{keys_per_warp}) "
                           "of every tile, its own online softmax state"),
         "combine": Region(_where(spec, "warps"), "combine the warps' (m, l, O) through shared memory"),

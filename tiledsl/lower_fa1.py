@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
-from .lower import (LOWERINGS, softmax_constants, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require,
-                    _where, make_plan, tile_row_bytes)
+from .lower import (LOWERINGS, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
+                    kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
 from .spec import Axis, DType, Family, KernelSpec
 
 SHARED_LIMIT = H200.max_shared_per_block   # sm_90 opt-in shared memory per block (227 KB)
@@ -173,16 +173,8 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
         Constant("M_TILES", "int", m_tiles, "16-row mma tiles per warp"),
         Constant("S_TILES", "int", keys_per_warp // 8, "8-column mma tiles of S per row block"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
-        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
-        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
-        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V and O tiles"),
-        Constant("V_SWIZZLE", "bool", v_swizzle),
-        Constant("STAGES", "int", s.stages, "K/V buffers in flight (pipeline)"),
-        Constant("Q_OFFSET", "u32", q_offset),
-        Constant("K_OFFSET", "u32", k_offset),
-        Constant("K_STAGE_BYTES", "u32", k_stage),
-        Constant("V_OFFSET", "u32", v_offset),
-        Constant("V_STAGE_BYTES", "u32", v_stage),
+        *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
+        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
         Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores (split-Q)"),
         Constant("COMBINE_OFFSET", "u32", combine_offset, "fp32 combine tile (split-K)"),
         Constant("COMBINE_ROW_FLOATS", "int", combine_row, "row of the combine tile, padded against bank conflicts"),

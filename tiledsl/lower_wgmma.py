@@ -12,7 +12,8 @@ Sizes are derived here; the template only names them.
 from __future__ import annotations
 
 from .device_limits import H200
-from .lower import Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, make_plan, softmax_constants, tile_row_bytes
+from .lower import (Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, kv_buffer_constants, make_plan,
+                    softmax_constants, tile_row_bytes)
 from .spec import DType, Family, KernelSpec
 
 WARPGROUP_WARPS = 4
@@ -71,12 +72,7 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
         Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of the O staging tile"),
         Constant("V_SWIZZLE", "bool", v_swizzle),
-        Constant("STAGES", "int", s.stages, "K/V buffers in flight (pipeline)"),
-        Constant("Q_OFFSET", "u32", q_offset),
-        Constant("K_OFFSET", "u32", k_offset),
-        Constant("K_STAGE_BYTES", "u32", k_stage),
-        Constant("V_OFFSET", "u32", v_offset),
-        Constant("V_STAGE_BYTES", "u32", v_stage),
+        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
         Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
         Constant("SMEM_BYTES", "u32", smem),
         *softmax_constants(p),
