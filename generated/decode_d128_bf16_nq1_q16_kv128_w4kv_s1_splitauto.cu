@@ -663,12 +663,12 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile_begin + s < tile_end) {
             const int slice0 = (tile_begin + s) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
-                k_rows + (i64)slice0 * k_row_stride, k_row_stride, seq_kv - slice0, lane);
+                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
-                v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
+                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
         else { cp_async_commit(); cp_async_commit(); }
@@ -700,19 +700,22 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j may still be in flight)
         cp_async_wait<1>();
         __syncwarp();
+
     // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
         mma_qk<W>(acc_s, q_regs, q_tile, k_tile, 0, lane);
         // [decode_d128.tile:11] the warp is done with its slice of K_j
         __syncwarp();
+
         // [decode_d128.tile:11] refill the K buffer with the warp's slice of K_{j+1}
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + (0) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES,
-                k_rows + (i64)slice0 * k_row_stride, k_row_stride, seq_kv - slice0, lane);
+                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
         else cp_async_commit();
+
     // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window
         if (tile_needs_mask<C>(0, q_len, key0, C::KEYS_PER_WARP, seq_kv, diag))
             mask_packed_rows(acc_s, row0, q_len, key0, seq_kv, diag, lane);
@@ -721,19 +724,22 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         // [decode_d128.tile:11] wait for the warp's slice of V_j (K_{j+1} may still be in flight)
         cp_async_wait<1>();
         __syncwarp();
+
     // [decode_d128.tile:9] O += P V_j (P from registers, V via ldmatrix.trans)
         mma_pv<W>(acc_o, acc_s, v_tile, lane);
         // [decode_d128.tile:11] the warp is done with its slice of V_j
         __syncwarp();
+
         // [decode_d128.tile:11] refill the V buffer with the warp's slice of V_{j+1}
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + (0) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES,
-                v_rows + (i64)slice0 * v_row_stride, v_row_stride, seq_kv - slice0, lane);
+                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
         else cp_async_commit();
+
     }
 
     // [decode_d128.tile:10] combine the warps' (m, l, O) through shared memory

@@ -72,6 +72,7 @@ class KernelPlan:
     notes: tuple[str, ...] = field(default=())
     wgmma_n_qk: int = 0       # fa2 on wgmma: n of the S = Q K^T instruction (the kv tile)
     wgmma_n_pv: int = 0       # fa2 on wgmma: n of the O += P V instruction (head dim of v)
+    kv_load_scope: str = "block"   # "warp": each warp loads (and waits for) only its key slice of a kv tile
 
 
 def _align(n: int) -> int:

@@ -179,7 +179,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         name += "__wait_first"
     return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
-                     kernel_name=name, notes=notes)
+                     kernel_name=name, notes=notes, kv_load_scope="warp")
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:
