@@ -299,3 +299,4 @@ def lower(spec: KernelSpec, **overrides) -> KernelPlan:
 # they import this module's names (all defined by now).
 from . import lower_decode  # noqa: E402,F401  (Family.DECODE)
 from . import lower_fa1  # noqa: E402,F401  (Family.FA1)
+from . import lower_hopper  # noqa: E402,F401  (Family.HOPPER)

@@ -84,6 +84,9 @@ class Kernel:
         if cls is Kernel and spec.family is Family.FA1:
             from .runtime_fa1 import Fa1Kernel
             cls = Fa1Kernel
+        if cls is Kernel and spec.family is Family.HOPPER:
+            from .runtime_hopper import HopperKernel
+            cls = HopperKernel
         return super().__new__(cls)
 
     def __init__(self, spec: KernelSpec, plan: KernelPlan | None = None):

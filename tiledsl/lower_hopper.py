@@ -1,0 +1,166 @@
+"""Lowering of the Hopper warp-specialized family (FA3-style): KernelSpec -> HopperPlan for
+templates/hopper.cu.j2.
+
+Warpgroup 0 is the producer: one thread issues TMA copies (Q once; K and V per ring stage) that
+complete on each stage's full barrier. Warpgroups 1..C are consumers, 64 query rows each: S = Q Kᵀ
+as an SS wgmma, O += P V as an RS wgmma with P in registers, online softmax in registers; a
+consumer frees a stage by arriving on its empty barrier. Two schedule switches reorder the
+consumer's loop:
+
+* `overlap intra`: the loop issues tile j's Q Kᵀ and tile j-1's P V together and waits for the
+  first with `wgmma.wait_group 1`, so tile j's softmax runs while P V of j-1 is on the tensor
+  cores; the O rescale waits for that P V (wait_group 0).
+* `overlap pingpong`: consumers take turns issuing their GEMMs (named barriers passed round a
+  ring), so one's softmax runs while the tensor cores work on another's GEMMs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device_limits import H200
+from .lower import (LOWERINGS, Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan,
+                    softmax_constants)
+from .spec import DType, Family, KernelSpec
+
+WARPGROUP_THREADS = 128
+WGMMA_ROWS = 64           # rows of one consumer's m64 wgmma
+PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel (one TMA box is one panel)
+PANEL_ROW_BYTES = 128
+SWIZZLE_ATOM = 1024       # 8 swizzled 128-byte rows: panels start on this alignment
+TMA_BOX_MAX = 256         # rows of one TMA box
+BARRIER_BYTES = 8
+REGISTER_OVERHEAD = 16     # consumers keep loop state and barrier addresses; the producer computes the copies
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class HopperPlan(KernelPlan):
+    pingpong: bool = False
+    loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
+    prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
+    epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
+
+
+def consumer_ops(spec: KernelSpec) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ...], tuple[LoopOp, ...]]:
+    """(prologue, loop body, epilogue) of a consumer warpgroup, in issue order."""
+    s = spec.schedule
+    pipe, where_overlap = _where(spec, "pipeline"), _where(spec, "overlap")
+    tile = _where(spec, "tile")
+
+    def op(kind: str, what: str, where: str = tile, pending: int = 0) -> LoopOp:
+        return LoopOp(kind, where, what, pending=pending)
+
+    turn_wait = [op("turn_wait", "ping-pong: wait for this consumer's turn to issue GEMMs", where_overlap)] if s.pingpong else []
+    turn_pass = [op("turn_pass", "ping-pong: hand the turn to the next consumer", where_overlap)] if s.pingpong else []
+    wait_k = op("wait_k_full", "wait until K_j has landed (TMA, full barrier)", pipe)
+    qk = op("mma_qk", "S = Q K_j^T (SS wgmma, issued)")
+    wait_v = op("wait_v_full", "wait until V has landed (TMA, full barrier)", pipe)
+    pv = op("mma_pv", "O += P V (RS wgmma, P from registers, issued)")
+    release_k = op("release_k", "free K_j's stage for the producer (empty barrier)", pipe)
+    release_v = op("release_v", "free V's stage for the producer (empty barrier)", pipe)
+    mask = op("mask", "mask keys outside the sequence / diagonal / window (only tiles that need it)", _where(spec, "mask"))
+    softmax = op("softmax", "m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P")
+    rescale = op("rescale_o", "O *= alpha (skipped when no row's max moved)")
+    pack = op("pack_p", "P -> bf16/fp16 A fragments")
+    if not s.intra_overlap:
+        body = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S", pending=0), release_k, mask, softmax,
+                rescale, pack, wait_v, pv, op("wait_pv", "wait for O += P V", pending=0), release_v]
+        return (), tuple(body), ()
+    prologue = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_0", pending=0), release_k, mask, softmax, pack]
+    body = [wait_k, *turn_wait, qk, wait_v, op("mma_pv", "O += P_{j-1} V_{j-1} (RS wgmma, issued behind S_j)"), *turn_pass,
+            op("wait_qk", "wait for S_j only (P V of tile j-1 stays in flight)", where_overlap, pending=1), release_k, mask,
+            softmax, op("wait_pv", "wait for O += P_{j-1} V_{j-1}", where_overlap, pending=0), release_v, rescale, pack]
+    epilogue = [wait_v, *turn_wait, op("mma_pv", "O += P_last V_last (RS wgmma)"), *turn_pass,
+                op("wait_pv", "wait for the last P V", pending=0), release_v]
+    return tuple(prologue), tuple(body), tuple(epilogue)
+
+
+def lower_hopper(spec: KernelSpec) -> HopperPlan:
+    p, s = spec.problem, spec.schedule
+    _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
+             f"the hopper family computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
+    _require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0 and p.head_dim_v <= p.head_dim_qk,
+             spec, "head_dim", f"the hopper family loads 64-column TMA panels and stages O in Q's: head dims must be "
+             f"multiples of 64 with head_dim_v <= head_dim, got {p.head_dim_qk}/{p.head_dim_v}",
+             "head_dim = 64, 128 or 256; other head dims: the fa2 family")
+    _require(16 <= s.tile_kv <= TMA_BOX_MAX and s.tile_kv % 16 == 0, spec, "tile",
+             f"tile kv = {s.tile_kv}: a TMA box and a wgmma n hold at most {TMA_BOX_MAX} keys, in steps of 16",
+             "tile kv = 64, 128 or 176")
+    consumers = s.consumer_warpgroups
+    threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
+    panel_q, panel_kv = s.tile_q * PANEL_ROW_BYTES, s.tile_kv * PANEL_ROW_BYTES
+    q_bytes = p.head_dim_qk // PANEL_COLUMNS * panel_q
+    k_stage = p.head_dim_qk // PANEL_COLUMNS * panel_kv
+    v_stage = p.head_dim_v // PANEL_COLUMNS * panel_kv
+    q_offset = 0
+    k_offset = _align(q_offset + q_bytes, SWIZZLE_ATOM)
+    v_offset = _align(k_offset + s.stages * k_stage, SWIZZLE_ATOM)
+    bar_offset = _align(v_offset + s.stages * v_stage, SWIZZLE_ATOM)
+    barriers = 1 + 4 * s.stages            # Q full; K, V full and empty per stage
+    smem = bar_offset + barriers * BARRIER_BYTES
+    _require(smem <= H200.max_shared_per_block, spec, "pipeline",
+             f"Q ({q_bytes} B) and {s.stages} stages of {s.tile_kv}-key K/V tiles ({k_stage + v_stage} B each) need "
+             f"{smem} B of shared memory (limit {H200.max_shared_per_block})", "fewer stages or a smaller tile kv")
+    register_estimate = p.head_dim_v // 2 + s.tile_kv // 2 + s.tile_kv // 4 + REGISTER_OVERHEAD
+    _require(register_estimate <= s.consumer_regs, spec, "warpgroups",
+             f"a consumer holds ~{register_estimate} registers per thread (O {p.head_dim_v // 2}, S {s.tile_kv // 2}, "
+             f"P {s.tile_kv // 4}, {REGISTER_OVERHEAD} for addresses), over its budget of {s.consumer_regs}",
+             "a smaller tile kv, or more consumer regs")
+
+    consts = [
+        Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("CONSUMERS", "int", consumers, "consumer warpgroups, 64 query rows each"),
+        Constant("CONSUMER_WARPS", "int", 4 * consumers, "arrivals that free a stage (one per consumer warp)"),
+        Constant("THREADS", "int", threads, "producer + consumer warpgroups"),
+        Constant("PRODUCER_REGS", "int", s.producer_regs, "setmaxnreg.dec: the producer only issues copies"),
+        Constant("CONSUMER_REGS", "int", s.consumer_regs, "setmaxnreg.inc: accumulators of S, O and P"),
+        Constant("M_TILES", "int", 1),
+        Constant("ROWS_PER_WARP", "int", 16, "a warp's slice of its consumer's 64 rows"),
+        Constant("S_TILES", "int", s.tile_kv // 8, "8-column tiles of S in a thread's accumulators"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
+        Constant("STAGES", "int", s.stages, "K/V ring stages"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("Q_PANEL_BYTES", "u32", panel_q, "64 columns of every Q row: one TMA box"),
+        Constant("Q_BYTES", "u32", q_bytes, "transaction bytes of Q's full barrier"),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_PANEL_BYTES", "u32", panel_kv),
+        Constant("K_STAGE_BYTES", "u32", k_stage, "one K tile: transaction bytes of its full barrier"),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
+        Constant("V_STAGE_BYTES", "u32", v_stage, "one V tile: transaction bytes of its full barrier"),
+        Constant("BAR_OFFSET", "u32", bar_offset, "mbarriers"),
+        Constant("Q_FULL_BAR", "int", 0),
+        Constant("K_FULL_BAR", "int", 1),
+        Constant("V_FULL_BAR", "int", 1 + s.stages),
+        Constant("K_EMPTY_BAR", "int", 1 + 2 * s.stages),
+        Constant("V_EMPTY_BAR", "int", 1 + 3 * s.stages),
+        Constant("SMEM_BYTES", "u32", smem),
+        Constant("TURN_BAR", "int", 1, "ping-pong: named barrier of consumer c is TURN_BAR + c"),
+        Constant("TURN_THREADS", "int", 2 * WARPGROUP_THREADS, "a consumer waits, the one before it arrives"),
+        Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
+        *softmax_constants(p),
+    ]
+    prologue, body, epilogue = consumer_ops(spec)
+    regions = {
+        "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
+        "producer": Region(_where(spec, "warpgroups"), f"producer warpgroup: {s.producer_regs} registers, one thread issues TMA copies"),
+        "load_q": Region(_where(spec, "tile"), f"Q tile ({s.tile_q} x {p.head_dim_qk}) once, as {p.head_dim_qk // PANEL_COLUMNS} swizzled 64-column panels"),
+        "load_kv": Region(_where(spec, "pipeline"), f"K, V tiles through a {s.stages}-stage ring: wait for the slot's empty barrier, then copy onto its full barrier"),
+        "consumer": Region(_where(spec, "warpgroups"), f"{consumers} consumer warpgroup(s): {s.consumer_regs} registers, 64 query rows each"),
+        "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner" + ("; intra-warpgroup overlap" if s.intra_overlap else "")
+                          + ("; ping-pong between consumers" if s.pingpong else "")),
+        "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
+    }
+    return make_plan(spec, Family.HOPPER, "hopper.cu.j2", consts, regions, body,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
+                     plan_class=HopperPlan, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v, pingpong=s.pingpong,
+                     loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)
+
+
+LOWERINGS[Family.HOPPER] = lower_hopper

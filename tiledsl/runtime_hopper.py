@@ -1,0 +1,35 @@
+"""Runtime for the Hopper warp-specialized family: the FA2 grid and launch order, with Q, K and V
+handed to the kernel as TMA tensor maps instead of pointers and strides."""
+from __future__ import annotations
+
+from .runtime import Kernel, Shapes
+from .tensor_maps import check_tma_strides, tensor_map
+from .tensors import TensorView
+
+
+class HopperKernel(Kernel):
+    """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`."""
+
+    def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
+        shapes = super().check_inputs(q, k, v, kv_lens)
+        for t in (q, k, v):
+            check_tma_strides(t, self.name)
+        return shapes
+
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        import numpy as np
+        plan = self.plan
+        tile_q, tile_kv = plan.launch.tile_q, self.spec.schedule.tile_kv
+        q_tiles, pairs = -(-shapes.q_len // tile_q), shapes.batch * shapes.heads
+        if q_tiles == 0 or pairs == 0:
+            return
+        i64 = np.int64
+        # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
+        k_map, v_map = (tensor_map(k, tile_kv), tensor_map(v, tile_kv)) if shapes.kv_len else (tensor_map(q, tile_q),) * 2
+        args = (tensor_map(q, tile_q), k_map, v_map,
+                np.uintp(o.pointer), np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
+                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
+                np.int32(shapes.heads // shapes.kv_heads), *(i64(s) for s in o.strides[:3]),
+                np.int32(self.order_groups_for(shapes, q.device_id)))
+        self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
