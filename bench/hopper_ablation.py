@@ -109,7 +109,8 @@ def main() -> int:
             for causal in causals:
                 for n in args.seqlens:
                     batch, heads = prefill_shape(n, d)
-                    q, k, v = random_inputs(specs[next(iter(specs))].problem, batch, heads, n, n)
+                    problem = next(sp for (dd, _, _), sp in specs.items() if dd == d).problem
+                    q, k, v = random_inputs(problem, batch, heads, n, n)
                     flops = attention_flops(batch, heads, n, n, d, causal)
                     peers = {name: flops / t / 1e9 for name, t in sdpa_peers(q, k, v, causal).items()
                              if isinstance(t, float)}

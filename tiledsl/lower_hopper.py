@@ -57,24 +57,36 @@ def consumer_ops(spec: KernelSpec) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ..
     turn_pass = [op("turn_pass", "ping-pong: hand the turn to the next consumer", where_overlap)] if s.pingpong else []
     wait_k = op("wait_k_full", "wait until K_j has landed (TMA, full barrier)", pipe)
     qk = op("mma_qk", "S = Q K_j^T (SS wgmma, issued)")
-    wait_v = op("wait_v_full", "wait until V has landed (TMA, full barrier)", pipe)
-    pv = op("mma_pv", "O += P V (RS wgmma, P from registers, issued)")
     release_k = op("release_k", "free K_j's stage for the producer (empty barrier)", pipe)
-    release_v = op("release_v", "free V's stage for the producer (empty barrier)", pipe)
     mask = op("mask", "mask keys outside the sequence / diagonal / window (only tiles that need it)", _where(spec, "mask"))
     softmax = op("softmax", "m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P")
     rescale = op("rescale_o", "O *= alpha (skipped when no row's max moved)")
     pack = op("pack_p", "P -> bf16/fp16 A fragments")
+
+    def v_ops(behind: int, tile: str) -> list[LoopOp]:
+        return [LoopOp("wait_v_full", pipe, f"wait until V_{tile} has landed (TMA, full barrier)", distance=behind),
+                LoopOp("mma_pv", tile, f"O += P_{tile} V_{tile} (RS wgmma, P from registers, issued)", distance=behind)]
+
+    def release_v(behind: int, tile: str) -> LoopOp:
+        return LoopOp("release_v", pipe, f"free V_{tile}'s stage for the producer (empty barrier)", distance=behind)
+
     if not s.intra_overlap:
-        body = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S", pending=0), release_k, mask, softmax,
-                rescale, pack, wait_v, pv, op("wait_pv", "wait for O += P V", pending=0), release_v]
+        body = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_j", pending=0), release_k, mask, softmax,
+                rescale, pack, *v_ops(0, "j"), op("wait_pv", "wait for O += P_j V_j", pending=0), release_v(0, "j")]
         return (), tuple(body), ()
-    prologue = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_0", pending=0), release_k, mask, softmax, pack]
-    body = [wait_k, *turn_wait, qk, wait_v, op("mma_pv", "O += P_{j-1} V_{j-1} (RS wgmma, issued behind S_j)"), *turn_pass,
-            op("wait_qk", "wait for S_j only (P V of tile j-1 stays in flight)", where_overlap, pending=1), release_k, mask,
-            softmax, op("wait_pv", "wait for O += P_{j-1} V_{j-1}", where_overlap, pending=0), release_v, rescale, pack]
-    epilogue = [wait_v, *turn_wait, op("mma_pv", "O += P_last V_last (RS wgmma)"), *turn_pass,
-                op("wait_pv", "wait for the last P V", pending=0), release_v]
+    # Tile j's Q K^T and tile j-1's P V are issued together; the softmax of S_j runs while P V is on
+    # the tensor cores, and the wait for that P V comes only at the top of the next trip: ptxas
+    # schedules a wgmma wait as early as its basic block allows, so the loop's back edge is what
+    # keeps it behind the softmax. O is rescaled by alpha_{j-1} while S_j is being computed.
+    top = [op("wait_pv", "wait for O += P_{j-2} V_{j-2} (issued last trip)", where_overlap, pending=0),
+           release_v(2, "{j-2}"), op("pack_p", "P_{j-1} -> bf16/fp16 A fragments")]
+    prologue = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_0", pending=0), release_k, mask, softmax]
+    body = [*top, wait_k, *turn_wait, qk, op("rescale_o", "O *= alpha_{j-1} (skipped when no row's max moved)"),
+            *v_ops(1, "{j-1}"), *turn_pass,
+            op("wait_qk", "wait for S_j only (P_{j-1} V_{j-1} stays in flight)", where_overlap, pending=1), release_k, mask,
+            softmax]
+    epilogue = [*top, *turn_wait, rescale, *v_ops(1, "last"), *turn_pass, op("wait_pv", "wait for the last P V", pending=0),
+                release_v(1, "last")]
     return tuple(prologue), tuple(body), tuple(epilogue)
 
 
