@@ -48,17 +48,22 @@ def fa2_wgmma(d, causal):
 
 
 def variants(d, causal):
-    """name -> spec: the ablation chain, then tile and consumer-count alternatives."""
+    """name -> spec: the ablation chain, then tile and consumer-count alternatives. A name ending in
+    " grid" runs its spec with one block per work item instead of the persistent launch."""
+    if d == 256:
+        return {"hopper kv80": hopper(d, causal, kv=80), "hopper+intra kv64": hopper(d, causal, "intra", kv=64),
+                "hopper+intra kv64 grid": hopper(d, causal, "intra", kv=64)}
     out = {"fa2_wgmma": fa2_wgmma(d, causal), "hopper": hopper(d, causal),
            "hopper+pingpong": hopper(d, causal, "pingpong"), "hopper+intra": hopper(d, causal, "intra"),
-           "hopper+both": hopper(d, causal, "pingpong, intra")}
+           "hopper+both": hopper(d, causal, "pingpong, intra"), "hopper+intra grid": hopper(d, causal, "intra")}
     if d == 128:
-        out["hopper+both kv176"] = hopper(d, causal, "pingpong, intra", kv=176)
         out["hopper+intra kv176"] = hopper(d, causal, "intra", kv=176)
+        out["hopper+intra 3 stages kv96"] = hopper(d, causal, "intra", kv=96, stages=3)
     if d == 64:
-        out["hopper+both c3 q192"] = hopper(d, causal, "pingpong, intra", q=192, consumers=3, pregs=32, cregs=160)
         out["hopper+intra c3 q192"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160)
-        out["hopper+both kv192"] = hopper(d, causal, "pingpong, intra", kv=192)
+        out["hopper+intra c3 q192 grid"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160)
+        out["hopper+both c3 q192"] = hopper(d, causal, "pingpong, intra", q=192, consumers=3, pregs=32, cregs=160)
+        out["hopper+intra c3 q192 3 stages"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160, stages=3)
     return out
 
 
@@ -81,7 +86,7 @@ def check(kernel, spec) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--variants", nargs="*")
@@ -94,6 +99,8 @@ def main() -> int:
     started = time.time()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:   # NVRTC compiles in parallel
         kernels = dict(zip(specs, pool.map(lambda s: compile(s), specs.values())))
+        for (_, _, name), kernel in kernels.items():
+            kernel.persistent = not name.endswith(" grid")
         list(pool.map(lambda k: k.function(), kernels.values()))
     print(f"compiled {len(kernels)} kernels in {time.time() - started:.1f} s", flush=True)
     rows, checked = [], {}

@@ -39,6 +39,7 @@ def _align(n: int, to: int) -> int:
 @dataclass(frozen=True)
 class HopperPlan(KernelPlan):
     pingpong: bool = False
+    o_in_q: bool = False                # O staged in Q's panels (no room for its own buffer)
     loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
     prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
@@ -110,9 +111,16 @@ def lower_hopper(spec: KernelSpec) -> HopperPlan:
     q_offset = 0
     k_offset = _align(q_offset + q_bytes, SWIZZLE_ATOM)
     v_offset = _align(k_offset + s.stages * k_stage, SWIZZLE_ATOM)
-    bar_offset = _align(v_offset + s.stages * v_stage, SWIZZLE_ATOM)
-    barriers = 1 + 4 * s.stages            # Q full; K, V full and empty per stage
-    smem = bar_offset + barriers * BARRIER_BYTES
+    kv_end = _align(v_offset + s.stages * v_stage, SWIZZLE_ATOM)
+    barriers = 2 + 4 * s.stages            # Q full and empty; K, V full and empty per stage
+    barrier_bytes = barriers * BARRIER_BYTES
+    o_bytes = p.head_dim_v // PANEL_COLUMNS * panel_q
+    # O gets its own panels when they fit, so the producer can load the next item's Q while the
+    # consumers store this one's O (persistent launch); else O is staged in Q's (dv <= d).
+    o_in_q = kv_end + o_bytes + barrier_bytes > H200.max_shared_per_block
+    o_offset = q_offset if o_in_q else kv_end
+    bar_offset = kv_end if o_in_q else kv_end + o_bytes
+    smem = bar_offset + barrier_bytes
     _require(smem <= H200.max_shared_per_block, spec, "pipeline",
              f"Q ({q_bytes} B) and {s.stages} stages of {s.tile_kv}-key K/V tiles ({k_stage + v_stage} B each) need "
              f"{smem} B of shared memory (limit {H200.max_shared_per_block})", "fewer stages or a smaller tile kv")
@@ -146,12 +154,14 @@ def lower_hopper(spec: KernelSpec) -> HopperPlan:
         Constant("V_OFFSET", "u32", v_offset),
         Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
         Constant("V_STAGE_BYTES", "u32", v_stage, "one V tile: transaction bytes of its full barrier"),
+        Constant("O_OFFSET", "u32", o_offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
         Constant("BAR_OFFSET", "u32", bar_offset, "mbarriers"),
         Constant("Q_FULL_BAR", "int", 0),
-        Constant("K_FULL_BAR", "int", 1),
-        Constant("V_FULL_BAR", "int", 1 + s.stages),
-        Constant("K_EMPTY_BAR", "int", 1 + 2 * s.stages),
-        Constant("V_EMPTY_BAR", "int", 1 + 3 * s.stages),
+        Constant("Q_EMPTY_BAR", "int", 1),
+        Constant("K_FULL_BAR", "int", 2),
+        Constant("V_FULL_BAR", "int", 2 + s.stages),
+        Constant("K_EMPTY_BAR", "int", 2 + 2 * s.stages),
+        Constant("V_EMPTY_BAR", "int", 2 + 3 * s.stages),
         Constant("SMEM_BYTES", "u32", smem),
         Constant("TURN_BAR", "int", 1, "ping-pong: named barrier of consumer c is TURN_BAR + c"),
         Constant("TURN_THREADS", "int", 2 * WARPGROUP_THREADS, "a consumer waits, the one before it arrives"),
@@ -171,7 +181,7 @@ def lower_hopper(spec: KernelSpec) -> HopperPlan:
     }
     return make_plan(spec, Family.HOPPER, "hopper.cu.j2", consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
-                     plan_class=HopperPlan, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v, pingpong=s.pingpong,
+                     plan_class=HopperPlan, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v, pingpong=s.pingpong, o_in_q=o_in_q,
                      loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)
 
 

@@ -8,7 +8,12 @@ from .tensors import TensorView
 
 
 class HopperKernel(Kernel):
-    """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`."""
+    """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
+
+    `persistent` (default True) launches one block per resident slot, each walking work items in
+    launch order, so a block's next Q, K and V load while it stores the last O; False launches one
+    block per item."""
+    persistent = True
 
     def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
         shapes = super().check_inputs(q, k, v, kv_lens)
@@ -31,5 +36,6 @@ class HopperKernel(Kernel):
                 np.uintp(o.pointer), np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
                 np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
                 np.int32(shapes.heads // shapes.kv_heads), *(i64(s) for s in o.strides[:3]),
-                np.int32(self.order_groups_for(shapes, q.device_id)))
-        self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
+                np.int32(self.order_groups_for(shapes, q.device_id)), np.int32(q_tiles * pairs))
+        blocks = min(q_tiles * pairs, self.slots(q.device_id)) if self.persistent else q_tiles * pairs
+        self.launch_function(self.function(), (blocks, 1, 1), args, q.device_id, stream)
