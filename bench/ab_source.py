@@ -11,7 +11,7 @@ import torch
 
 from tiledsl.bench import attention_flops, prefill_shape, record, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 CP_ASYNC = "cp.async.cg.shared.global [%0]"

@@ -21,7 +21,7 @@ requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA G
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     return compile(spec)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tiledsl import nvcc
 from tiledsl.errors import SpecError
-from tiledsl.lower import LOWERINGS, lower
+from tiledsl.families import lower, row_for
 from tiledsl.device_limits import H200, SMEM_RESERVED_PER_BLOCK
 from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
 from tiledsl.parse import load_specs
@@ -37,7 +37,7 @@ def spec(d=128, dtype=DType.BF16, mask=Mask.NONE, queries=1, tile_q=16, tile_kv=
 
 
 def test_decode_is_registered():
-    assert LOWERINGS[Family.DECODE] is lower_decode
+    assert row_for(bundled()).lowering is lower_decode
     plan = lower(bundled())
     assert plan.family == "decode" and plan.template == "decode.cu.j2"
 
@@ -77,7 +77,8 @@ def test_resident_blocks_follow_the_launch_bounds():
 def test_runtime_splits_count_the_compiled_kernels_resident_blocks():
     # The runtime asks choose_splits with the slots Kernel.slots found from the compiled kernel's
     # registers (set by hand here: no GPU), not with the lowering's estimate.
-    from tiledsl.runtime import Shapes, compile
+    from tiledsl import compile
+    from tiledsl.runtime import Shapes
     kernel = compile(bundled())
     shapes = Shapes(batch=1, heads=32, kv_heads=32, q_len=1, kv_len=32768)
     tile_kv = constant(kernel.plan, "BC")

@@ -37,7 +37,7 @@ def decode_spec(splits=AUTO, queries=1, dtype=DType.BF16, mask=Mask.NONE, d=128,
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     kernel = compile(spec)
     assert type(kernel).__name__ == "DecodeKernel"
     return kernel

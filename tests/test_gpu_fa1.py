@@ -41,7 +41,7 @@ def fa1(d, axis, mask="none", dtype=DType.BF16, stages=2, tiles=None):
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     return compile(spec)
 
 

@@ -12,7 +12,7 @@ import pytest
 from tiledsl import nvcc
 from tiledsl.check import SpecSpace
 from tiledsl.errors import SpecError
-from tiledsl.lower import LOWERINGS, lower
+from tiledsl.families import WITH_TEMPLATE, lower
 from tiledsl.parse import parse_file
 from tiledsl.render import render
 
@@ -41,7 +41,7 @@ def test_search_space_members_compile():
     for path in SPEC_FILES:
         for item in parse_file(path):
             if isinstance(item, SpecSpace):
-                members += [s for s in item.expand()[0] if s.family in LOWERINGS]
+                members += [s for s in item.expand()[0] if s.family in WITH_TEMPLATE]
     assert members, "the bundled search spaces should have members"
     plans = []
     for spec in members:

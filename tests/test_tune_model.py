@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiledsl import tune_model as tm
-from tiledsl.lower import lower
+from tiledsl.families import lower
 from tiledsl.parse import parse_file
 from tiledsl.passes import run_passes
 from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule

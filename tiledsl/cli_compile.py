@@ -8,7 +8,7 @@ from pathlib import Path
 from . import nvcc
 from .cli_common import add_spec_arguments, concrete_specs
 from .errors import SpecError
-from .lower import LOWERINGS, lower
+from .families import WITH_TEMPLATE, lower
 from .render import render, write_if_changed
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
@@ -31,7 +31,7 @@ def run(args) -> int:
     out = Path(args.output)
     status = 0
     for spec in concrete_specs(args.specs, args.name):
-        if args.skip_unsupported and spec.family not in LOWERINGS:
+        if args.skip_unsupported and spec.family not in WITH_TEMPLATE:
             print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
             continue
         try:

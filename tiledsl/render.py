@@ -35,6 +35,8 @@ def environment() -> jinja2.Environment:
 
 
 def render(plan: KernelPlan) -> str:
+    if not plan.template:   # a lowering called directly: families.lower names the template
+        raise ValueError(f"{plan.kernel_name}: the plan names no template (lower it with tiledsl.families.lower)")
     return environment().get_template(plan.template).render(plan=plan)
 
 

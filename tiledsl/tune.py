@@ -31,7 +31,7 @@ from . import tune_model
 from .check import SpecSpace
 from .device_limits import H200, DeviceLimits
 from .errors import SpecError
-from .lower import lower
+from .families import compile as compile_kernel, lower
 from .passes import run_passes
 from .render import render
 from .spec import Family, KernelSpec, Mask, Mma
@@ -244,7 +244,7 @@ class Workbench:
         """Compile every spec not compiled yet (NVRTC in threads, then load on this thread);
         {spec: error message} for the ones that failed."""
         todo = [s for s in specs if s not in self.kernels]
-        kernels = {s: self.runtime.Kernel(s) for s in todo}
+        kernels = {s: compile_kernel(s) for s in todo}
         failed = {}
         with concurrent.futures.ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 4)) as pool:
             futures = {pool.submit(self.runtime.compile_cubin, k.source, k.name, self.arch): s for s, k in kernels.items()}

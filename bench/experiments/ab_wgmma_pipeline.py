@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import lse_error, reference_attention, relative_error
 
 OLD = Path(__file__).resolve().parent / "ab_old"

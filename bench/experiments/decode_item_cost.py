@@ -20,7 +20,7 @@ import torch
 
 from tiledsl.bench import record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 TICKET = "ticket = atomic_add_acq_rel(counter, 1);"

@@ -23,7 +23,7 @@ import torch
 
 from tiledsl.bench import record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
