@@ -180,23 +180,6 @@ def _require_nvcc():
         pytest.skip("nvcc not on PATH")
 
 
-def entries(report: str) -> dict[str, dict]:
-    """ptxas -v report -> {function: {registers, spill_stores, spill_loads, stack}}."""
-    out, current = {}, None
-    for line in report.splitlines():
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
-            current = out.setdefault(m.group(1), {})
-            continue
-        if current is None:
-            continue
-        if (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
-            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-        if (m := re.search(r"Used (\d+) registers", line)):
-            current["registers"] = int(m.group(1))
-    return out
-
-
 VARIANTS = {
     "bundled": dict(),
     "fp16": dict(dtype=DType.FP16),
@@ -216,9 +199,9 @@ def test_nvcc_compiles_without_spills(variant, tmp_path):
     s = bundled() if variant == "bundled" else spec(**VARIANTS[variant])
     plan = lower(s)
     _, report = nvcc.compile_to(render(plan), plan.kernel_name, "cubin", tmp_path)
-    found = entries(report)
+    found = nvcc.parse_ptxas(report)
     assert set(found) == {plan.kernel_name}, report   # one kernel: the last split merges
     for name, info in found.items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{name} spills:\n{report}"
-        assert info["stack"] == 0, f"{name} has a stack frame:\n{report}"
-        assert 0 < info["registers"] <= 255
+        assert info.spill_stores == 0 and info.spill_loads == 0, f"{name} spills:\n{report}"
+        assert info.stack_bytes == 0, f"{name} has a stack frame:\n{report}"
+        assert 0 < info.registers <= 255

@@ -165,6 +165,6 @@ def test_nvcc_compiles_without_spills(spec):
     plan = lower(spec)
     r = resources(render(plan), plan.kernel_name)
     assert re.search(r"Compiling entry function '" + plan.kernel_name, r.report), r.report
-    assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.report
+    assert r.spill_stores == 0 and r.spill_loads == 0, r.report
     assert r.stack_bytes == 0, r.report
     assert 0 < r.registers <= 255

@@ -30,7 +30,7 @@ if nvcc.nvcc_path() is None:
 def test_bundled_kernel_compiles_without_spills(spec):
     plan = lower(spec)
     res = nvcc.resources(render(plan), spec.kernel_name)
-    assert res.spill_store_bytes == 0 and res.spill_load_bytes == 0, f"{spec.kernel_name} spills:\n{res.report}"
+    assert res.spill_stores == 0 and res.spill_loads == 0, f"{spec.kernel_name} spills:\n{res.report}"
     assert res.stack_bytes == 0, f"{spec.kernel_name} has a stack frame (local arrays):\n{res.report}"
     assert 0 < res.registers <= 255
     assert plan.launch.smem_bytes + res.static_shared_bytes <= SHARED_LIMIT

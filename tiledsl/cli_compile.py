@@ -58,10 +58,10 @@ def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[s
         line.append(f"ptx: {out / (name + '.ptx')}")
     if {"cubin", "resources", "sass"} & set(emits):
         cubin, report = nvcc.compile_to(source, name, "cubin", out)
-        res = nvcc.parse_resources(report)
+        res = nvcc.parse_ptxas(report).get(name, nvcc.Resources(0, report=report))
         if "resources" in emits:
             (out / f"{name}.resources.txt").write_text(report)
-            line.append(f"registers {res.registers}, spills {res.spill_store_bytes} B, stack {res.stack_bytes} B")
+            line.append(f"registers {res.registers}, spills {res.spill_stores} B, stack {res.stack_bytes} B")
         if "sass" in emits:
             (out / f"{name}.sass").write_text(nvcc.sass(cubin))
             line.append(f"sass: {out / (name + '.sass')}")
