@@ -109,8 +109,8 @@ def random_inputs(problem, batch: int, heads: int, q_len: int, kv_len: int, kv_h
               (batch, kv_heads, kv_len, problem.head_dim_v)]
     try:
         import torch
-        dtype = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}[problem.dtype]
-        return tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes)
+        from .tensors import torch_dtype
+        return tuple(torch.randn(s, device="cuda", dtype=torch_dtype(problem.dtype)) for s in shapes)
     except ImportError:
         import cupy
         if problem.dtype is not DType.FP16:

@@ -28,11 +28,12 @@ from .check import SpecSpace
 from .device_limits import H200, DeviceLimits
 from .errors import SpecError
 from .families import compile as compile_kernel, lower
+from .nvcc import Resources
 from .passes import run_passes
 from .render import render
 from .spec import Family, KernelSpec, Mask, Mma
+from .tensors import torch_dtype
 from .traffic import hbm_traffic
-from .nvcc import Resources
 from .tune_model import Prediction, Shape
 from .tune_store import TuneStore, entry_key
 
@@ -255,7 +256,7 @@ class Workbench:
         torch = _torch()
         batch, heads, n = CHECK_SHAPE
         p = spec.problem
-        dtype = _torch_dtype(torch, p.dtype.value)
+        dtype = torch_dtype(p.dtype)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k = (torch.randn(batch, heads, n, p.head_dim_qk, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
         v = torch.randn(batch, heads, n, p.head_dim_v, device="cuda", dtype=dtype, generator=gen)
@@ -280,7 +281,7 @@ class Workbench:
         from .tensors import view
         torch = _torch()
         kernel, p = self.kernels[spec], spec.problem
-        dtype = _torch_dtype(torch, p.dtype.value)
+        dtype = torch_dtype(p.dtype)
         b, h, nq, nk = shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_kv
         set_bytes = 2 * b * h * (nq * p.head_dim_qk + nk * (p.head_dim_qk + p.head_dim_v) + nq * p.head_dim_v)
         sets = max(MIN_INPUT_SETS, math.ceil(2 * self.limits.l2_bytes / max(set_bytes, 1)))
@@ -309,10 +310,6 @@ def _torch():
     except ImportError:
         raise RuntimeError("tiledsl tune needs PyTorch on the GPU machine (bf16 inputs)") from None
     return torch
-
-
-def _torch_dtype(torch, name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 class Progress:

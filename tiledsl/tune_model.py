@@ -38,7 +38,7 @@ import numpy as np
 
 from .device_limits import H200, DeviceLimits, resident_blocks
 from .nvcc import Resources
-from .reference import tiles_visible
+from .masks import tiles_visible
 from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask, Mma
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
