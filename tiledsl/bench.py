@@ -127,3 +127,15 @@ def poisoned_outputs(q, shape_o: tuple, shape_lse: tuple):
                 torch.full(shape_lse, float("nan"), dtype=torch.float32, device=q.device))
     import cupy
     return cupy.full(shape_o, cupy.nan, dtype=q.dtype), cupy.full(shape_lse, cupy.nan, dtype=cupy.float32)
+
+
+def patch_source(kernel, patches) -> None:
+    """Apply (old, new) text patches to `kernel.source` (A/B experiments on generated CUDA). Each
+    `old` must occur exactly once: a patch whose target is gone raises instead of timing the
+    unpatched kernel twice."""
+    for old, new in patches:
+        found = kernel.source.count(old)
+        if found != 1:
+            raise ValueError(f"{kernel.name}: patch target found {found} times (want 1), the generated CUDA "
+                             f"has changed; update or drop the patch:\n{old}")
+        kernel.source = kernel.source.replace(old, new)
