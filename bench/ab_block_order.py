@@ -12,7 +12,7 @@ import torch
 
 from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 CASES = [("specs/fa2_d128_causal.tile", n) for n in (1024, 4096, 8192, 16384)] + \

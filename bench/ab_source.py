@@ -2,36 +2,35 @@
 kernel and the patched kernel alternately (base, patch, ..., base) so the spread of the two base
 runs shows the noise. The patches here are experiments, not product code.
 
-Usage: python bench/ab_source.py OUT.json [l2_prefetch | tile_skip]"""
+A patch whose target is no longer in the generated CUDA stops the run (tiledsl.bench.patch_source).
+The tile_skip experiment (results/2026-11-30-ab-tile-skip.json) was dropped: its target, the
+per-warp tile skip, is gone from the template, so it timed two identical kernels.
+
+Usage: python bench/ab_source.py OUT.json [l2_prefetch]"""
 from __future__ import annotations
 
 import sys
 
 import torch
 
-from tiledsl.bench import attention_flops, prefill_shape, record, time_ms
+from tiledsl.bench import attention_flops, patch_source, prefill_shape, record, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 CP_ASYNC = "cp.async.cg.shared.global [%0]"
-SKIP = "const bool warp_active = warp_sees_tile<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::BC, C::BC, diag);"
 EXPERIMENTS = {
     "l2_prefetch": {"base": None,
                     "l2_128": (CP_ASYNC, "cp.async.cg.shared.global.L2::128B [%0]"),
                     "l2_256": (CP_ASYNC, "cp.async.cg.shared.global.L2::256B [%0]")},
-    "tile_skip": {"skip": None, "no_skip": (SKIP, "const bool warp_active = true;")},
 }
-PREFILL = {"l2_prefetch": [("specs/fa2_d128_causal.tile", 4096), ("specs/fa2_d128.tile", 4096), ("specs/fa2_d64_causal.tile", 4096)],
-           "tile_skip": [("specs/fa2_d128_causal.tile", 1024), ("specs/fa2_d128_causal.tile", 4096),
-                         ("specs/fa2_d64_causal.tile", 1024), ("specs/fa2_d64_causal.tile", 4096)]}
+PREFILL = {"l2_prefetch": [("specs/fa2_d128_causal.tile", 4096), ("specs/fa2_d128.tile", 4096), ("specs/fa2_d64_causal.tile", 4096)]}
 
 
 def variant(spec, patch):
     kernel = compile(spec)
     if patch:
-        kernel.source = kernel.source.replace(*patch)
-        kernel.name = kernel.name   # cubin cache is keyed by the source hash too
+        patch_source(kernel, [patch])   # the cubin cache is keyed by the source, so no name change is needed
     return kernel
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tiledsl.bench import record, sdpa_peers, time_ms  # noqa: E402
 from tiledsl.parse import load_specs  # noqa: E402
-from tiledsl.runtime import compile  # noqa: E402
+from tiledsl import compile  # noqa: E402
 
 SPEC = ROOT / "specs" / "decode_d128.tile"
 SHAPES = [(1, 32, 32, 32768), (8, 32, 32, 8192), (4, 32, 8, 65536), (1, 32, 32, 131072)]   # batch, heads, kv_heads, kv_len

@@ -13,7 +13,7 @@ import torch
 
 from tiledsl.bench import record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 # (batch, heads, kv heads, cache length): split counts to time

@@ -10,7 +10,7 @@ import time
 import torch
 
 from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
-from tiledsl.runtime import Kernel
+from tiledsl import compile
 from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
 from tiledsl.validate import run_errors
 
@@ -53,7 +53,7 @@ def main() -> None:
             for tq, tkv, w, st in variants:
                 spec = KernelSpec(f"sweep_d{d}", Problem(d, d, DType.BF16, Mask.CAUSAL if causal else Mask.NONE),
                                   Schedule(tile_q=tq, tile_kv=tkv, warps=w, stages=st))
-                kernel = Kernel(spec)
+                kernel = compile(spec)
                 try:
                     errs = validate(kernel, causal)
                 except Exception as err:

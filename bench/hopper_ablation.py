@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="*")
     ap.add_argument("--check-only", action="store_true")
     args = ap.parse_args()
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     specs = {(d, c, name): spec for d in args.dims for c in causals for name, spec in variants(d, c).items()
              if not args.variants or name in args.variants}

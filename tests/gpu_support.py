@@ -21,7 +21,7 @@ requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs an NVIDIA G
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     return compile(spec)
 
 
@@ -30,9 +30,10 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory;
     order_groups overrides an FA2 kernel's launch order (None: its own choice)."""
     import torch
+    from tiledsl.tensors import torch_dtype
     from tiledsl.validate import run_errors
     p = spec.problem
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype.value]
+    dtype = torch_dtype(p.dtype)
     kv_heads = kv_heads or heads
 
     def make(h, n, d):

@@ -84,11 +84,12 @@ def test_runtime_counts_slots_once_per_device_from_the_compiled_registers(monkey
 
     from tiledsl import runtime
     from tiledsl.parse import load_spec
-    from tiledsl.runtime import Kernel, Shapes
+    from tiledsl import compile
+    from tiledsl.runtime import Shapes
     from pathlib import Path
     monkeypatch.setitem(runtime._DEVICE_LIMITS, 0, H200)
     spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "fa2_d128_causal.tile"))
-    kernel = Kernel(spec)
+    kernel = compile(spec)
     kernel._function = SimpleNamespace(num_regs=255)          # what ptxas gave the bundled kernel
     assert kernel.slots(0) == 132 * 2
     assert kernel.order_groups_for(Shapes(16, 16, 16, 1024, 1024), 0) == 3

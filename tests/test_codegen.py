@@ -2,33 +2,40 @@
 generated/ folder in step with specs/ and templates/."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiledsl.cli_common import concrete_specs
 from tiledsl.errors import SpecError
-from tiledsl.lower import LOWERINGS, lower, tile_row_bytes
+from tiledsl.families import WITH_TEMPLATE, lower
+from tiledsl.lower import tile_row_bytes
 from tiledsl.render import cuda_literal, render
-from tiledsl.spec import DTYPE_BYTES, DTYPE_NUMPY, DTYPE_PTX, DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.spec import DTYPES, DType, KernelSpec, Mask, Problem, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_FILES = sorted((ROOT / "specs").glob("*.tile"))
 
 
 def generable_specs():
-    return [s for s in concrete_specs([str(p) for p in SPEC_FILES]) if s.family in LOWERINGS]
+    return [s for s in concrete_specs([str(p) for p in SPEC_FILES]) if s.family in WITH_TEMPLATE]
 
 
 def test_every_dtype_has_every_spelling():
-    for table in (DTYPE_BYTES, DTYPE_PTX, DTYPE_NUMPY):
-        assert set(table) == set(DType)
+    assert set(DTYPES) == set(DType)
+    for dtype, info in DTYPES.items():
+        for name, value in dataclasses.asdict(info).items():
+            assert value or (name == "cai" and dtype is DType.BF16), f"{dtype}: no {name}"
+        assert np.dtype(info.storage).itemsize == info.bytes == info.dlpack[1] // 8, dtype
+        assert info.cai in (None, np.dtype(info.storage).str), dtype   # typestrs are little-endian NumPy strs
 
 
 def test_bundled_specs_include_every_family_with_a_template():
     families = {s.family for s in generable_specs()}
-    assert set(LOWERINGS) <= families
+    assert set(WITH_TEMPLATE) <= families
 
 
 @pytest.mark.parametrize("spec", generable_specs(), ids=lambda s: s.kernel_name)

@@ -12,7 +12,7 @@ import pytest
 
 from tiledsl import nvcc
 from tiledsl.errors import SpecError
-from tiledsl.lower import LOWERINGS, lower
+from tiledsl.families import lower, row_for
 from tiledsl.device_limits import H200, SMEM_RESERVED_PER_BLOCK
 from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
 from tiledsl.parse import load_specs
@@ -37,7 +37,7 @@ def spec(d=128, dtype=DType.BF16, mask=Mask.NONE, queries=1, tile_q=16, tile_kv=
 
 
 def test_decode_is_registered():
-    assert LOWERINGS[Family.DECODE] is lower_decode
+    assert row_for(bundled()).lowering is lower_decode
     plan = lower(bundled())
     assert plan.family == "decode" and plan.template == "decode.cu.j2"
 
@@ -77,7 +77,8 @@ def test_resident_blocks_follow_the_launch_bounds():
 def test_runtime_splits_count_the_compiled_kernels_resident_blocks():
     # The runtime asks choose_splits with the slots Kernel.slots found from the compiled kernel's
     # registers (set by hand here: no GPU), not with the lowering's estimate.
-    from tiledsl.runtime import Shapes, compile
+    from tiledsl import compile
+    from tiledsl.runtime import Shapes
     kernel = compile(bundled())
     shapes = Shapes(batch=1, heads=32, kv_heads=32, q_len=1, kv_len=32768)
     tile_kv = constant(kernel.plan, "BC")
@@ -179,23 +180,6 @@ def _require_nvcc():
         pytest.skip("nvcc not on PATH")
 
 
-def entries(report: str) -> dict[str, dict]:
-    """ptxas -v report -> {function: {registers, spill_stores, spill_loads, stack}}."""
-    out, current = {}, None
-    for line in report.splitlines():
-        m = re.search(r"Function properties for (\S+)", line)
-        if m:
-            current = out.setdefault(m.group(1), {})
-            continue
-        if current is None:
-            continue
-        if (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
-            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-        if (m := re.search(r"Used (\d+) registers", line)):
-            current["registers"] = int(m.group(1))
-    return out
-
-
 VARIANTS = {
     "bundled": dict(),
     "fp16": dict(dtype=DType.FP16),
@@ -215,9 +199,9 @@ def test_nvcc_compiles_without_spills(variant, tmp_path):
     s = bundled() if variant == "bundled" else spec(**VARIANTS[variant])
     plan = lower(s)
     _, report = nvcc.compile_to(render(plan), plan.kernel_name, "cubin", tmp_path)
-    found = entries(report)
+    found = nvcc.parse_ptxas(report)
     assert set(found) == {plan.kernel_name}, report   # one kernel: the last split merges
     for name, info in found.items():
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, f"{name} spills:\n{report}"
-        assert info["stack"] == 0, f"{name} has a stack frame:\n{report}"
-        assert 0 < info["registers"] <= 255
+        assert info.spill_stores == 0 and info.spill_loads == 0, f"{name} spills:\n{report}"
+        assert info.stack_bytes == 0, f"{name} has a stack frame:\n{report}"
+        assert 0 < info.registers <= 255

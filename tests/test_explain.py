@@ -115,7 +115,7 @@ def test_cli_refuses_illegal_schedule_with_exit_2(write_spec, capsys):
 
 def test_explain_shows_the_generated_kernels_loop_in_emission_order(write_spec):
     # The graph is the algorithm; this section is what the lowering emits, op for op.
-    from tiledsl.lower import lower
+    from tiledsl.families import lower
     for text_, name in ((DECODE_TEXT, "dec.tile"), (FA2_TEXT, "fa2.tile")):
         spec = load(write_spec, text_, name)
         plan = lower(spec)
@@ -136,7 +136,7 @@ def test_decode_auto_split_prints_the_count_and_why(write_spec):
     spec = load(write_spec, DECODE_TEXT, "dec.tile")
     text = explain(spec, batch=2, heads=4, seqlen_kv=65536)
     m = re.search(r"split kv = auto: (\d+) splits \(chosen for this shape\): (.*)", text)
-    from tiledsl.lower import lower
+    from tiledsl.families import lower
     from tiledsl.lower_decode import decode_blocks_per_sm
     slots = 132 * decode_blocks_per_sm(lower(spec))                      # resident blocks, as the runtime
     assert m and int(m.group(1)) == slots // 8 and "one wave" in m.group(2)   # 8 blocks (2 x 4 kv heads)

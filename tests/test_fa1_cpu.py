@@ -9,7 +9,7 @@ import re
 import pytest
 
 from tiledsl.errors import SpecError
-from tiledsl.lower import lower
+from tiledsl.families import lower
 from tiledsl.lower_fa1 import SHARED_LIMIT, Fa1Plan
 from tiledsl.parse import load_specs
 from tiledsl.render import render
@@ -120,10 +120,10 @@ def test_bundled_spec_names_its_lines():
 
 
 def test_runtime_picks_the_fa1_kernel():
-    from tiledsl.runtime import Kernel, compile
+    from tiledsl import compile
     from tiledsl.runtime_fa1 import Fa1Kernel
     kernel = compile(fa1(64, "kv"))
-    assert isinstance(kernel, Fa1Kernel) and isinstance(Kernel(fa1(64, "q")), Fa1Kernel)
+    assert isinstance(kernel, Fa1Kernel) and isinstance(compile(fa1(64, "q")), Fa1Kernel)
     from tiledsl.runtime import Shapes
     assert kernel.grid(Shapes(batch=3, heads=5, kv_heads=5, q_len=1000, kv_len=10)) == (15, 1, 1)
 
@@ -165,6 +165,6 @@ def test_nvcc_compiles_without_spills(spec):
     plan = lower(spec)
     r = resources(render(plan), plan.kernel_name)
     assert re.search(r"Compiling entry function '" + plan.kernel_name, r.report), r.report
-    assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, r.report
+    assert r.spill_stores == 0 and r.spill_loads == 0, r.report
     assert r.stack_bytes == 0, r.report
     assert 0 < r.registers <= 255

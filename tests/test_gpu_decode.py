@@ -14,6 +14,7 @@ import pytest
 
 from tiledsl.errors import RuntimeInputError
 from tiledsl.spec import AUTO, Axis, DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.tensors import torch_dtype
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu
 
@@ -37,7 +38,7 @@ def decode_spec(splits=AUTO, queries=1, dtype=DType.BF16, mask=Mask.NONE, d=128,
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     kernel = compile(spec)
     assert type(kernel).__name__ == "DecodeKernel"
     return kernel
@@ -52,7 +53,7 @@ def make_inputs(spec, batch, heads, kv_heads, kv_len, kv_lens):
     o_shape = (batch, heads, p.queries_per_seq, p.head_dim_v)
     torch = _torch()
     if torch is not None:
-        dtype = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}[p.dtype]
+        dtype = torch_dtype(p.dtype)
         q, k, v = (torch.randn(s, device="cuda", dtype=dtype) for s in shapes)
         out = torch.full(o_shape, float("nan"), device="cuda", dtype=dtype)
         lse = torch.full(o_shape[:3], float("nan"), device="cuda", dtype=torch.float32)

@@ -41,7 +41,7 @@ def fa1(d, axis, mask="none", dtype=DType.BF16, stages=2, tiles=None):
 
 @functools.lru_cache(maxsize=None)
 def kernel_for(spec):
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     return compile(spec)
 
 
@@ -57,12 +57,13 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     """Fresh normal inputs, NaN-poisoned O and LSE; returns (O relative error, LSE error) against
     the float64 reference. PyTorch tensors where PyTorch is importable, else CuPy (fp16 only).
     layout "bshd" hands in (batch, seqlen, heads, dim) memory as a transposed view."""
+    from tiledsl.tensors import torch_dtype
     from tiledsl.validate import lse_error, reference_attention, relative_error
     p = spec.problem
     kv_heads = kv_heads or heads
     if _has_torch():
         import torch
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[p.dtype.value]
+        dtype = torch_dtype(p.dtype)
 
         def make(h, n, d):
             if layout == "bshd":

@@ -132,7 +132,7 @@ def test_wgmma_gqa_kv_lens_long_and_one_warpgroup():
 def test_bad_inputs_are_refused_before_launch():
     import torch
     from tiledsl.errors import RuntimeInputError
-    from tiledsl.runtime import compile
+    from tiledsl import compile
     kernel = compile(fa2(64))
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeInputError, match="head_dim 64"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tiledsl.passes import run_passes
-from tiledsl.reference import key_bounds
+from tiledsl.masks import key_bounds
 from tiledsl.spec import AUTO, Axis, DType, KernelSpec, LoopOrder, Mask, Problem, Schedule
 from tiledsl.splits import choose_splits, split_ranges
 from tiledsl.traffic import hbm_traffic, standard_elements, visible_pairs

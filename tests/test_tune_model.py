@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tiledsl import tune_model as tm
-from tiledsl.lower import lower
+from tiledsl.nvcc import parse_ptxas
+from tiledsl.families import lower
 from tiledsl.parse import parse_file
 from tiledsl.passes import run_passes
 from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
@@ -93,21 +94,12 @@ ptxas info    : Used 168 registers, used 1 barriers, 16 bytes smem
 """
 
 
-def test_parse_ptxas_reads_each_function():
-    assert tm.parse_ptxas(SYNTHETIC_REPORT) == {"kern_a": (255, 272, 256), "kern_b": (168, 0, 0)}
-
-
-def test_parse_ptxas_ignores_text_without_a_register_line():
-    assert tm.parse_ptxas("ptxas info    : Compiling entry function 'x' for 'sm_90a'\n") == {}
-    assert tm.parse_ptxas("nvcc fatal : something\n") == {}
-
-
 # ---- pruning decisions from reports -------------------------------------------------------------
 
 def test_large_spills_are_hopeless_small_ones_only_cost():
     spec = fa2(d=128)
-    report = tm.parse_ptxas(SYNTHETIC_REPORT)
-    heavy = tm.predict(spec, SHAPE, resources(spec, report["kern_a"][0], report["kern_a"][1:]))
+    kern_a = parse_ptxas(SYNTHETIC_REPORT)["kern_a"]
+    heavy = tm.predict(spec, SHAPE, resources(spec, kern_a.registers, (kern_a.spill_stores, kern_a.spill_loads)))
     light = tm.predict(spec, SHAPE, resources(spec, 255, (44, 40)))
     clean = tm.predict(spec, SHAPE, resources(spec, 255, (0, 0)))
     assert heavy.hopeless and "spills 272 B" in heavy.hopeless

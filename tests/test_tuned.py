@@ -10,7 +10,7 @@ import pytest
 from tiledsl import tuned
 from tiledsl.check import SpecSpace
 from tiledsl.cli import main
-from tiledsl.lower import lower
+from tiledsl.families import lower
 from tiledsl.parse import load_spec, parse_file, parse_text
 from tiledsl.passes import run_passes
 from tiledsl.render import render

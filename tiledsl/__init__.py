@@ -3,7 +3,8 @@ from .errors import LaunchError, RuntimeInputError, SpecError
 from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule, Span
 from .parse import load_specs, parse_file, parse_text
 from .tuned import attention
-from .runtime import Kernel, compile  # noqa: A004 - tiledsl.compile(spec) is the documented API
+from .runtime import Kernel
+from .families import compile  # noqa: A004 - tiledsl.compile(spec) is the documented API
 
 from .version import __version__
 

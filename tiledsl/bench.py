@@ -109,8 +109,8 @@ def random_inputs(problem, batch: int, heads: int, q_len: int, kv_len: int, kv_h
               (batch, kv_heads, kv_len, problem.head_dim_v)]
     try:
         import torch
-        dtype = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}[problem.dtype]
-        return tuple(torch.randn(s, device="cuda", dtype=dtype) for s in shapes)
+        from .tensors import torch_dtype
+        return tuple(torch.randn(s, device="cuda", dtype=torch_dtype(problem.dtype)) for s in shapes)
     except ImportError:
         import cupy
         if problem.dtype is not DType.FP16:
@@ -127,3 +127,15 @@ def poisoned_outputs(q, shape_o: tuple, shape_lse: tuple):
                 torch.full(shape_lse, float("nan"), dtype=torch.float32, device=q.device))
     import cupy
     return cupy.full(shape_o, cupy.nan, dtype=q.dtype), cupy.full(shape_lse, cupy.nan, dtype=cupy.float32)
+
+
+def patch_source(kernel, patches) -> None:
+    """Apply (old, new) text patches to `kernel.source` (A/B experiments on generated CUDA). Each
+    `old` must occur exactly once: a patch whose target is gone raises instead of timing the
+    unpatched kernel twice."""
+    for old, new in patches:
+        found = kernel.source.count(old)
+        if found != 1:
+            raise ValueError(f"{kernel.name}: patch target found {found} times (want 1), the generated CUDA "
+                             f"has changed; update or drop the patch:\n{old}")
+        kernel.source = kernel.source.replace(old, new)

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 
 
 def bench_spec(spec, seqlen: int, against: str) -> dict:
-    from .runtime import compile
+    from .families import compile
     kernel = compile(spec)
     p = spec.problem
     batch, heads = prefill_shape(seqlen, p.head_dim_qk)

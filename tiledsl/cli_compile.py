@@ -8,7 +8,7 @@ from pathlib import Path
 from . import nvcc
 from .cli_common import add_spec_arguments, concrete_specs
 from .errors import SpecError
-from .lower import LOWERINGS, lower
+from .families import WITH_TEMPLATE, lower
 from .render import render, write_if_changed
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
@@ -31,7 +31,7 @@ def run(args) -> int:
     out = Path(args.output)
     status = 0
     for spec in concrete_specs(args.specs, args.name):
-        if args.skip_unsupported and spec.family not in LOWERINGS:
+        if args.skip_unsupported and spec.family not in WITH_TEMPLATE:
             print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
             continue
         try:
@@ -58,10 +58,10 @@ def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[s
         line.append(f"ptx: {out / (name + '.ptx')}")
     if {"cubin", "resources", "sass"} & set(emits):
         cubin, report = nvcc.compile_to(source, name, "cubin", out)
-        res = nvcc.parse_resources(report)
+        res = nvcc.parse_ptxas(report).get(name, nvcc.Resources(0, report=report))
         if "resources" in emits:
             (out / f"{name}.resources.txt").write_text(report)
-            line.append(f"registers {res.registers}, spills {res.spill_store_bytes} B, stack {res.stack_bytes} B")
+            line.append(f"registers {res.registers}, spills {res.spill_stores} B, stack {res.stack_bytes} B")
         if "sass" in emits:
             (out / f"{name}.sass").write_text(nvcc.sass(cubin))
             line.append(f"sass: {out / (name + '.sass')}")

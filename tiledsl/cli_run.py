@@ -15,7 +15,7 @@ def add_arguments(parser) -> None:
 def validate_spec(spec, batch: int, heads: int, q_len: int, kv_len: int, kv_heads: int | None = None) -> tuple[float, float]:
     """(O relative error, LSE max error) of one run on poisoned outputs."""
     from .bench import random_inputs
-    from .runtime import compile
+    from .families import compile
     from .validate import run_errors
     q, k, v = random_inputs(spec.problem, batch, heads, q_len, kv_len, kv_heads)
     return run_errors(compile(spec), q, k, v)

@@ -154,7 +154,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
 def _lowered(spec: KernelSpec):
     """(the lowered plan, None), or (None, why not) for a family without a CUDA template."""
     from .errors import SpecError
-    from .lower import lower
+    from .families import lower
     try:
         return lower(spec), None
     except SpecError as err:

@@ -14,7 +14,7 @@ from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .passes import emission_order, run_passes
-from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask, Mma
+from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
 SMEM_ALIGN = 128
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
@@ -106,13 +106,14 @@ def _require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "
         raise SpecError(message, spec.span_of(key), spec.source_text, hint)
 
 
-def make_plan(spec: KernelSpec, family: Family, template: str, constants, regions: dict, loop_body, launch: Launch,
+def make_plan(spec: KernelSpec, family: Family, constants, regions: dict, loop_body, launch: Launch,
               min_blocks_per_sm: int, register_estimate: int, kernel_name: str | None = None,
               plan_class: type = None, **extra) -> KernelPlan:
     """A KernelPlan (or the family's subclass, `plan_class`) with the fields every family fills
-    the same way (names, hashes, the spec's lines and full config for the generated file's header)."""
+    the same way (names, hashes, the spec's lines and full config for the generated file's header).
+    The template is left empty: families.lower fills it in from the family's row."""
     return (plan_class or KernelPlan)(
-        kernel_name=kernel_name or spec.kernel_name, family=family.value, template=template,
+        kernel_name=kernel_name or spec.kernel_name, family=family.value, template="",
         tiledsl_version=__version__, source_file=Path(spec.source_file).name,
         config_hash=spec.config_hash, spec_lines=_spec_lines(spec),
         config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
@@ -218,11 +219,8 @@ def fa2_regions(spec: KernelSpec, q_layout: str = "", kv_loop_note: str = "") ->
 
 
 def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:
-    """The fa2 plan; `mma wgmma` specs go to lower_wgmma.lower_fa2_wgmma (the overrides are mma.sync's)."""
+    """The fa2 plan on mma.sync (`mma wgmma` specs are lower_wgmma's: families.FAMILIES picks)."""
     p, s = spec.problem, spec.schedule
-    if s.mma is Mma.WGMMA:
-        from .lower_wgmma import lower_fa2_wgmma
-        return lower_fa2_wgmma(spec)
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"the fa2 template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
     rows_per_warp = s.tile_q // s.warps
@@ -278,25 +276,5 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec)
-    return make_plan(spec, Family.FA2, "fa2.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
+    return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate)
-
-
-LOWERINGS = {Family.FA2: lower_fa2}
-
-
-def lower(spec: KernelSpec, **overrides) -> KernelPlan:
-    """The plan for `spec`'s family; a family without a template is a SpecError naming it."""
-    lowering = LOWERINGS.get(spec.family)
-    if lowering is None:
-        built = ", ".join(f.value for f in LOWERINGS)
-        raise SpecError(f"the {spec.family.value} family has no CUDA template yet", spec.span, spec.source_text,
-                        f"families with templates: {built}")
-    return lowering(spec, **overrides)
-
-
-# Families lowered in their own modules register themselves in LOWERINGS; imported last because
-# they import this module's names (all defined by now).
-from . import lower_decode  # noqa: E402,F401  (Family.DECODE)
-from . import lower_fa1  # noqa: E402,F401  (Family.FA1)
-from . import lower_hopper  # noqa: E402,F401  (Family.HOPPER)

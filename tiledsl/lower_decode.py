@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
 from .errors import SpecError
-from .lower import (LOOP_TEXT, LOWERINGS, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
+from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
                     kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
 from .spec import DType, Family, KernelSpec
 
@@ -177,7 +177,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     name = spec.kernel_name if (stages, tile_kv) == (s.stages, s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     if not prefetch_first:
         name += "__wait_first"
-    return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first),
+    return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
                      kernel_name=name, notes=notes, kv_load_scope="warp")
 
@@ -198,6 +198,3 @@ def constant(plan: KernelPlan, name: str):
         if c.name == name:
             return c.value
     raise KeyError(name)
-
-
-LOWERINGS[Family.DECODE] = lower_decode

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
-from .lower import (LOWERINGS, REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
+from .lower import (REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
                     kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
 from .spec import Axis, DType, Family, KernelSpec
 
@@ -197,9 +197,6 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     }
     notes = (f"workspace: O fp32 (batch, heads, q_len, {p.head_dim_v}), m and l fp32 (batch, heads, q_len); "
              "allocated by the runtime per call, never initialised (a q tile's first kv tile starts from empty)",)
-    return make_plan(spec, Family.FA1, "fa1.cu.j2", consts, regions, per_tile,
+    return make_plan(spec, Family.FA1, consts, regions, per_tile,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=fa1_kv_step(spec, s.stages), split_k=split_k)
-
-
-LOWERINGS[Family.FA1] = lower_fa1

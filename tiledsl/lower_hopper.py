@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
-from .lower import (LOWERINGS, Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan,
+from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan,
                     softmax_constants)
 from .spec import DType, Family, KernelSpec
 
@@ -179,10 +179,8 @@ def lower_hopper(spec: KernelSpec) -> HopperPlan:
                           + ("; ping-pong between consumers" if s.pingpong else "")),
         "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
     }
-    return make_plan(spec, Family.HOPPER, "hopper.cu.j2", consts, regions, body,
+    return make_plan(spec, Family.HOPPER, consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
                      plan_class=HopperPlan, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v, pingpong=s.pingpong, o_in_q=o_in_q,
                      loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)
 
-
-LOWERINGS[Family.HOPPER] = lower_hopper

@@ -78,6 +78,6 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
-    return make_plan(spec, Family.FA2, "fa2_wgmma.cu.j2", consts, regions, fa2_loop_body(spec, s.stages),
+    return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
                      wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v)

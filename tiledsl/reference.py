@@ -22,6 +22,7 @@ import numpy as np
 from .device_limits import H200
 from .graph import OpKind, ScheduleGraph, Space, has_split_loop
 from .passes import run_passes
+from .masks import key_bounds
 from .spec import KernelSpec, Mask
 from .splits import choose_splits, split_ranges
 
@@ -29,43 +30,25 @@ from .splits import choose_splits, split_ranges
 CHUNK_ELEMENTS = 1 << 22
 
 
-def key_bounds(rows, q_len: int, kv_len, mask: Mask | str, left: int = 0, right: int = 0):
-    """[lo, hi) of the keys that query `rows` see (broadcast over rows and kv_len); hi == lo when
-    a row sees none. Both bounds never decrease with the row, so rows [a, b) together see
-    [lo(a), hi(b - 1)) when that is not empty."""
-    mask = Mask(mask)
-    rows, kv_len = np.asarray(rows), np.asarray(kv_len)
-    diagonal = rows + (kv_len - q_len)
-    lo = np.zeros(np.broadcast(rows, kv_len).shape, dtype=np.int64)
-    hi = np.broadcast_to(kv_len, lo.shape).astype(np.int64)
-    if mask is Mask.CAUSAL:
-        hi = np.minimum(hi, diagonal + 1)
-    elif mask is Mask.WINDOW:
-        lo = np.maximum(lo, diagonal - left)
-        hi = np.minimum(hi, diagonal + right + 1)
-    return lo, np.maximum(hi, lo)
+def array_module(x):
+    """CuPy for a CuPy array (validate.py checks GPU results on the GPU), else NumPy."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
 
 
-def tiles_visible(q_starts, q_stops, k_starts, k_stops, q_len, kv_len, mask, left=0, right=0):
-    """Whether any query of each q tile sees any key of each kv tile: a (q tiles, kv tiles) array."""
-    lo, _ = key_bounds(np.asarray(q_starts), q_len, kv_len, mask, left, right)
-    _, hi = key_bounds(np.asarray(q_stops) - 1, q_len, kv_len, mask, left, right)
-    first = np.maximum(lo[:, None], np.asarray(k_starts)[None, :])
-    last = np.minimum(hi[:, None], np.asarray(k_stops)[None, :])
-    return first < last
-
-
-def _finite_or_zero(m):
+def _finite_or_zero(m, xp=np):
     """The max to subtract: a row that has seen only -inf subtracts 0, so exp gives 0, not NaN."""
-    return np.where(np.isfinite(m), m, 0.0)
+    return xp.where(xp.isfinite(m), m, 0.0)
 
 
-def _lse_and_divide(total, m, acc):
+def _lse_and_divide(total, m, acc, xp=np):
     """(acc / total, m + log total) with rows of total 0 giving (0, -inf)."""
     seen = total > 0
-    safe = np.where(seen, total, 1.0)
-    o = np.where(seen[..., None], acc / safe[..., None], 0.0)
-    return o, np.where(seen, m + np.log(safe), -np.inf)
+    safe = xp.where(seen, total, 1.0)
+    o = xp.where(seen[..., None], acc / safe[..., None], 0.0)
+    return o, xp.where(seen, m + xp.log(safe), -xp.inf)
 
 
 def merge_partials(o_parts, lse_parts):
@@ -77,8 +60,9 @@ def merge_partials(o_parts, lse_parts):
     return _lse_and_divide(weight.sum(axis=0), top, (weight[..., None] * o_parts).sum(axis=0))
 
 
-def _check_inputs(q, k, v, kv_lens):
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+def _check_inputs(q, k, v, kv_lens, xp=np):
+    """q, k, v as float64 arrays of `xp`; kv_lens as host int64 lengths (all kv_len if None)."""
+    q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be (batch, heads, seq, dim)")
     B, H, _, d = q.shape
@@ -96,14 +80,16 @@ def _check_inputs(q, k, v, kv_lens):
 def naive_attention(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0, window_right: int = 0,
                     scale: float | None = None, kv_lens=None):
     """Textbook attention in float64: (o (B, H, Nq, dv), lse (B, H, Nq)). Scores are formed a
-    chunk of queries at a time (CHUNK_ELEMENTS), so 4*8*4096^2 fits in a few hundred MB."""
-    q, k, v, lens = _check_inputs(q, k, v, kv_lens)
+    chunk of queries at a time (CHUNK_ELEMENTS), so 4*8*4096^2 fits in a few hundred MB. CuPy
+    inputs are computed on their GPU (kv_lens stay on the host either way)."""
+    xp = array_module(q)
+    q, k, v, lens = _check_inputs(q, k, v, kv_lens, xp)
     B, H, nq, d = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     group = H // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    o = np.zeros((B, H, nq, dv))
-    lse = np.full((B, H, nq), -np.inf)
+    o = xp.zeros((B, H, nq, dv))
+    lse = xp.full((B, H, nq), -np.inf)
     for b in range(B):
         n = int(lens[b])
         if n == 0 or nq == 0:
@@ -122,11 +108,11 @@ def naive_attention(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0,
                 cols = np.arange(first, stop)
                 hidden = (cols < lo[:, None]) | (cols >= hi[:, None])
                 if hidden.any():
-                    np.copyto(s, -np.inf, where=hidden[None])
-                m = _finite_or_zero(s.max(axis=-1))
-                np.subtract(s, m[..., None], out=s)
-                np.exp(s, out=s)
-                o[b, heads, rows], lse[b, heads, rows] = _lse_and_divide(s.sum(axis=-1), m, s @ v[b, h, first:stop])
+                    s[:, xp.asarray(hidden)] = -np.inf   # (CuPy's copyto takes no scalar source)
+                m = _finite_or_zero(s.max(axis=-1), xp)
+                xp.subtract(s, m[..., None], out=s)
+                xp.exp(s, out=s)
+                o[b, heads, rows], lse[b, heads, rows] = _lse_and_divide(s.sum(axis=-1), m, s @ v[b, h, first:stop], xp)
     return o, lse
 
 

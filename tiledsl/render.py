@@ -5,13 +5,25 @@ trim_blocks/lstrip_blocks keep the emitted CUDA indented as written."""
 from __future__ import annotations
 
 import functools
+import importlib.resources
 from pathlib import Path
 
 import jinja2
 
 from .lower import KernelPlan
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+
+def template_dir() -> Path:
+    """templates/ beside this tiledsl/ in a source checkout, else the installed package
+    tiledsl.templates (a wheel). The checkout goes first: an editable install elsewhere maps
+    tiledsl.templates to its own tree, which would pair this code with another tree's templates."""
+    beside = Path(__file__).resolve().parent.parent / "templates"
+    if (beside / "__init__.py").is_file():
+        return beside
+    return Path(str(importlib.resources.files("tiledsl.templates")))
+
+
+TEMPLATE_DIR = template_dir()
 
 
 def cuda_literal(value) -> str:
@@ -35,6 +47,8 @@ def environment() -> jinja2.Environment:
 
 
 def render(plan: KernelPlan) -> str:
+    if not plan.template:   # a lowering called directly: families.lower names the template
+        raise ValueError(f"{plan.kernel_name}: the plan names no template (lower it with tiledsl.families.lower)")
     return environment().get_template(plan.template).render(plan=plan)
 
 

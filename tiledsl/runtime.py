@@ -14,9 +14,9 @@ from pathlib import Path
 from .block_order import order_groups
 from .device_limits import DeviceLimits, current_limits, resident_blocks
 from .errors import LaunchError, RuntimeInputError
-from .lower import KernelPlan, lower
+from .lower import KernelPlan
 from .render import render
-from .spec import DType, Family, KernelSpec
+from .spec import DType, KernelSpec
 from .tensors import TensorView, view
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -77,21 +77,12 @@ class Shapes:
 
 class Kernel:
     """A compiled attention kernel: `o, lse = kernel(q, k, v)` with q (batch, heads, q_len, d) and
-    k, v (batch, kv_heads, kv_len, d / dv); any strides whose last is 1."""
+    k, v (batch, kv_heads, kv_len, d / dv); any strides whose last is 1. Build one with
+    tiledsl.compile (families.py picks the family's subclass where its launch differs)."""
 
-    def __new__(cls, spec: KernelSpec, plan: KernelPlan | None = None):
-        """Kernel(spec) gives the family's own subclass where its launch differs (FA1: grid and workspace)."""
-        if cls is Kernel and spec.family is Family.FA1:
-            from .runtime_fa1 import Fa1Kernel
-            cls = Fa1Kernel
-        if cls is Kernel and spec.family is Family.HOPPER:
-            from .runtime_hopper import HopperKernel
-            cls = HopperKernel
-        return super().__new__(cls)
-
-    def __init__(self, spec: KernelSpec, plan: KernelPlan | None = None):
+    def __init__(self, spec: KernelSpec, plan: KernelPlan):
         self.spec = spec
-        self.plan = plan or lower(spec)
+        self.plan = plan
         self.source = render(self.plan)
         self.name = self.plan.kernel_name
         self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
@@ -265,21 +256,3 @@ def _allocate_outputs(q, shapes: Shapes, problem, out, lse, name: str):
         raise RuntimeInputError(f"{name}: lse must be a contiguous fp32 array of shape {lse_shape}")
     return out, lse
 
-
-def compile(spec_or_path, name: str | None = None, **overrides) -> Kernel:
-    """A Kernel from a KernelSpec, a .tile path or spec text (`name` picks one of several)."""
-    if isinstance(spec_or_path, KernelSpec):
-        spec = spec_or_path
-    else:
-        from .parse import load_specs
-        specs = load_specs(spec_or_path)
-        if name is not None:
-            specs = [s for s in specs if s.name == name]
-        if len(specs) != 1:
-            names = ", ".join(s.name for s in load_specs(spec_or_path))
-            raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
-        spec = specs[0]
-    if spec.family is Family.DECODE:   # split kernel + merge kernel, workspace, split count at launch
-        from .runtime_decode import DecodeKernel
-        return DecodeKernel(spec, lower(spec, **overrides))
-    return Kernel(spec, lower(spec, **overrides))

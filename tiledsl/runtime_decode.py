@@ -26,7 +26,7 @@ class DecodeKernel(Kernel):
     """A compiled flash-decoding kernel: `o, lse = kernel(q, k, v, kv_lens=None)` with q
     (batch, heads, queries, d), k/v (batch, kv_heads, kv_len, d/dv), heads a multiple of kv_heads."""
 
-    def __init__(self, spec, plan=None):
+    def __init__(self, spec, plan):
         super().__init__(spec, plan)
         self.last_splits: int | None = None
         self.last_split_reason: str = ""

@@ -41,10 +41,28 @@ class DType(Enum):
     FP32 = "fp32"
 
 
-# One table per enum for its spellings (STYLE.md 3); a test checks every member has an entry.
-DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2, DType.FP32: 4}
-DTYPE_PTX = {DType.FP16: "f16", DType.BF16: "bf16", DType.FP32: "f32"}
-DTYPE_NUMPY = {DType.FP16: "float16", DType.BF16: "bfloat16", DType.FP32: "float32"}
+@dataclass(frozen=True)
+class DTypeInfo:
+    """Every spelling of one element type. DTYPES is the one table; a test checks every DType has
+    a complete row."""
+    cuda: str                 # C++ type in CUDA source
+    bytes: int
+    ptx: str                  # type suffix of mma / cvt instructions
+    torch: str                # attribute of the torch module
+    numpy: str                # NumPy (ml_dtypes for bfloat16) name
+    storage: str              # NumPy dtype that holds the bits where a framework lacks the type (CuPy: bf16)
+    dlpack: tuple[int, int]   # DLPack (type code, bits)
+    cai: str | None           # __cuda_array_interface__ typestr; None: the interface cannot express it
+
+
+DTYPES = {
+    DType.FP16: DTypeInfo("__half", 2, "f16", "float16", "float16", "float16", (2, 16), "<f2"),
+    DType.BF16: DTypeInfo("__nv_bfloat16", 2, "bf16", "bfloat16", "bfloat16", "uint16", (4, 16), None),
+    DType.FP32: DTypeInfo("float", 4, "f32", "float32", "float32", "float32", (2, 32), "<f4"),
+}
+# Shorthands for the two columns most readers need (views of DTYPES, not separate facts).
+DTYPE_BYTES = {dtype: info.bytes for dtype, info in DTYPES.items()}
+DTYPE_PTX = {dtype: info.ptx for dtype, info in DTYPES.items()}
 
 
 class Mask(Enum):

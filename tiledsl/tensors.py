@@ -8,11 +8,11 @@ import ctypes
 from dataclasses import dataclass
 
 from .errors import RuntimeInputError
-from .spec import DType
+from .spec import DTYPES, DType
 
 KDL_CUDA = 2
-DLPACK_DTYPES = {(2, 16): DType.FP16, (4, 16): DType.BF16, (2, 32): DType.FP32, (0, 32): "int32"}
-CAI_DTYPES = {"<f2": DType.FP16, "<f4": DType.FP32, "<i4": "int32"}
+DLPACK_DTYPES = {**{info.dlpack: dtype for dtype, info in DTYPES.items()}, (0, 32): "int32"}
+CAI_DTYPES = {**{info.cai: dtype for dtype, info in DTYPES.items() if info.cai}, "<i4": "int32"}
 
 
 class _DLDevice(ctypes.Structure):
@@ -90,7 +90,7 @@ def _from_cai(x, name: str) -> TensorView:
     if dtype is None:
         raise RuntimeInputError(f"{name}: unsupported dtype {cai['typestr']}")
     shape = tuple(cai["shape"])
-    itemsize = 4 if dtype in (DType.FP32, "int32") else 2
+    itemsize = 4 if dtype == "int32" else DTYPES[dtype].bytes
     strides = tuple(s // itemsize for s in cai["strides"]) if cai.get("strides") else _compact_strides(shape)
     device_id = getattr(getattr(x, "device", None), "id", 0)
     return TensorView(name, cai["data"][0], shape, strides, dtype, device_id, x)
@@ -102,3 +102,9 @@ def _compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def torch_dtype(dtype: DType):
+    """The torch dtype of `dtype` (PyTorch imported here, only when asked)."""
+    import torch
+    return getattr(torch, DTYPES[dtype].torch)

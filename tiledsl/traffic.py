@@ -23,7 +23,7 @@ import numpy as np
 
 from .device_limits import H200
 from .graph import ScheduleGraph, has_split_loop
-from .reference import key_bounds, tiles_visible
+from .masks import key_bounds, tiles_visible
 from .spec import AUTO, DTYPE_BYTES
 from .splits import choose_splits, split_ranges
 

@@ -14,29 +14,27 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
-from . import tune_model
+from . import nvcc, tune_model
 from .check import SpecSpace
 from .device_limits import H200, DeviceLimits
 from .errors import SpecError
-from .lower import lower
+from .families import compile as compile_kernel, lower
+from .nvcc import Resources
 from .passes import run_passes
 from .render import render
 from .spec import Family, KernelSpec, Mask, Mma
+from .tensors import torch_dtype
 from .traffic import hbm_traffic
-from .tune_model import Prediction, Resources, Shape
+from .tune_model import Prediction, Shape
 from .tune_store import TuneStore, entry_key
 
 CHECK_SHAPE = (1, 2, 257)               # batch, heads, seqlen of the correctness check
@@ -115,46 +113,33 @@ class Candidate:
 
 
 def nvcc_available() -> str | None:
-    return shutil.which("nvcc") if not os.environ.get("TILEDSL_NO_NVCC") else None
+    return nvcc.nvcc_path() if not os.environ.get("TILEDSL_NO_NVCC") else None
 
 
-@functools.lru_cache(maxsize=None)
-def nvcc_version(nvcc: str) -> str:
-    try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def ptxas_report(spec: KernelSpec, arch: str, nvcc: str, workdir: str) -> tuple[int, int, int] | None:
+def ptxas_report(spec: KernelSpec, arch: str) -> tuple[int, int, int] | None:
     """(registers, spill stores, spill loads) of `spec` compiled by nvcc for `arch`, or None when
     nvcc fails (the caller falls back to the estimate). Reports are cached on disk by a sha256 of
     source, arch and nvcc version, so a re-run (or another shape) does not compile again."""
     from .runtime import cache_dir
     source = render(lower(spec))
-    key = hashlib.sha256("\0".join([source, arch, nvcc_version(nvcc)]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source, arch, nvcc.version()]).encode()).hexdigest()
     cached = cache_dir() / "ptxas" / f"{spec.kernel_name}-{key[:16]}.json"
     try:
         return tuple(json.loads(cached.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    path = os.path.join(workdir, f"{spec.kernel_name}.cu")
-    with open(path, "w") as f:
-        f.write(source)
     try:
-        run = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", "--std=c++17", "-o", os.devnull, path],
-                             capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
+        found = nvcc.resources(source, spec.kernel_name, arch)
+    except (OSError, RuntimeError):
         return None
-    report = tune_model.parse_ptxas(run.stdout + run.stderr).get(spec.kernel_name) if run.returncode == 0 else None
-    if report is not None:
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-            tmp.write_text(json.dumps(list(report)))
-            os.replace(tmp, cached)
-        except OSError:   # a read-only cache only costs a recompile next time
-            pass
+    report = (found.registers, found.spill_stores, found.spill_loads)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
+        tmp.write_text(json.dumps(list(report)))
+        os.replace(tmp, cached)
+    except OSError:   # a read-only cache only costs a recompile next time
+        pass
     return report
 
 
@@ -162,12 +147,10 @@ def resources_of(specs: list[KernelSpec], arch: str = "sm_90a", jobs: int | None
                  use_nvcc: bool = True) -> dict[str, Resources]:
     """Resources of each spec: ptxas's registers and spills when nvcc is there (compiled in
     parallel), else the plan's register estimate with no spills."""
-    nvcc = nvcc_available() if use_nvcc else None
     reports: dict[str, tuple[int, int, int] | None] = {}
-    if nvcc and specs:
-        with tempfile.TemporaryDirectory(prefix="tiledsl-tune-") as workdir, \
-                concurrent.futures.ThreadPoolExecutor(jobs or min(32, os.cpu_count() or 4)) as pool:
-            futures = {pool.submit(ptxas_report, s, arch, nvcc, workdir): s.kernel_name for s in specs}
+    if use_nvcc and nvcc_available() and specs:
+        with concurrent.futures.ThreadPoolExecutor(jobs or min(32, os.cpu_count() or 4)) as pool:
+            futures = {pool.submit(ptxas_report, s, arch): s.kernel_name for s in specs}
             reports = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
     out = {}
     for spec in specs:
@@ -244,7 +227,7 @@ class Workbench:
         """Compile every spec not compiled yet (NVRTC in threads, then load on this thread);
         {spec: error message} for the ones that failed."""
         todo = [s for s in specs if s not in self.kernels]
-        kernels = {s: self.runtime.Kernel(s) for s in todo}
+        kernels = {s: compile_kernel(s) for s in todo}
         failed = {}
         with concurrent.futures.ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 4)) as pool:
             futures = {pool.submit(self.runtime.compile_cubin, k.source, k.name, self.arch): s for s, k in kernels.items()}
@@ -273,7 +256,7 @@ class Workbench:
         torch = _torch()
         batch, heads, n = CHECK_SHAPE
         p = spec.problem
-        dtype = _torch_dtype(torch, p.dtype.value)
+        dtype = torch_dtype(p.dtype)
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k = (torch.randn(batch, heads, n, p.head_dim_qk, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
         v = torch.randn(batch, heads, n, p.head_dim_v, device="cuda", dtype=dtype, generator=gen)
@@ -298,7 +281,7 @@ class Workbench:
         from .tensors import view
         torch = _torch()
         kernel, p = self.kernels[spec], spec.problem
-        dtype = _torch_dtype(torch, p.dtype.value)
+        dtype = torch_dtype(p.dtype)
         b, h, nq, nk = shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_kv
         set_bytes = 2 * b * h * (nq * p.head_dim_qk + nk * (p.head_dim_qk + p.head_dim_v) + nq * p.head_dim_v)
         sets = max(MIN_INPUT_SETS, math.ceil(2 * self.limits.l2_bytes / max(set_bytes, 1)))
@@ -327,10 +310,6 @@ def _torch():
     except ImportError:
         raise RuntimeError("tiledsl tune needs PyTorch on the GPU machine (bf16 inputs)") from None
     return torch
-
-
-def _torch_dtype(torch, name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 class Progress:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from .device_limits import H200, DeviceLimits, resident_blocks
-from .reference import tiles_visible
+from .nvcc import Resources
+from .masks import tiles_visible
 from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask, Mma
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
@@ -71,19 +71,6 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What one compiled kernel uses per thread/block. `source`: "ptxas" (nvcc -Xptxas -v) or
-    "estimate" (the plan's register_estimate; no spill information)."""
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    smem_bytes: int
-    threads: int
-    q_in_registers: bool = True
-    source: str = "estimate"
-
-
-@dataclass(frozen=True)
 class Prediction:
     kernel: str
     time_ms: float
@@ -100,35 +87,6 @@ class Prediction:
     @property
     def pruned_reason(self) -> str | None:
         return self.hopeless
-
-
-# ---- ptxas reports --------------------------------------------------------------------------------
-
-_ENTRY = re.compile(r"(?:Compiling entry function|Function properties for) '?(?P<name>[A-Za-z_]\w*)'?")
-_SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
-_REGS = re.compile(r"Used (?P<regs>\d+) registers")
-
-
-def parse_ptxas(text: str) -> dict[str, tuple[int, int, int]]:
-    """{kernel name: (registers, spill store bytes, spill load bytes)} from `nvcc -Xptxas -v` output.
-    Lines name the function first ("Compiling entry function 'x'" / "Function properties for x");
-    the spill and register lines that follow belong to it."""
-    out: dict[str, list[int]] = {}
-    current = None
-    for line in text.splitlines():
-        entry = _ENTRY.search(line)
-        if entry:
-            current = entry.group("name")
-            out.setdefault(current, [0, 0, 0])
-            continue
-        if current is None:
-            continue
-        spills, regs = _SPILLS.search(line), _REGS.search(line)
-        if spills:
-            out[current][1:] = [int(spills.group("stores")), int(spills.group("loads"))]
-        if regs:
-            out[current][0] = int(regs.group("regs"))
-    return {name: tuple(v) for name, v in out.items() if v[0] > 0}
 
 
 # ---- the model ------------------------------------------------------------------------------------

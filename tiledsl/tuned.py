@@ -89,7 +89,8 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype). `window=(left, right)` is a sliding
     window (keys visible before / after the bottom-right aligned diagonal); it excludes causal."""
-    from .runtime import Kernel, device_arch
+    from .families import compile
+    from .runtime import device_arch
     from .tensors import view
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
@@ -106,6 +107,6 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
         _hint_once((arch.rstrip("a"), dtype, head_dim, mask), arch, dtype, head_dim, mask)
     kernel = _kernels.get(spec)
     if kernel is None:
-        kernel = _kernels[spec] = Kernel(spec)
+        kernel = _kernels[spec] = compile(spec)
     out, _ = kernel(q, k, v)
     return out

@@ -1,13 +1,15 @@
 """GPU validation: the exact float64 attention of any inputs, computed with CuPy on the device,
 and the error measures the tests and `tiledsl run` report.
 
-It is the textbook formula (softmax(scale Q K^T + mask) V), with masks aligned to the bottom-right
-corner exactly as spec.Mask documents, so it checks a kernel's tiling and not its own algorithm."""
+The reference is reference.naive_attention, the textbook formula (softmax(scale Q K^T + mask) V,
+masks aligned to the bottom-right corner as spec.Mask documents), run on the GPU through CuPy, so
+it checks a kernel's tiling and not its own algorithm."""
 from __future__ import annotations
 
 import math
 
-from .spec import DType, Mask, Problem
+from .reference import naive_attention
+from .spec import DTYPES, DType, Problem
 from .tensors import TensorView, view
 
 
@@ -19,8 +21,7 @@ def _cupy():
 def as_float64(t: TensorView):
     """A float64 CuPy copy of a 16- or 32-bit tensor (bf16 widened by its bit pattern)."""
     cupy = _cupy()
-    itemsize = 4 if t.dtype is DType.FP32 else 2
-    raw_dtype = {DType.FP16: cupy.float16, DType.FP32: cupy.float32, DType.BF16: cupy.uint16}[t.dtype]
+    itemsize, raw_dtype = DTYPES[t.dtype].bytes, DTYPES[t.dtype].storage
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) if all(t.shape) else 0
     memory = cupy.cuda.UnownedMemory(t.pointer, max(extent, 1) * itemsize, t.owner, t.device_id)
     raw = cupy.ndarray(t.shape, dtype=raw_dtype, memptr=cupy.cuda.MemoryPointer(memory, 0),
@@ -30,45 +31,14 @@ def as_float64(t: TensorView):
     return raw.astype(cupy.float64)
 
 
-def visible_keys(problem: Problem, q_len: int, kv_len: int, kv_len_b: int):
-    """Boolean (q_len, kv_len) matrix: may query i attend to key j (sequence of kv_len_b keys)?"""
-    cupy = _cupy()
-    i = cupy.arange(q_len)[:, None]
-    j = cupy.arange(kv_len)[None, :]
-    diag = kv_len_b - q_len
-    visible = j < kv_len_b
-    if problem.mask is Mask.CAUSAL:
-        visible = visible & (j <= i + diag)
-    elif problem.mask is Mask.WINDOW:
-        visible = visible & (j >= i + diag - problem.window_left) & (j <= i + diag + problem.window_right)
-    return visible
-
-
 def reference_attention(problem: Problem, q, k, v, kv_lens=None):
-    """(O, LSE) in float64 for q (B, H, Nq, d), k/v (B, Hkv, Nk, d/dv); fully masked rows give
-    O = 0 and LSE = -inf."""
+    """(O, LSE) in float64 on the GPU for q (B, H, Nq, d), k/v (B, Hkv, Nk, d/dv) of any framework:
+    reference.naive_attention on float64 CuPy copies. Fully masked rows give O = 0, LSE = -inf."""
     cupy = _cupy()
     qd, kd, vd = (as_float64(view(x, n)) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    batch, heads, q_len, _ = qd.shape
-    kv_heads, kv_len = kd.shape[1], kd.shape[2]
-    group = heads // kv_heads
-    lens = cupy.asnumpy(cupy.asarray(kv_lens)) if kv_lens is not None and not hasattr(kv_lens, "cpu") \
-        else (kv_lens.cpu().numpy() if kv_lens is not None else None)
-    o = cupy.zeros((batch, heads, q_len, vd.shape[3]), dtype=cupy.float64)
-    lse = cupy.full((batch, heads, q_len), -math.inf, dtype=cupy.float64)
-    for b in range(batch):
-        kv_len_b = int(lens[b]) if lens is not None else kv_len
-        visible = visible_keys(problem, q_len, kv_len, kv_len_b)
-        for h in range(heads):
-            s = problem.scale * (qd[b, h] @ kd[b, h // group].T)
-            s = cupy.where(visible, s, -math.inf)
-            m = s.max(axis=1, keepdims=True)
-            m_safe = cupy.where(cupy.isfinite(m), m, 0.0)
-            p = cupy.exp(s - m_safe)
-            total = p.sum(axis=1, keepdims=True)
-            o[b, h] = cupy.where(total > 0, (p @ vd[b, h // group]) / cupy.where(total > 0, total, 1.0), 0.0)
-            lse[b, h] = cupy.where(total[:, 0] > 0, (m_safe + cupy.log(cupy.where(total > 0, total, 1.0)))[:, 0], -math.inf)
-    return o, lse
+    if kv_lens is not None:
+        kv_lens = kv_lens.cpu().numpy() if hasattr(kv_lens, "cpu") else cupy.asnumpy(cupy.asarray(kv_lens))
+    return naive_attention(qd, kd, vd, problem.mask, problem.window_left, problem.window_right, problem.scale, kv_lens)
 
 
 def relative_error(out, ref) -> float:

@@ -21,9 +21,9 @@ import cupy
 import numpy as np
 import torch
 
-from tiledsl.bench import record, sdpa_peers, time_ms
+from tiledsl.bench import patch_source, record, sdpa_peers, time_ms
 from tiledsl.parse import load_spec
-from tiledsl.runtime import compile
+from tiledsl import compile
 from tiledsl.validate import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
@@ -177,9 +177,7 @@ def device_global(kernel, name: str, nbytes: int):
 def timeline(out_path: str) -> None:
     base = compile(load_spec("specs/decode_d128.tile"))
     probe = compile(load_spec("specs/decode_d128.tile"))
-    for anchor, new in TIMELINE_PATCHES:
-        assert probe.source.count(anchor) == 1, anchor
-        probe.source = probe.source.replace(anchor, new)
+    patch_source(probe, TIMELINE_PATCHES)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     rows = []
     for batch, heads, kv_heads, kv_len in SHAPES:

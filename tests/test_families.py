@@ -1,0 +1,104 @@
+"""The family table (tiledsl/families.py) and the module graph it keeps acyclic."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import tiledsl
+from tiledsl.errors import SpecError
+from tiledsl.families import FAMILIES, WITH_TEMPLATE, lower, row_for
+from tiledsl.parse import parse_file
+from tiledsl.render import TEMPLATE_DIR, render
+from tiledsl.spec import Family, Mma
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(tiledsl.__file__).resolve().parent
+
+
+def _spec(name: str):
+    return parse_file(ROOT / "specs" / name)[0]
+
+
+def test_every_row_names_a_template_that_exists_and_one_row_per_variant():
+    keys = [(row.family, row.mma) for row in FAMILIES]
+    assert len(keys) == len(set(keys))
+    for row in FAMILIES:
+        assert (TEMPLATE_DIR / row.template).is_file(), row.template
+
+
+@pytest.mark.parametrize("name,template,kernel_class", [
+    ("fa2_d64.tile", "fa2.cu.j2", "Kernel"), ("fa2_wgmma_d128.tile", "fa2_wgmma.cu.j2", "Kernel"),
+    ("fa1_d64.tile", "fa1.cu.j2", "Fa1Kernel"), ("decode_d128.tile", "decode.cu.j2", "DecodeKernel")])
+def test_each_bundled_family_goes_to_its_row(name, template, kernel_class):
+    spec = _spec(name)
+    plan = lower(spec)
+    assert plan.template == template and plan.family == spec.family.value
+    assert row_for(spec).kernel_class.__name__ == kernel_class
+    kernel = tiledsl.compile(spec)   # no GPU needed until the kernel is launched
+    assert type(kernel).__name__ == kernel_class and kernel.source == render(plan)
+
+
+def test_wgmma_and_mma_sync_rows_differ_only_by_mma():
+    spec = _spec("fa2_wgmma_d128.tile")
+    assert spec.schedule.mma is Mma.WGMMA and row_for(spec).template == "fa2_wgmma.cu.j2"
+
+
+def test_family_without_template_is_a_spec_error_listing_those_with_one():
+    spec = _spec("hopper_d128.tile")
+    assert spec.family is Family.HOPPER and Family.HOPPER not in WITH_TEMPLATE
+    with pytest.raises(SpecError) as err:
+        lower(spec)
+    assert "the hopper family has no CUDA template yet" in err.value.message
+    assert "families with templates: fa2, fa1, decode" in str(err.value)
+
+
+def test_a_lowering_called_directly_cannot_be_rendered_by_accident():
+    plan = row_for(_spec("fa2_d64.tile")).lowering(_spec("fa2_d64.tile"))
+    with pytest.raises(ValueError, match="names no template"):
+        render(plan)
+
+
+def _module_imports(path: Path) -> set[str]:
+    """tiledsl modules that `path` imports, at any level (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            elif node.level == 0 and node.module and node.module.split(".")[0] == "tiledsl":
+                parts = node.module.split(".")
+                found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tiledsl.")}
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        graph.add_edges_from((name, other) for other in _module_imports(path) if other in modules and other != name)
+    return graph
+
+
+def test_import_graph_sees_function_level_imports():
+    # runtime_fa1 subclasses runtime.Kernel (top level); explain imports families inside a function.
+    graph = import_graph()
+    assert graph.has_edge("runtime_fa1", "runtime") and graph.has_edge("explain", "families")
+
+
+def test_tiledsl_has_no_import_cycles():
+    cycles = list(nx.simple_cycles(import_graph()))
+    assert not cycles, "import cycles in tiledsl: " + "; ".join(" -> ".join(c + c[:1]) for c in cycles)
+
+
+def test_only_the_family_table_names_the_families_modules():
+    family_modules = {"lower_fa1", "lower_decode", "lower_wgmma", "runtime_fa1", "runtime_decode"}
+    graph = import_graph()
+    for module in ("lower", "runtime"):
+        assert not family_modules & set(graph.successors(module)), module
+    assert family_modules <= set(graph.successors("families"))

@@ -1,0 +1,82 @@
+"""The kernel families: one row per family (and MMA variant where the lowering differs) naming its
+lowering, its template and its kernel class, and the two dispatchers that read the table (`lower`,
+`compile`).
+
+This is the only module that names the families' own modules: lower.py and runtime.py know none
+of them, so adding a family is writing its lowering, template and (if its launch differs) kernel
+class, then adding a row here."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import RuntimeInputError, SpecError
+from .lower import KernelPlan, lower_fa2
+from .lower_decode import lower_decode
+from .lower_fa1 import lower_fa1
+from .lower_hopper import lower_hopper
+from .lower_wgmma import lower_fa2_wgmma
+from .parse import load_specs
+from .runtime import Kernel
+from .runtime_decode import DecodeKernel
+from .runtime_fa1 import Fa1Kernel
+from .runtime_hopper import HopperKernel
+from .spec import Family, KernelSpec, Mma
+
+
+@dataclass(frozen=True)
+class Row:
+    family: Family
+    mma: Mma | None                          # the variant this row lowers; None: any
+    lowering: Callable[..., KernelPlan]      # (spec, **overrides) -> plan
+    template: str                            # under templates/
+    kernel_class: type[Kernel]               # launches the compiled kernel
+
+
+FAMILIES = (
+    Row(Family.FA2, Mma.SYNC, lower_fa2, "fa2.cu.j2", Kernel),
+    Row(Family.FA2, Mma.WGMMA, lower_fa2_wgmma, "fa2_wgmma.cu.j2", Kernel),
+    Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
+    Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel),   # split kernel + merge, workspace
+    Row(Family.HOPPER, None, lower_hopper, "hopper.cu.j2", HopperKernel),   # TMA tensor maps, persistent launch
+)
+
+# Families with at least one template, in table order (what `compile --skip-unsupported` keeps).
+WITH_TEMPLATE = tuple(dict.fromkeys(row.family for row in FAMILIES))
+
+
+def row_for(spec: KernelSpec) -> Row:
+    """The spec's row; a family (or MMA variant) without a template is a SpecError naming it."""
+    for row in FAMILIES:
+        if row.family is spec.family and row.mma in (None, spec.schedule.mma):
+            return row
+    built = ", ".join(f.value for f in WITH_TEMPLATE)
+    if spec.family in WITH_TEMPLATE:
+        raise SpecError(f"the {spec.family.value} family has no CUDA template for mma {spec.schedule.mma.value} yet",
+                        spec.span_of("mma") or spec.span, spec.source_text,
+                        "mma " + " or ".join(r.mma.value for r in FAMILIES if r.family is spec.family and r.mma))
+    raise SpecError(f"the {spec.family.value} family has no CUDA template yet", spec.span, spec.source_text,
+                    f"families with templates: {built}")
+
+
+def lower(spec: KernelSpec, **overrides) -> KernelPlan:
+    """The plan for `spec` from its family's lowering, naming the family's template."""
+    row = row_for(spec)
+    return dataclasses.replace(row.lowering(spec, **overrides), template=row.template)
+
+
+def compile(spec_or_path, name: str | None = None, **overrides) -> Kernel:  # noqa: A001 - tiledsl.compile
+    """A Kernel (the family's class) from a KernelSpec, a .tile path or spec text (`name` picks one
+    of several); `overrides` go to the family's lowering."""
+    if isinstance(spec_or_path, KernelSpec):
+        spec = spec_or_path
+    else:
+        specs = load_specs(spec_or_path)
+        if name is not None:
+            specs = [s for s in specs if s.name == name]
+        if len(specs) != 1:
+            names = ", ".join(s.name for s in load_specs(spec_or_path))
+            raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
+        spec = specs[0]
+    return row_for(spec).kernel_class(spec, lower(spec, **overrides))
