@@ -293,16 +293,16 @@ __device__ __forceinline__ void apply_mask(float (&s)[C::M_TILES][C::S_TILES][4]
                     s[mt][nt][e] = NEG_INF;
 }
 
-// Online softmax: raise the running max, rescale the running sum and O by exp(m_old - m_new),
-// and turn the scores into unnormalised probabilities P = exp(scale * (S - m_new)) in place.
-// Row sums stay per-thread partial sums; the quad reduces them once, in the epilogue. Once the
-// maxima settle most tiles leave every row's max unchanged (alpha == 1 exactly), so the warp
-// skips the O rescale (M_TILES * DV / 2 multiplies per thread) when no row of it needs one.
+// Online softmax, in two steps so the O rescale can wait for an in-flight P V (Hopper's
+// intra-warpgroup overlap): softmax_update raises the running max, rescales the running sum by
+// alpha = exp(m_old - m_new) and turns the scores into unnormalised probabilities
+// P = exp(scale * (S - m_new)) in place; rescale_o multiplies O by alpha. Row sums stay
+// per-thread partial sums; the quad reduces them once, in the epilogue. Once the maxima settle
+// most tiles leave every row's max unchanged (alpha == 1 exactly), so the warp skips the O
+// rescale (M_TILES * DV / 2 multiplies per thread) when no row of it needs one.
 template <class C>
-__device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES][4], float (&row_max)[C::M_TILES][2],
-                                               float (&row_sum)[C::M_TILES][2], float (&o)[C::M_TILES][C::O_TILES][4]) {
-    float alpha[C::M_TILES][2];
-    bool rescale = false;
+__device__ __forceinline__ void softmax_update(float (&s)[C::M_TILES][C::S_TILES][4], float (&row_max)[C::M_TILES][2],
+                                               float (&row_sum)[C::M_TILES][2], float (&alpha)[C::M_TILES][2]) {
 #pragma unroll
     for (int mt = 0; mt < C::M_TILES; ++mt)
 #pragma unroll
@@ -314,7 +314,6 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES
             // A row with every key masked so far keeps m = -inf; use 0 so exp never sees -inf - -inf.
             const float m_scaled = m_new == NEG_INF ? 0.f : m_new * C::SCALE_LOG2;
             alpha[mt][h] = fast_exp2(row_max[mt][h] * C::SCALE_LOG2 - m_scaled);
-            rescale = rescale || alpha[mt][h] != 1.f;
             row_max[mt][h] = m_new;
             float sum = 0.f;
 #pragma unroll
@@ -326,6 +325,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES
                 }
             row_sum[mt][h] = row_sum[mt][h] * alpha[mt][h] + sum;
         }
+}
+
+template <class C>
+__device__ __forceinline__ void rescale_o(float (&o)[C::M_TILES][C::O_TILES][4], const float (&alpha)[C::M_TILES][2]) {
+    bool rescale = false;
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) rescale = rescale || alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
     if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
         for (int mt = 0; mt < C::M_TILES; ++mt)
@@ -334,6 +340,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES
 #pragma unroll
                 for (int e = 0; e < 4; ++e) o[mt][nd][e] *= alpha[mt][e >> 1];
     }
+}
+
+template <class C>
+__device__ __forceinline__ void online_softmax(float (&s)[C::M_TILES][C::S_TILES][4], float (&row_max)[C::M_TILES][2],
+                                               float (&row_sum)[C::M_TILES][2], float (&o)[C::M_TILES][C::O_TILES][4]) {
+    float alpha[C::M_TILES][2];
+    softmax_update<C>(s, row_max, row_sum, alpha);
+    rescale_o<C>(o, alpha);
 }
 
 // O += P V. P goes from the S accumulators straight into A fragments (no shared memory):
@@ -511,18 +525,24 @@ __device__ __forceinline__ void wgmma_rs_pv(float (&d)[32], const u32 (&a)[4], u
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).
 struct BlockTile { int q_block, pair; };
+// The (query tile, pair) of launch-order position `block` among `blocks` = q tiles x pairs: a
+// persistent kernel walks positions itself, every other kernel takes its block index.
 template <class C>
-__device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
+__device__ __forceinline__ BlockTile block_tile_at(u32 block, u32 blocks, int q_len, int order_groups) {
     // 32-bit unsigned is exact: pairs <= 65535 (checked at launch), so pairs * groups < 2^32.
-    const u32 block = block_index_x(), groups = order_groups;
+    const u32 groups = order_groups;
     const u32 q_tiles = (q_len + C::BR - 1) / C::BR;
-    const u32 pairs = gridDim.x / q_tiles;
+    const u32 pairs = blocks / q_tiles;
     const u32 pair_slot = block / q_tiles;
     const u32 group = ((pair_slot + 1) * groups - 1) / pairs;   // the last group starting at or before pair_slot
     const u32 start = group * pairs / groups;
     const u32 size = (group + 1) * pairs / groups - start;
     const u32 in_group = block - start * q_tiles;
     return {(int)(q_tiles - 1 - in_group / size), (int)(start + in_group % size)};
+}
+template <class C>
+__device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
+    return block_tile_at<C>(block_index_x(), gridDim.x, q_len, order_groups);
 }
 
 // S = Q K^T for this warpgroup's 64 rows: D / 16 wgmmas, both operands in shared memory.
