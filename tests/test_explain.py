@@ -128,7 +128,7 @@ def test_explain_shows_the_generated_kernels_loop_in_emission_order(write_spec):
         assert all(note in section for note in plan.notes)
     from pathlib import Path
     from tiledsl.parse import load_spec
-    spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "hopper_d128.tile"))
+    spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "hopper_d128_causal.tile"))
     hopper = explain(spec)
     section = hopper[hopper.index("generated kernel ("):]
     assert lower(spec).kernel_name in section and "mma_qk" in section and "turn_wait" in section

@@ -91,7 +91,8 @@ def consumer_ops(spec: KernelSpec) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ..
     return tuple(prologue), tuple(body), tuple(epilogue)
 
 
-def lower_hopper(spec: KernelSpec) -> HopperPlan:
+def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperPlan:
+    """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"the hopper family computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
@@ -136,7 +137,7 @@ def lower_hopper(spec: KernelSpec) -> HopperPlan:
         Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("CONSUMERS", "int", consumers, "consumer warpgroups, 64 query rows each"),
-        Constant("CONSUMER_WARPS", "int", 4 * consumers, "arrivals that free a stage (one per consumer warp)"),
+        Constant("EMPTY_ARRIVALS", "int", empty_arrivals or 4 * consumers, "arrivals that free Q or a stage: one per consumer warp"),
         Constant("THREADS", "int", threads, "producer + consumer warpgroups"),
         Constant("PRODUCER_REGS", "int", s.producer_regs, "setmaxnreg.dec: the producer only issues copies"),
         Constant("CONSUMER_REGS", "int", s.consumer_regs, "setmaxnreg.inc: accumulators of S, O and P"),

@@ -3,6 +3,7 @@ handed to the kernel as TMA tensor maps instead of pointers and strides."""
 from __future__ import annotations
 
 from .runtime import Kernel, Shapes
+from .spec import Mask
 from .tensor_maps import check_tma_strides, tensor_map
 from .tensors import TensorView
 
@@ -10,10 +11,14 @@ from .tensors import TensorView
 class HopperKernel(Kernel):
     """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
 
-    `persistent` (default True) launches one block per resident slot, each walking work items in
-    launch order, so a block's next Q, K and V load while it stores the last O; False launches one
-    block per item."""
-    persistent = True
+    `persistent` True launches one block per resident slot, each walking work items in launch
+    order, so a block's next Q, K and V load while it stores the last O; False launches one block
+    per item, and the GPU hands the next item to whichever SM frees first. None (the default)
+    picks by mask, as measured (bench/results/2026-11-30-hopper-ablation-3.json): persistent
+    without a mask (every item costs the same; up to +12% at 1k-8k), one block per item under a
+    causal or window mask (items differ in cost and the static walk balances them worse: up to
+    -18%)."""
+    persistent: bool | None = None
 
     def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
         shapes = super().check_inputs(q, k, v, kv_lens)
@@ -37,5 +42,6 @@ class HopperKernel(Kernel):
                 np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
                 np.int32(shapes.heads // shapes.kv_heads), *(i64(s) for s in o.strides[:3]),
                 np.int32(self.order_groups_for(shapes, q.device_id)), np.int32(q_tiles * pairs))
-        blocks = min(q_tiles * pairs, self.slots(q.device_id)) if self.persistent else q_tiles * pairs
+        persistent = self.persistent if self.persistent is not None else self.spec.problem.mask is Mask.NONE
+        blocks = min(q_tiles * pairs, self.slots(q.device_id)) if persistent else q_tiles * pairs
         self.launch_function(self.function(), (blocks, 1, 1), args, q.device_id, stream)

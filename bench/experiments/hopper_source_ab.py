@@ -1,0 +1,80 @@
+"""Same-run A/B of the hopper kernel against an earlier rendering of it (one block per item, no
+`items` parameter: the template before the persistent launch), to find what the persistent
+machinery costs a one-block-per-item launch.
+
+    python bench/experiments/hopper_source_ab.py OUT.json OLD_DIR   # OLD_DIR/old_d128_{none,causal}.cu
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+from hopper_ablation import hopper  # noqa: E402
+from tiledsl import compile  # noqa: E402
+from tiledsl.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms  # noqa: E402
+from tiledsl.tensor_maps import tensor_map  # noqa: E402
+from tiledsl.validate import run_errors  # noqa: E402
+
+
+class OldSource:
+    """The current kernel object with an older source and the older argument list (no `items`)."""
+
+    def __init__(self, spec, source: str):
+        self.kernel = compile(spec)
+        self.kernel.source = source
+        self.kernel._function = None
+        self.name = self.kernel.name
+
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
+        kernel = self.kernel
+        views, shapes, out, lse = kernel.prepare(q, k, v, kv_lens, out, lse)
+        qv, kvw, vv, ov, lv, lens = views
+        tile_q, tile_kv = kernel.plan.launch.tile_q, kernel.spec.schedule.tile_kv
+        items = -(-shapes.q_len // tile_q) * shapes.batch * shapes.heads
+        args = (tensor_map(qv, tile_q), tensor_map(kvw, tile_kv), tensor_map(vv, tile_kv), np.uintp(ov.pointer),
+                np.uintp(lv.pointer), np.uintp(lens.pointer if lens else 0), np.int32(shapes.q_len),
+                np.int32(shapes.kv_len), np.int32(shapes.heads), np.int32(shapes.heads // shapes.kv_heads),
+                *(np.int64(s) for s in ov.strides[:3]), np.int32(kernel.order_groups_for(shapes, qv.device_id)))
+        kernel.launch_function(kernel.function(), (items, 1, 1), args, qv.device_id)
+        return out, lse
+
+
+def main() -> int:
+    out, old_dir = sys.argv[1], Path(sys.argv[2])
+    rows = []
+    for causal in (False, True):
+        spec = hopper(128, causal, "intra")
+        new = compile(spec)
+        new_grid = compile(spec)
+        new_grid.persistent = False
+        old = OldSource(spec, (old_dir / f"old_d128_{'causal' if causal else 'none'}.cu").read_text())
+        kernels = {"old grid": old, "new grid": new_grid, "new default": new}
+        for label, kernel in kernels.items():
+            q, k, v = random_inputs(spec.problem, 2, 3, 1000, 1000)
+            err = run_errors(kernel, q, k, v)
+            assert err[0] < 1e-2 and err[1] < 1e-3, (label, err)
+        for n in (4096, 16384):
+            batch, heads = prefill_shape(n, 128)
+            q, k, v = random_inputs(spec.problem, batch, heads, n, n)
+            flops = attention_flops(batch, heads, n, n, 128, causal)
+            peers = {name: flops / t / 1e9 for name, t in sdpa_peers(q, k, v, causal).items() if isinstance(t, float)}
+            for rep in range(3):   # alternate, so clock drift hits every variant alike
+                for label, kernel in kernels.items():
+                    ms = time_ms(lambda: kernel(q, k, v))
+                    rows.append({"kernel": new.name, "variant": label, "rep": rep, "family": "hopper", "dtype": "bf16",
+                                 "head_dim": 128, "seqlen": n, "causal": causal, "ms": ms, "tflops": flops / ms / 1e9,
+                                 "peers": peers})
+                    print(f"{'causal' if causal else 'none  '} {n:6d} rep {rep} {label:12s} {flops / ms / 1e9:6.1f} "
+                          f"(cuDNN {peers.get('sdpa_cudnn', 0):.1f})", flush=True)
+    record(out, "python bench/experiments/hopper_source_ab.py " + " ".join(sys.argv[2:]), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
