@@ -115,7 +115,7 @@ def test_rows_tma_cannot_read_are_refused_before_launch():
     kernel = kernel_for(hopper(128))
     q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
     ragged = torch.randn(1, 2, 64, 132, device="cuda", dtype=torch.bfloat16)[..., :128]   # rows of 264 B
-    with pytest.raises(RuntimeInputError, match="k needs 16-byte aligned rows"):
+    with pytest.raises(RuntimeInputError, match="k rows must be 16-byte aligned"):
         kernel(q, ragged, q)
 
 

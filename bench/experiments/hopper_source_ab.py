@@ -29,7 +29,7 @@ class OldSource:
         self.kernel = compile(spec)
         self.kernel.source = source
         self.kernel._function = None
-        self.name = self.kernel.name
+        self.name, self.spec = self.kernel.name, spec
 
     def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
         kernel = self.kernel
