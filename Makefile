@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 SPECS  ?= $(wildcard specs/*.tile)
-DEFAULT_SPEC ?= specs/fa2_wgmma_d128_causal.tile
+DEFAULT_SPEC ?= specs/hopper_d128_causal.tile
 
 ifeq ($(SYSTEM_PYTHON),1)
 PY := $(PYTHON)
@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(SETUP)
 	$(TILEDSL) check $(SPECS)
 	$(TILEDSL) explain $(DEFAULT_SPEC) --seqlen 4096
-	$(TILEDSL) compile $(SPECS) -o generated --skip-unsupported
+	$(TILEDSL) compile $(SPECS) -o generated
 	@if $(PY) -c 'import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0' 2>/dev/null; then \
 		$(TILEDSL) run $(DEFAULT_SPEC) --seqlen 1000 --batch 2 --heads 4 && \
 		$(TILEDSL) bench $(DEFAULT_SPEC) --seqlen 4096 --against sdpa; \
