@@ -63,7 +63,7 @@ def test_printed_spec_passes_tiledsl_check(tmp_path, capsys):
 # ---- the tuned table ----------------------------------------------------------------------------------
 
 def test_table_covers_sm90_dtypes_head_dims_and_masks():
-    wanted = {("sm_90", dtype, d, mask) for dtype in ("bf16", "fp16") for d in (64, 128) for mask in ("none", "causal")}
+    wanted = {("sm_90", dtype, d, mask) for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")}
     assert wanted <= set(tuned.TUNED)
 
 
@@ -78,21 +78,25 @@ def test_every_entry_parses_lowers_and_matches_its_key(key):
 
 def test_entries_are_todays_best_known_configs():
     def schedule(d, mask):
-        s = load_spec(tuned.TUNED[("sm_90", "bf16", d, mask)]).schedule
-        return s.tile_q, s.tile_kv, s.warps, s.stages, s.mma.value
-    # bench/results/2026-11-30-tune-bench-3.json (exhaustive winners at 16k)
-    assert schedule(64, "none") == (64, 128, 4, 1, "wgmma") and schedule(64, "causal") == (64, 128, 4, 2, "wgmma")
-    assert schedule(128, "none") == (64, 64, 4, 1, "wgmma") and schedule(128, "causal") == (128, 128, 8, 3, "wgmma")
+        spec = load_spec(tuned.TUNED[("sm_90", "bf16", d, mask)])
+        s = spec.schedule
+        return spec.family.value, s.tile_q, s.tile_kv, s.consumer_warpgroups, s.pingpong, s.intra_overlap
+    # bench/results/2026-11-30-hopper-ablation-3.json (best hopper schedule per head dim and mask)
+    assert schedule(64, "none") == schedule(64, "causal") == ("hopper", 192, 128, 3, False, True)
+    assert schedule(128, "none") == ("hopper", 128, 128, 2, False, True)
+    assert schedule(128, "causal") == ("hopper", 128, 128, 2, True, True)
+    assert schedule(256, "none") == ("hopper", 128, 80, 2, False, False)
+    assert schedule(256, "causal") == ("hopper", 128, 64, 2, False, True)
 
 
 def test_lookup_known_unknown_window_and_scale():
     spec, found = tuned.tuned_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL)
-    assert found and (spec.schedule.tile_kv, spec.schedule.warps) == (128, 8)
+    assert found and (spec.schedule.tile_kv, spec.schedule.consumer_warpgroups) == (128, 2)
     spec, found = tuned.tuned_spec("sm_100", DType.BF16, 128, Mask.CAUSAL)
     assert not found and spec.schedule == tuned.DEFAULT_SCHEDULE
     run_passes(spec)
     spec, found = tuned.tuned_spec("sm_90", DType.FP16, 128, Mask.WINDOW, window=(256, 0), scale=0.1)
-    assert found and spec.schedule.warps == 8   # a window takes the causal entry's schedule (d128: 8 warps)
+    assert found and spec.schedule.pingpong   # a window takes the causal entry's schedule (d128: ping-pong)
     assert (spec.problem.mask, spec.problem.window_left, spec.problem.softmax_scale) == (Mask.WINDOW, 256, 0.1)
     spec, found = tuned.tuned_spec("sm_90", DType.BF16, 64, Mask.NONE, head_dim_v=128)
     assert not found and spec.problem.head_dim_v == 128

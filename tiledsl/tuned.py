@@ -14,21 +14,25 @@ import sys
 
 from .spec import DType, KernelSpec, Mask, Problem, Schedule
 
-# From H200 measurements: `python bench/tune_bench.py OUT.json` over the bundled spaces, which
-# search mma.sync and wgmma (bench/results/2026-11-30-tune-bench-3.json; the pruned tuner's winner
-# was the exhaustive best at every shape). fp16 has the same tile shapes, sizes and ptxas reports,
-# so each head dim's entries serve both dtypes until both are measured:
-#   d64 (fp16), none:     wgmma q64/kv128/4 warps/1 stage   (351-373 TFLOP/s at 4k-16k)
-#   d64 (fp16), causal:   wgmma q64/kv128/4 warps/2 stages  (323-363)
-#   d128 (bf16), none:    wgmma q64/kv64/4 warps/1 stage    (415-425)
-#   d128 (bf16), causal:  wgmma q128/kv128/8 warps/3 stages (381-411)
-def _wgmma(tile_q: int, tile_kv: int, warps: int, stages: int) -> str:
-    return (f"tile q = {tile_q}, kv = {tile_kv}\n        warps {warps} along q\n"
-            f"        pipeline {stages} stage{'s' if stages > 1 else ''} via cp.async\n        mma wgmma")
+# From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
+# `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
+# serves; its best schedule per entry, as a ratio to SDPA cuDNN at 4k-16k:
+#   d64 none / causal:    3 consumers, q192/kv128, intra overlap       (0.99-1.08 / 0.97-1.06)
+#   d128 none:            2 consumers, q128/kv128, intra overlap       (0.99-1.01)
+#   d128 causal:          2 consumers, q128/kv128, ping-pong + intra   (0.96-1.02)
+#   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra        (0.91-0.94 / 0.98-1.02)
+# fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
+# both are measured. Before the hopper family the table held FA2-on-wgmma schedules
+# (bench/results/2026-11-30-tune-bench-3.json), 0.67-0.85x cuDNN.
+def _hopper(tile_q: int, tile_kv: int, consumers: int, overlap: str) -> str:
+    regs = {2: "producer 1 regs 24, consumer 2 regs 240", 3: "producer 1 regs 32, consumer 3 regs 160"}[consumers]
+    lines = [f"tile q = {tile_q}, kv = {tile_kv}", f"warpgroups {regs}", "pipeline 2 stages via tma"]
+    return "\n        ".join(lines + ([f"overlap {overlap}"] if overlap else []))
 
 
-_SCHEDULES = {(64, "none"): _wgmma(64, 128, 4, 1), (64, "causal"): _wgmma(64, 128, 4, 2),
-              (128, "none"): _wgmma(64, 64, 4, 1), (128, "causal"): _wgmma(128, 128, 8, 3)}
+_SCHEDULES = {(64, "none"): _hopper(192, 128, 3, "intra"), (64, "causal"): _hopper(192, 128, 3, "intra"),
+              (128, "none"): _hopper(128, 128, 2, "intra"), (128, "causal"): _hopper(128, 128, 2, "pingpong, intra"),
+              (256, "none"): _hopper(128, 80, 2, ""), (256, "causal"): _hopper(128, 64, 2, "intra")}
 _TEMPLATE = """attention {name} {{
     head_dim = {d}
     dtype    = {dtype}
@@ -48,7 +52,7 @@ def _entry(dtype: str, d: int, mask: str) -> str:
 
 TUNED: dict[tuple[str, str, int, str], str] = {
     ("sm_90", dtype, d, mask): _entry(dtype, d, mask)
-    for dtype in ("bf16", "fp16") for d in (64, 128) for mask in ("none", "causal")
+    for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
 }
 
 DEFAULT_SCHEDULE = Schedule(tile_q=128, tile_kv=64, warps=4, stages=2)
