@@ -472,8 +472,8 @@ def _build_kv_outer(g: ScheduleGraph) -> None:
     if scratch:
         g.connect(scratch, "combine_warps", "", EdgeKind.SYNC)
     g.add("store_o_state", Op(OpKind.STORE_O_STATE, Space.HBM, ("Br", "dv"), pass_loops, b.role(False), "order",
-                              "HBM <- O_i / l_i, m_i, l_i   (the q tile's last kv tile: O / l and lse = m + log l "
-                              "straight to the output)", variant="normalized",
+                              "HBM <- O_i, m_i, l_i   (O_i / l_i, kept normalised; on the q tile's last kv tile "
+                              "O / l and lse = m + log l go straight to the output)", variant="normalized",
                               hbm=(Access("O_state", "write", "q", "dv"), Access("m", "write", "q", "1"),
                                    Access("l", "write", "q", "1"))))
     for value in ("O", "m", "l"):
