@@ -79,6 +79,12 @@ class KernelPlan:
     kv_groups_per_tile: int = 2    # cp.async groups per K/V tile: 2 (K, then V: QK^T starts before V lands) | 1
 
 
+    @property
+    def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:
+        """(graph loop, the CUDA steps of its body), outer loop first."""
+        return (("loop_kv", self.loop_body),)
+
+
 def _align(n: int) -> int:
     return (n + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
 

@@ -43,6 +43,10 @@ class Fa1Plan(KernelPlan):
     pass_body: tuple[LoopOp, ...] = ()
     split_k: bool = False
 
+    @property
+    def loop_bodies(self):
+        return (("loop_kv", self.kv_step), ("loop_q", self.loop_body), ("loop_rows", self.pass_body))
+
 
 def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], ...]:
     """FA1's three loop bodies in the scheduler graph's emission order: the kv step (make K_j, V_j
