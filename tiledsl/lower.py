@@ -45,6 +45,8 @@ class LoopOp:
     pending: int = 0          # wait_*: cp.async groups allowed to stay in flight
     distance: int = 0         # prefetch_kv: how many tiles ahead
     node: str = ""            # the scheduler-graph op this step lowers
+    tile: str = ""            # prefetch_*: the kv tile it loads and the ring slot it fills (CUDA expressions)
+    stage: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,15 @@ def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, 
     for name in emission_order(graph):
         op = graph.op(name)
         if op.loops and op.loops[-1] == loop:
-            body += [replace(step, node=name) for step in lower_op(name, op)]
+            body += [replace(step, node=name, **_prefetch_target(step)) for step in lower_op(name, op)]
     return tuple(body)
+
+
+def _prefetch_target(step: LoopOp) -> dict:
+    """A prefetch's tile and ring slot, `distance` tiles ahead of the loop's `tile` and `stage`."""
+    if not step.kind.startswith("prefetch"):
+        return {}
+    return {"tile": f"tile + {step.distance}", "stage": f"(stage + {step.distance}) % C::STAGES"}
 
 
 def mma_instruction(spec: KernelSpec) -> tuple[Op, Op]:

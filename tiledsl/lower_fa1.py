@@ -9,7 +9,7 @@ query tile's last kv tile the output is written in the input dtype with LSE = sc
 Two warp splits:
   warps along q  (split-Q): each warp owns ROWS_PER_WARP rows of the q tile and all keys of K_j;
                  its state round-trips to HBM straight from the mma accumulators.
-  warps along kv (split-K): each warp takes TILE_KV / WARPS keys of K_j for all rows of the q tile;
+  warps along kv (split-K): each warp takes KEYS_PER_WARP = BC / WARPS keys of K_j for all rows of the q tile;
                  the partial (m, l, O) of the warps are combined through shared memory
                  (combine.cuh: combine_warp_states) and the block stores the rows from there.
 
@@ -181,8 +181,8 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per q tile (tile q)"),
-        Constant("TILE_KV", "int", s.tile_kv, "keys per kv tile (tile kv)"),
-        Constant("BC", "int", keys_per_warp, "keys of a kv tile one warp multiplies (tile kv / warps when split along kv)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("KEYS_PER_WARP", "int", keys_per_warp, "keys of a kv tile one warp multiplies (tile kv / warps when split along kv)"),
         Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("WARPS", "int", s.warps, f"warps, split along {s.warp_axis.value}"),
