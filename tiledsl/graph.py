@@ -84,7 +84,7 @@ class Op:
     role: Role = Role.ALL
     key: str = ""                      # the DSL setting whose span this op comes from
     text: str = ""                     # one line of pseudo-code (explain, generated comments)
-    variant: str = ""                  # running | tile_local | normalized | unnormalized | mask kind
+    variant: str = ""                  # running | normalized | unnormalized | mask kind
     hbm: tuple[Access, ...] = ()
     via: str = ""                      # copy mechanism of a load: cp.async | tma
     barrier: str = ""                  # arrive/wait: the barrier's name, e.g. "k_full"

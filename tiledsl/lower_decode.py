@@ -17,7 +17,7 @@ from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
 from .errors import SpecError
 from dataclasses import replace
 
-from .graph import Op
+from .graph import Op, build_graph
 from .lower import (LOOP_TEXT, LOWERINGS, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
                     graph_loop_body, kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes,
                     tile_row_constants)
@@ -197,7 +197,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         name += "__wait_first"
     return make_plan(spec, Family.DECODE, "decode.cu.j2", consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope="warp")
+                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope)
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:
