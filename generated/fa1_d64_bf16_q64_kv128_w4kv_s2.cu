@@ -355,7 +355,7 @@ template <class C>
 __device__ __forceinline__ void mma_pv(float (&o)[C::M_TILES][C::O_TILES][4], const float (&p)[C::M_TILES][C::S_TILES][4],
                                        u32 v_tile, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
+    for (int kk = 0; kk < C::S_TILES / 2; ++kk) {   // 16 keys: two 8-column tiles of P
         u32 p_frag[C::M_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < C::M_TILES; ++mt) {
@@ -414,8 +414,8 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
 // Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per q tile (tile q)
-    static constexpr int TILE_KV = 128;   // keys per kv tile (tile kv)
-    static constexpr int BC = 32;   // keys of a kv tile one warp multiplies (tile kv / warps when split along kv)
+    static constexpr int BC = 128;   // keys per kv tile (tile kv)
+    static constexpr int KEYS_PER_WARP = 32;   // keys of a kv tile one warp multiplies (tile kv / warps when split along kv)
     static constexpr int D = 64;   // head dim of q and k
     static constexpr int DV = 64;   // head dim of v and o
     static constexpr int WARPS = 4;   // warps, split along kv
@@ -450,9 +450,9 @@ struct C {
     static constexpr float SCALE_LOG2 = 0.18033688011112042f;   // scale * log2(e): softmax through exp2
 };
 static_assert(C::ROWS_PER_WARP == C::M_TILES * 16 && C::BR == C::ROW_PASSES * C::ROWS_PER_WARP, "split-K: every warp holds all rows of a pass");
-static_assert(C::TILE_KV == C::WARPS * C::BC && C::BC % 16 == 0, "split-K: each warp takes a multiple of 16 keys of the tile");
+static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "split-K: each warp takes a multiple of 16 keys of the tile");
 static_assert(C::COMBINE_BYTES >= 4 * C::ROWS_PER_WARP * (C::COMBINE_ROW_FLOATS + C::WARPS + 2), "combine scratch holds o_sum, m_part, m, l");
-static_assert(C::S_TILES * 8 == C::BC && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
+static_assert(C::S_TILES * 8 == C::KEYS_PER_WARP && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
 
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
@@ -537,8 +537,8 @@ template <class C>
 __device__ __forceinline__ void visible_tiles(int q0, int rows, int seq_kv, int diag, int& begin, int& end) {
     int lo, hi;
     visible_keys<C>(q0, rows, seq_kv, diag, lo, hi);
-    begin = lo / C::TILE_KV;
-    end = hi > lo ? (hi + C::TILE_KV - 1) / C::TILE_KV : begin;
+    begin = lo / C::BC;
+    end = hi > lo ? (hi + C::BC - 1) / C::BC : begin;
 }
 
 // Q_i into shared memory with plain 16-byte loads: cp.async groups track K/V only, so waiting for
@@ -676,7 +676,7 @@ __device__ __forceinline__ void store_empty_rows(u16* o_rows, i64 o_row_stride, 
 // every kv tile once -- the outer loop -- and for each, every q tile that can see it. The running
 // O (fp32, normalised), m and l of each query row live in the workspace in HBM and make a round
 // trip at every kv step; parallelism is over batch * heads only, FA1's defining limitation.
-// Warps along kv (split-K): each warp multiplies C::BC keys of K_j for all C::BR rows; the warps'
+// Warps along kv (split-K): each warp multiplies C::KEYS_PER_WARP keys of K_j for all C::BR rows; the warps'
 // partial states are combined through shared memory before the round trip.
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
 fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -691,7 +691,7 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
     const u32 smem_base = shared_address(smem);
     const u32 q_tile = smem_base + C::Q_OFFSET;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int warp_key = C::SPLIT_K ? warp * C::BC : 0;   // this warp's first key within a kv tile
+    const int warp_key = C::SPLIT_K ? warp * C::KEYS_PER_WARP : 0;   // this warp's first key within a kv tile
 
     const int batch = blockIdx.x / heads, head = blockIdx.x % heads, kv_head = head / kv_group;
     const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
@@ -720,12 +720,12 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
 #pragma unroll
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (kv_begin + s < kv_end) {
-            load_tile_async<C::TILE_KV, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(kv_begin + s) * C::TILE_KV * k_row_stride,
-                k_row_stride, seq_kv - (kv_begin + s) * C::TILE_KV);
-            load_tile_async<C::TILE_KV, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(kv_begin + s) * C::TILE_KV * v_row_stride,
-                v_row_stride, seq_kv - (kv_begin + s) * C::TILE_KV);
+            load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
+                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(kv_begin + s) * C::BC * k_row_stride,
+                k_row_stride, seq_kv - (kv_begin + s) * C::BC);
+            load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
+                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(kv_begin + s) * C::BC * v_row_stride,
+                v_row_stride, seq_kv - (kv_begin + s) * C::BC);
         }
         cp_async_commit();
     }
@@ -745,12 +745,12 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
 
     // [fa1_d64.tile:24] prefetch K, V of tile j+1 into the buffer tile j-1 used
         if (tile + 1 < kv_end) {
-            load_tile_async<C::TILE_KV, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::TILE_KV * k_row_stride,
-                k_row_stride, seq_kv - (tile + 1) * C::TILE_KV);
-            load_tile_async<C::TILE_KV, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 1) * C::TILE_KV * v_row_stride,
-                v_row_stride, seq_kv - (tile + 1) * C::TILE_KV);
+            load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
+                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
+                k_row_stride, seq_kv - (tile + 1) * C::BC);
+            load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
+                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
+                v_row_stride, seq_kv - (tile + 1) * C::BC);
         }
         cp_async_commit();   // one group per tile, empty past the end, so the wait counts stay fixed
 
@@ -785,8 +785,8 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
                 mma_qk<C>(acc_s, q_regs, q_tile, k_tile, warp_row, lane);
 
         // [fa1_d64.tile:19] mask keys outside the sequence / diagonal / window (only tiles that need it)
-                if (tile_needs_mask<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::TILE_KV + warp_key, C::BC, seq_kv, diag))
-                    apply_mask<C>(acc_s, q0 + warp_row, tile * C::TILE_KV + warp_key, seq_kv, diag, lane);
+                if (tile_needs_mask<C>(q0 + warp_row, C::ROWS_PER_WARP, tile * C::BC + warp_key, C::KEYS_PER_WARP, seq_kv, diag))
+                    apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC + warp_key, seq_kv, diag, lane);
 
         // [fa1_d64.tile:21] O_i (fp32, normalised), m_i, l_i <- HBM; O_i *= l_i (first visit: O = 0, m = -inf, l = 0); warp 0 carries the old state, the others start empty
                 if (first || warp != 0) init_state<C>(acc_o, row_max, row_sum);

@@ -356,7 +356,7 @@ template <class C>
 __device__ __forceinline__ void mma_pv(float (&o)[C::M_TILES][C::O_TILES][4], const float (&p)[C::M_TILES][C::S_TILES][4],
                                        u32 v_tile, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
+    for (int kk = 0; kk < C::S_TILES / 2; ++kk) {   // 16 keys: two 8-column tiles of P
         u32 p_frag[C::M_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < C::M_TILES; ++mt) {

@@ -113,19 +113,25 @@ def test_cli_refuses_illegal_schedule_with_exit_2(write_spec, capsys):
     assert "big.tile:6:" in err and "917504 bytes needed" in err and "232448 available" in err
 
 
-def test_explain_shows_the_generated_kernels_loop_in_emission_order(write_spec):
-    # The graph is the algorithm; this section is what the lowering emits, op for op.
+def test_explain_prints_one_schedule_and_the_kernels_steps_follow_its_emission_order(write_spec):
+    # The generated-kernel section is the same schedule as the loop nest and op table: every CUDA
+    # step names the graph op it lowers, in the op table's order, and the steps are the plan's.
     from tiledsl.families import lower
-    for text_, name in ((DECODE_TEXT, "dec.tile"), (FA2_TEXT, "fa2.tile")):
+    for text_, name in ((DECODE_TEXT, "dec.tile"), (FA2_TEXT, "fa2.tile"), (FA1_TEXT, "fa1_d64.tile")):
         spec = load(write_spec, text_, name)
         plan = lower(spec)
         text = explain(spec, batch=2, heads=4)
+        table = text.split("ops in emission order:")[1].split("on-chip budget:")[0]
+        emitted = [line.split()[1] for line in table.splitlines() if re.match(r"\s+\d+\. ", line)]
         section = text[text.index("generated kernel ("):]
         assert plan.kernel_name in section and f"{plan.launch.smem_bytes} B shared memory" in section
-        kinds = [line.split()[0] for line in section.split("kv loop body, in emission order:")[1].splitlines()[1:]
-                 if line.startswith("      ")]
-        assert kinds == [op.kind for op in plan.loop_body]
+        steps = re.findall(r"^ {8}(\S+)\s+-> (\S+)", section, re.M)
+        assert steps == [(op.node, op.kind) for _, body in plan.loop_bodies for op in body]
+        for loop, body in plan.loop_bodies:
+            positions = [emitted.index(op.node) for op in body]
+            assert positions == sorted(positions) and all(emitted.index(loop) < p for p in positions)
         assert all(note in section for note in plan.notes)
+        assert "merges its warps once" not in text and "differ" not in section
     from pathlib import Path
     from tiledsl.parse import load_spec
     spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "hopper_d128_causal.tile"))
@@ -142,7 +148,7 @@ def test_decode_auto_split_prints_the_count_and_why(write_spec):
     from tiledsl.lower_decode import decode_blocks_per_sm
     slots = 132 * decode_blocks_per_sm(lower(spec))                      # resident blocks, as the runtime
     assert m and int(m.group(1)) == slots // 8 and "one wave" in m.group(2)   # 8 blocks (2 x 4 kv heads)
-    assert "kernel merge" in text and "O_part[s" in text
+    assert "the last split's block to finish" in text and "O_part[s" in text   # merged in the same launch
     full = explain(spec, batch=64, heads=32, seqlen_kv=4096)          # 2048 blocks fill 132 SMs
     assert "split kv = auto: 1 splits (chosen for this shape)" in full and "already fill" in full
 

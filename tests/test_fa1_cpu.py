@@ -58,17 +58,17 @@ def test_plan_invariants(spec):
     assert plan.launch.threads == 32 * s.warps == c["THREADS"]
     assert plan.launch.smem_bytes == c["SMEM_BYTES"] <= SHARED_LIMIT
     assert c["M_TILES"] * 16 == c["ROWS_PER_WARP"]
-    assert c["S_TILES"] * 8 == c["BC"] and c["BC"] % 16 == 0
+    assert c["S_TILES"] * 8 == c["KEYS_PER_WARP"] and c["KEYS_PER_WARP"] % 16 == 0
     if plan.split_k:
-        assert c["TILE_KV"] == s.warps * c["BC"], "split-K: the warps' key slices tile the kv tile"
+        assert c["BC"] == s.warps * c["KEYS_PER_WARP"], "split-K: the warps' key slices tile the kv tile"
         assert c["ROW_PASSES"] * c["ROWS_PER_WARP"] == s.tile_q
         assert c["COMBINE_BYTES"] >= 4 * c["ROWS_PER_WARP"] * (c["COMBINE_ROW_FLOATS"] + s.warps + 2)
         assert c["COMBINE_ROW_FLOATS"] % 4 == 0 and c["COMBINE_ROW_FLOATS"] >= c["DV"]
     else:
-        assert c["BC"] == c["TILE_KV"] and c["ROW_PASSES"] == 1
+        assert c["KEYS_PER_WARP"] == c["BC"] and c["ROW_PASSES"] == 1
         assert s.warps * c["ROWS_PER_WARP"] == s.tile_q
     # O and S accumulators leave room for fragments and addresses (what ptxas needs without spills)
-    assert c["M_TILES"] * (c["DV"] + c["BC"]) // 2 <= 128 or not plan.split_k
+    assert c["M_TILES"] * (c["DV"] + c["KEYS_PER_WARP"]) // 2 <= 128 or not plan.split_k
     # shared-memory regions: aligned, in bounds, no overlap (O staging may reuse Q's rows)
     regions = [("Q", c["Q_OFFSET"], s.tile_q * c["QK_ROW_BYTES"]),
                ("K", c["K_OFFSET"], s.stages * c["K_STAGE_BYTES"]),

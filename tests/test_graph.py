@@ -7,6 +7,7 @@ import networkx as nx
 import pytest
 
 from tiledsl.graph import EdgeKind, GraphError, Op, OpKind, Role, ScheduleGraph, Space, build_graph
+from tiledsl.passes import emission_order
 from tiledsl.spec import AUTO, Axis, CopyVia, KernelSpec, LoopOrder, Mask, Problem, Schedule
 
 
@@ -41,10 +42,12 @@ def test_fa1_and_fa2_have_different_loop_nests():
     # FA1: kv outer, q inner; Q and the O/m/l state are moved at every (kv, q) step
     assert loops_of(g1, OpKind.LOAD_Q) == ("kv", "q")
     assert loops_of(g1, OpKind.LOAD_K) == ("kv",)
-    assert loops_of(g1, OpKind.LOAD_O_STATE) == ("kv", "q")
-    assert loops_of(g1, OpKind.STORE_O_STATE) == ("kv", "q")
+    # (inside the row passes of the q tile, as the kernel runs them)
+    assert loops_of(g1, OpKind.LOAD_O_STATE) == ("kv", "q", "rows")
+    assert loops_of(g1, OpKind.STORE_O_STATE) == ("kv", "q", "rows")
     assert not g1.has(OpKind.NORMALIZE_O) and not g1.has(OpKind.STORE_O)
-    assert g1.op("rescale_o").variant == "normalized"
+    # O is kept normalised between kv steps: in HBM, not on chip
+    assert g1.op("store_o_state").variant == "normalized" and g1.op("rescale_o").variant == "unnormalized"
     assert g1.op("loop_kv").init_space is Space.HBM
     # FA2: q outer, kv inner; O stays on chip and is divided by l once, after the kv loop
     assert loops_of(g2, OpKind.LOAD_Q) == ("q",)
@@ -70,7 +73,7 @@ def test_every_graph_is_a_dag_with_known_loops(spec):
         for loop in op.loops:
             assert g.op(loop).kind is OpKind.LOOP
         if op.kind is OpKind.LOOP:
-            assert op.var in ("q", "kv", "split")
+            assert op.var in ("q", "kv", "split", "rows")
     for _, _, data in g.edges():
         assert data["kind"] in (EdgeKind.DATA, EdgeKind.SYNC)
     # an op's enclosing loops are themselves nested in that order
@@ -99,18 +102,24 @@ def test_a_name_defined_twice_is_an_error():
         g.connect("x", "nowhere")
 
 
-def test_decode_split_has_split_loop_partials_and_a_merge_kernel():
+def test_decode_split_has_split_loop_partials_and_a_merge_in_the_same_launch():
     g = build_graph(decode(AUTO))
     assert loops_of(g, OpKind.MERGE_SPLITS) == ("q",)
-    assert g.op("loop_q_merge").kernel == "merge" and g.op("loop_q").kernel == "attention"
+    # the last split's block merges (an atomic ticket): no second kernel
+    assert [g.op(n).kernel for n in g.names(OpKind.LOOP) if g.op(n).kernel] == ["attention"]
+    assert emission_order(g).index("merge_splits") > emission_order(g).index("store_o_part")
     assert g.loop_vars("store_o_part") == ("q", "split")
     assert g.op("store_o_part").hbm[0].tensor == "O_part"
     assert g.op("store_lse_part").hbm[0].tensor == "lse_part"
     assert g.dag.has_edge("store_o_part", "merge_splits") and g.dag.has_edge("merge_splits", "store_o")
     assert {a.times for a in g.op("merge_splits").hbm} == {"splits"}
     assert g.loop_vars("mma_qk") == ("q", "split", "kv")
-    # warps along kv: per-warp partials merged on chip
-    assert g.has(OpKind.COMBINE_WARPS) and g.op("online_softmax").variant == "tile_local"
+    # warps along kv: each warp keeps a running state over its own key slices, and loads and waits
+    # for only that slice; the warps are merged on chip once, after the kv loop
+    assert g.has(OpKind.COMBINE_WARPS) and g.op("online_softmax").variant == "running"
+    assert g.loop_vars("combine_warps") == ("q", "split")
+    assert {g.op(n).scope for n in ("load_k", "load_v", "wait_k", "wait_v")} == {"warp"}
+    assert build_graph(fa1(warps=4, warp_axis=Axis.KV)).op("load_k").scope == "block"
 
 
 def test_decode_without_split_has_no_merge():

@@ -11,7 +11,7 @@ import os
 from .device_limits import H200, DeviceLimits
 from .graph import EdgeKind, OpKind, Role, ScheduleGraph, Space
 from .passes import emission_order, run_passes
-from .spec import AUTO, Family, KernelSpec, Mma
+from .spec import AUTO, Family, KernelSpec
 from .traffic import Traffic, hbm_traffic, traffic_by_tensor
 
 WIDTH = 92   # the source tags start at this column (or after the text, when it is longer)
@@ -135,7 +135,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask {p.mask.value}, "
-           f"tiles Br={s.tile_q} Bc={s.tile_kv}, {'wgmma' if s.mma is Mma.WGMMA or spec.family is Family.HOPPER else 'mma.sync'} tensor cores, "
+           f"tiles Br={s.tile_q} Bc={s.tile_kv}, {graph.op('mma_qk').mma} tensor cores, "
            f"target {limits.name} ({limits.arch})", ""]
     if t.splits is not None:
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
@@ -162,20 +162,22 @@ def _lowered(spec: KernelSpec):
 
 
 def generated_kernel_lines(plan, no_plan: str | None) -> list[str]:
-    """What the lowering made of the graph: the kv loop body the template emits, in order, and the
-    lowering's notes (buffers, resident blocks). The graph above is the algorithm; this is the
-    kernel (e.g. decode merges its warps once after the loop, and its warps pipeline on their own)."""
+    """The same schedule as the loop nest above, as the lowering spells it: each loop body's graph
+    ops in emission order and the CUDA steps each becomes (an op another step covers, such as V's
+    load issued with K's, becomes none), then the lowering's notes (buffers, resident blocks)."""
     if plan is None:
         return [f"generated kernel: none ({no_plan})"]
     lines = [f"generated kernel ({plan.template}): {plan.kernel_name}, {plan.launch.threads} threads, "
              f"{plan.launch.smem_bytes} B shared memory"]
     lines += ["    " + note for note in plan.notes]
-    lines.append("    kv loop body, in emission order:")
-    width = max((len(op.kind) for op in plan.loop_body), default=0)
-    for op in plan.loop_body:
-        detail = (f" (cp.async groups left in flight: {op.pending})" if op.kind.startswith("wait") else
-                  f" (tile j+{op.distance})" if op.kind.startswith("prefetch") else "")
-        lines.append(f"      {op.kind:<{width}}  {op.what}{detail}   [{op.where}]")
+    lines.append("    steps of each loop body, in the emission order above (graph op -> CUDA step):")
+    for loop, body in plan.loop_bodies:
+        lines.append(f"      {loop}:")
+        width = max((len(op.kind) for op in body), default=0)
+        for op in body:
+            detail = (f" (cp.async groups left in flight: {op.pending})" if op.kind.startswith("wait") else
+                      f" (tile j+{op.distance})" if op.kind.startswith("prefetch") else "")
+            lines.append(f"        {op.node:<18} -> {op.kind:<{width}}  {op.what}{detail}   [{op.where}]")
     return lines
 
 

@@ -22,7 +22,7 @@ from enum import Enum
 
 import networkx as nx
 
-from .spec import AUTO, Axis, Family, KernelSpec, Mask
+from .spec import AUTO, Axis, DType, Family, KernelSpec, Mask, Mma
 
 
 class OpKind(str, Enum):
@@ -84,10 +84,13 @@ class Op:
     role: Role = Role.ALL
     key: str = ""                      # the DSL setting whose span this op comes from
     text: str = ""                     # one line of pseudo-code (explain, generated comments)
-    variant: str = ""                  # running | tile_local | normalized | unnormalized | mask kind
+    variant: str = ""                  # running | normalized | unnormalized | mask kind
     hbm: tuple[Access, ...] = ()
     via: str = ""                      # copy mechanism of a load: cp.async | tma
     barrier: str = ""                  # arrive/wait: the barrier's name, e.g. "k_full"
+    scope: str = "block"               # loads and waits of K/V: "warp" when each warp moves only its key slice
+    mma: str = ""                      # mma_qk / mma_pv: the tensor-core instruction, "mma.sync" | "wgmma"
+    mma_shape: tuple[int, ...] = ()    # its (m, n, k)
     # loops only
     var: str = ""                      # the tile index: "q" | "kv" | "split"
     extent: str = ""                   # trip count, symbolic
@@ -226,6 +229,9 @@ class _Builder:
         self.specialized = g.spec.family is Family.HOPPER
         self.via = g.spec.schedule.copy.value
         self.groups = kv_groups(g.spec)
+        # Decode's warps each load, wait for and multiply only their own key slice of a tile
+        # (warp-level cp.async pipelines); FA1's split-K warps share the block's loads.
+        self.kv_scope = "warp" if g.spec.family is Family.DECODE and self.groups > 1 else "block"
 
     def role(self, producer: bool) -> Role:
         if not self.specialized:
@@ -235,6 +241,11 @@ class _Builder:
     def loop(self, name: str, loops: tuple[str, ...], var: str, extent: str, key: str, text: str, **kw) -> tuple[str, ...]:
         self.g.add(name, Op(OpKind.LOOP, loops=loops, var=var, extent=extent, key=key, text=text, **kw))
         return loops + (name,)
+
+    def barrier(self, name: str, loops: tuple[str, ...], key: str, text: str) -> str:
+        """A block-wide barrier that protects a buffer the previous trip still reads (no data moves)."""
+        self.g.add(name, Op(OpKind.WAIT, loops=loops, key=key, barrier=name.removeprefix("wait_"), text=text))
+        return name
 
     def load_q(self, loops: tuple[str, ...]) -> str:
         """Q tile -> shared memory; returns the node that makes it visible to the MMA."""
@@ -254,14 +265,15 @@ class _Builder:
     def load_kv(self, loops: tuple[str, ...]) -> None:
         """K and V tiles -> shared memory (with the producer's barriers when specialized)."""
         g = self.g
+        slice_text = f"   (each warp its own Bc/{self.groups} keys)" if self.kv_scope == "warp" else ""
         for t, kind, dim in (("k", OpKind.LOAD_K, "d"), ("v", OpKind.LOAD_V, "dv")):
             name = f"load_{t}"
             if self.specialized:
                 g.add(f"wait_{t}_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline",
                                             barrier=f"{t}_empty", text=f"wait {t}_empty (slot free)"))
             g.add(name, Op(kind, Space.SHARED, ("Bc", dim), loops, self.role(True), "pipeline",
-                           f"{t.upper()}_j = {t.upper()}[j*Bc : (j+1)*Bc] -> shared",
-                           hbm=(Access(t.upper(), "read", "kv", dim),), via=self.via))
+                           f"{t.upper()}_j = {t.upper()}[j*Bc : (j+1)*Bc] -> shared{slice_text}",
+                           hbm=(Access(t.upper(), "read", "kv", dim),), via=self.via, scope=self.kv_scope))
             if self.specialized:
                 g.add(f"arrive_{t}_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
                                              barrier=f"{t}_full", text=f"arrive {t}_full (TMA transaction bytes)"))
@@ -269,18 +281,21 @@ class _Builder:
                 g.connect(name, f"arrive_{t}_full", f"{t.upper()}_j", EdgeKind.SYNC)
 
     def wait_for(self, t: str, loops: tuple[str, ...]) -> str:
-        """The consumer's wait until the K or V tile has landed."""
+        """The consumer's wait until the K or V tile (t = "k" | "v") or both ("kv") has landed."""
         g = self.g
         if self.specialized:
             name = f"wait_{t}_full"
             g.add(name, Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
                            barrier=f"{t}_full", text=f"wait {t}_full"))
             g.connect(f"arrive_{t}_full", name, f"{t}_full", EdgeKind.SYNC)
-        else:
-            name = f"wait_{t}"
-            g.add(name, Op(OpKind.WAIT, loops=loops, key="pipeline", barrier=f"{t}_ready",
-                           text=f"wait until {t.upper()}_j has landed in shared memory"))
-            g.connect(f"load_{t}", name, f"{t.upper()}_j", EdgeKind.SYNC)
+            return name
+        name = f"wait_{t}"
+        tiles = " and ".join(f"{x.upper()}_j" for x in t)
+        whose = "the warp's slice of " if self.kv_scope == "warp" else ""
+        g.add(name, Op(OpKind.WAIT, loops=loops, key="pipeline", barrier=f"{t}_ready", scope=self.kv_scope,
+                       text=f"wait until {whose}{tiles} {'has' if len(t) == 1 else 'have'} landed in shared memory"))
+        for x in t:
+            g.connect(f"load_{x}", name, f"{x.upper()}_j", EdgeKind.SYNC)
         return name
 
     def release(self, t: str, after: str, loops: tuple[str, ...], loop: str) -> None:
@@ -293,62 +308,77 @@ class _Builder:
         self.g.connect(after, name, "", EdgeKind.SYNC)
         self.g.carry(loop, name, f"wait_{t}_empty", f"{t}_empty", EdgeKind.SYNC)
 
-    def tile_math(self, loops, wait_loops, q_ready: str, tile_local: bool, normalized: bool,
-                  state: str | None) -> dict[str, str]:
-        """S = QK^T, mask, online softmax, PV, rescale: one (q tile, kv tile) step.
+    def mma_instruction(self, n: int) -> dict:
+        """The tensor-core instruction of the two GEMMs, from the spec: warpgroup wgmma m64nNk16
+        (n = the GEMM's whole width) or warp-level mma.sync m16n8k16 (k8 for tf32)."""
+        s = self.spec.schedule
+        if self.specialized or s.mma is Mma.WGMMA:
+            return {"mma": Mma.WGMMA.value, "mma_shape": (64, n, 16)}
+        return {"mma": Mma.SYNC.value, "mma_shape": (16, 8, 8 if self.spec.problem.dtype is DType.FP32 else 16)}
+
+    def tile_math(self, loops, q_ready: str, waits: tuple[str, str] | None = None,
+                  state: str | None = None) -> dict[str, str]:
+        """One (q tile, kv tile) step: S = QK^T, mask, online softmax, PV, rescale O. The running
+        m, l, O are held per warp when warps split the keys (`groups` > 1; merged by combine_warps).
+        `waits`: the nodes that make K_j and V_j visible, when the caller made them (else made here).
+        `state`: FA1 only, the op that brings O, m, l in from HBM; it is made here, after the mask.
         Returns the node that last produced each of O, m, l."""
         g, spec, role = self.g, self.spec, self.role(False)
         kv_loop = next(l for l in loops if g.op(l).var == "kv")
-        wait_k = self.wait_for("k", wait_loops)
+        p = spec.problem
+        wait_k = waits[0] if waits else self.wait_for("k", loops)
+        where = f"   (per warp: its own Bc/{self.groups} keys)" if self.groups > 1 else ""
         g.add("mma_qk", Op(OpKind.MMA_QK, Space.REGISTERS, ("Br", "Bc"), loops, role, "tile",
-                           "S = scale * Q_i K_j^T"))
+                           "S = scale * Q_i K_j^T" + where, **self.mma_instruction(spec.schedule.tile_kv)))
         g.connect(q_ready, "mma_qk", "Q_i")
         g.connect("load_k", "mma_qk", "K_j")
         g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
         self.release("k", "mma_qk", loops, kv_loop)
         g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, "mask",
-                         _MASK_TEXT[spec.problem.mask], variant=spec.problem.mask.value))
+                         _MASK_TEXT[p.mask], variant=p.mask.value))
         g.connect("mma_qk", "mask", "S")
-        softmax_text = ("m~ = rowmax S; P = exp(S - m~); l~ = rowsum P   (tile-local)" if tile_local else
-                        "m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); "
-                        "l = alpha*l + rowsum P; m = m_new")
-        if self.groups > 1:
-            softmax_text += f"   (per warp: {self.groups} column slices of Bc/{self.groups})"
+        if state is not None:
+            state_text = "O_i, m_i, l_i <- HBM; O_i *= l_i   (a q tile's first kv tile starts empty)"
+            if self.groups > 1:
+                state_text += "; warp 0 carries it, the other warps start empty"
+            g.add(state, Op(OpKind.LOAD_O_STATE, Space.REGISTERS, ("Br", "dv"), loops, role, "order", state_text,
+                            hbm=(Access("O_state", "read", "q", "dv"), Access("m", "read", "q", "1"),
+                                 Access("l", "read", "q", "1"))))
         g.add("online_softmax", Op(OpKind.ONLINE_SOFTMAX, Space.REGISTERS, ("Br", "Bc"), loops, role, "order",
-                                   softmax_text, variant="tile_local" if tile_local else "running"))
+                                   "m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); "
+                                   "l = alpha*l + rowsum P; m = m_new" + where, variant="running"))
         g.connect("mask", "online_softmax", "S")
-        wait_v = self.wait_for("v", wait_loops)
-        g.add("mma_pv", Op(OpKind.MMA_PV, Space.REGISTERS, ("Br", "dv"), loops, role, "tile", "PV = P V_j"))
+        if state is not None:
+            g.connect(state, "online_softmax", "m, l")
+        wait_v = waits[1] if waits else self.wait_for("v", loops)
+        g.add("mma_pv", Op(OpKind.MMA_PV, Space.REGISTERS, ("Br", "dv"), loops, role, "tile", "PV = P V_j" + where,
+                           **self.mma_instruction(p.head_dim_v)))
         g.connect("online_softmax", "mma_pv", "P")
         g.connect("load_v", "mma_pv", "V_j")
         g.connect(wait_v, "mma_pv", "", EdgeKind.SYNC)
         self.release("v", "mma_pv", loops, kv_loop)
-        pv, stats = "mma_pv", "online_softmax"
-        if self.groups > 1:
-            g.add("combine_warps", Op(OpKind.COMBINE_WARPS, Space.SHARED, ("Br", "dv"), loops, role, "warps",
-                                      f"merge the {self.groups} warps' (m~, l~, PV) through shared memory"))
-            g.connect("mma_pv", "combine_warps", "PV per warp")
-            g.connect("online_softmax", "combine_warps", "m~, l~ per warp")
-            pv = stats = "combine_warps"
-        if normalized:
-            text = ("m_new = max(m, m~); l_new = exp(m - m_new)*l + exp(m~ - m_new)*l~; "
-                    "O = (l*exp(m - m_new)*O + exp(m~ - m_new)*PV) / l_new; m, l = m_new, l_new")
-        elif tile_local:
-            text = ("m_new = max(m, m~); alpha = exp(m - m_new); beta = exp(m~ - m_new); "
-                    "l = alpha*l + beta*l~; O = alpha*O + beta*PV; m = m_new")
-        else:
-            text = "O = alpha*O + PV"
-        g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order", text,
-                              variant="normalized" if normalized else "unnormalized"))
-        g.connect(pv, "rescale_o", "PV")
-        g.connect(stats, "rescale_o", "m~, l~" if tile_local else "alpha")
+        g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order",
+                              "O = alpha*O + PV" + where, variant="unnormalized"))
+        g.connect("mma_pv", "rescale_o", "PV")
+        g.connect("online_softmax", "rescale_o", "alpha")
         if state is not None:
-            g.connect(state, "rescale_o", "O, m, l")
-        if tile_local:
-            return {"O": "rescale_o", "m": "rescale_o", "l": "rescale_o"}
+            g.connect(state, "rescale_o", "O")
+            return {"O": "rescale_o", "m": "online_softmax", "l": "online_softmax"}
         g.carry(kv_loop, "online_softmax", "online_softmax", "m, l")
         g.carry(kv_loop, "rescale_o", "rescale_o", "O")
         return {"O": "rescale_o", "m": "online_softmax", "l": "online_softmax"}
+
+    def combine(self, loops: tuple[str, ...], produced: dict[str, str]) -> dict[str, str]:
+        """Split-K warps: merge the warps' (m, l, O) through shared memory (when they split keys)."""
+        if self.groups == 1:
+            return produced
+        g = self.g
+        g.add("combine_warps", Op(OpKind.COMBINE_WARPS, Space.SHARED, ("Br", "dv"), loops, self.role(False), "warps",
+                                  f"merge the {self.groups} warps' (m, l, O) through shared memory: m = max m_w, "
+                                  "l = sum exp(m_w - m) l_w, O = sum exp(m_w - m) O_w"))
+        for src in sorted(set(produced.values()), key=g.seq):
+            g.connect(src, "combine_warps", ", ".join(v for v in ("O", "m", "l") if produced[v] == src) + " per warp")
+        return {"O": "combine_warps", "m": "combine_warps", "l": "combine_warps"}
 
     def epilogue(self, loops: tuple[str, ...], produced: dict[str, str], split: bool) -> None:
         """O / l and lse = m + log l, then the stores (partials when the kv axis is split)."""
@@ -378,57 +408,77 @@ _MASK_TEXT = {
 
 
 def _build_q_outer(g: ScheduleGraph) -> None:
-    """FA2 order (also Hopper and decode): one block per q tile (and split), kv tiles streamed."""
+    """FA2 order (also Hopper and decode): one block per q tile (and split), kv tiles streamed.
+    Split-K warps (decode) keep their own running state over their key slices of every tile and
+    are merged once, after the kv loop. With split kv, the last split's block of each q tile to
+    finish merges the splits' partials (an atomic ticket), in the same launch."""
     b = _Builder(g)
     split = has_split_loop(g.spec)
     loops = b.loop("loop_q", (), "q", "ceil(Nq/Br)", "order", "for i in q tiles (one block each)",
                    grid=True, kernel="attention")
+    q_loops = loops
     if split:
         splits = "auto" if g.spec.schedule.split_kv == AUTO else str(g.spec.schedule.split_kv)
         loops = b.loop("loop_split", loops, "split", "splits", "split",
                        f"for s in splits ({splits}; one block each; balanced ranges of kv tiles)", grid=True)
     q_ready = b.load_q(loops)
+    init = (("m", "-inf"), ("l", "0"), ("O", "0"))
     kv_loops = b.loop("loop_kv", loops, "kv", "ceil(Nk/Bc)" + (" / splits" if split else ""), "order",
                       "for j in kv tiles" + (" of split s" if split else "") + " (serial; tiles no query sees are skipped)",
-                      init=(("m", "-inf"), ("l", "0"), ("O", "0")), init_space=Space.REGISTERS)
+                      init=init, init_space=Space.REGISTERS)
     b.load_kv(kv_loops)
-    produced = b.tile_math(kv_loops, kv_loops, q_ready, tile_local=b.groups > 1, normalized=False, state=None)
+    produced = b.tile_math(kv_loops, q_ready)
+    produced = b.combine(loops, produced)
     b.epilogue(loops, produced, split)
     if not split:
         return
-    merge_loops = b.loop("loop_q_merge", (), "q", "ceil(Nq/Br)", "split",
-                         "for i in q tiles (merge kernel, one block each)", grid=True, kernel="merge")
-    g.add("merge_splits", Op(OpKind.MERGE_SPLITS, Space.REGISTERS, ("Br", "dv"), merge_loops, Role.ALL, "split",
-                             "lse = log sum_s exp(lse_s); O = sum_s exp(lse_s - lse) * O_s   (-inf partials weigh 0)",
+    g.add("merge_splits", Op(OpKind.MERGE_SPLITS, Space.REGISTERS, ("Br", "dv"), q_loops, Role.ALL, "split",
+                             "the last split's block to finish (atomic ticket): lse = log sum_s exp(lse_s); "
+                             "O = sum_s exp(lse_s - lse) * O_s   (-inf partials weigh 0)",
                              hbm=(Access("O_part", "read", "q", "dv", "splits"),
                                   Access("lse_part", "read", "q", "1", "splits"))))
     g.connect("store_o_part", "merge_splits", "O_part")
     g.connect("store_lse_part", "merge_splits", "lse_part")
-    g.add("store_o", Op(OpKind.STORE_O, Space.HBM, ("Br", "dv"), merge_loops, Role.ALL, "tile",
+    g.add("store_o", Op(OpKind.STORE_O, Space.HBM, ("Br", "dv"), q_loops, Role.ALL, "tile",
                         "O[i*Br : (i+1)*Br] = O", hbm=(Access("O", "write", "q", "dv"),)))
-    g.add("store_lse", Op(OpKind.STORE_LSE, Space.HBM, ("Br",), merge_loops, Role.ALL, "order",
+    g.add("store_lse", Op(OpKind.STORE_LSE, Space.HBM, ("Br",), q_loops, Role.ALL, "order",
                           "lse[i*Br : (i+1)*Br] = lse", hbm=(Access("lse", "write", "q", "1"),)))
     g.connect("merge_splits", "store_o", "O")
     g.connect("merge_splits", "store_lse", "lse")
 
 
 def _build_kv_outer(g: ScheduleGraph) -> None:
-    """FA1 order: kv tiles outer, q tiles inner. The running O (kept normalised), m and l live in
-    HBM and make a round trip at every kv step; the kernel returns O, m, l (lse = m + log l)."""
+    """FA1 order: kv tiles outer, q tiles inner. The running O (kept normalised in HBM), m and l
+    make a round trip at every kv step; the kernel returns O, m, l (lse = m + log l). K_j and V_j
+    are one cp.async group, waited for once. The q tile's rows go in passes (split-K warps hold a
+    partial O of every row of a pass, so a pass holds as many rows as fit their registers)."""
     b = _Builder(g)
     kv_loops = b.loop("loop_kv", (), "kv", "ceil(Nk/Bc)", "order", "for j in kv tiles (serial, one block per head)",
                       kernel="attention", init=(("O_state", "0"), ("m", "-inf"), ("l", "0")), init_space=Space.HBM)
     b.load_kv(kv_loops)
+    wait_kv = b.wait_for("kv", kv_loops)
     loops = b.loop("loop_q", kv_loops, "q", "ceil(Nq/Br)", "order",
                    "for i in q tiles (serial; tiles that see no key of K_j are skipped)")
+    free = b.barrier("wait_q_free", loops, "order", "every warp is done with the previous q tile's Q and O staging")
     q_ready = b.load_q(loops)
-    state = "load_o_state"
-    g.add(state, Op(OpKind.LOAD_O_STATE, Space.REGISTERS, ("Br", "dv"), loops, b.role(False), "order",
-                    "O_i, m_i, l_i <- HBM", hbm=(Access("O_state", "read", "q", "dv"), Access("m", "read", "q", "1"),
-                                                 Access("l", "read", "q", "1"))))
-    produced = b.tile_math(loops, kv_loops, q_ready, tile_local=True, normalized=True, state=state)
-    g.add("store_o_state", Op(OpKind.STORE_O_STATE, Space.HBM, ("Br", "dv"), loops, b.role(False), "order",
-                              "HBM <- O_i, m_i, l_i", hbm=(Access("O_state", "write", "q", "dv"),
-                                                           Access("m", "write", "q", "1"),
-                                                           Access("l", "write", "q", "1"))))
-    g.connect(produced["O"], "store_o_state", "O, m, l")
+    g.connect(free, "load_q", "", EdgeKind.SYNC)
+    pass_loops = b.loop("loop_rows", loops, "rows", "ceil(Br/rows per pass)", "warps",
+                        "for each pass over the q tile's rows" + (" (split-K: all warps on the same rows)"
+                                                                 if b.groups > 1 else " (split-Q: one pass, each warp its own rows)"))
+    scratch = b.barrier("wait_scratch_free", pass_loops, "warps",
+                        "the previous pass's combine scratch has been stored") if b.groups > 1 else None
+    produced = b.tile_math(pass_loops, q_ready, waits=(wait_kv, wait_kv), state="load_o_state")
+    produced = b.combine(pass_loops, produced)
+    if scratch:
+        g.connect(scratch, "combine_warps", "", EdgeKind.SYNC)
+    g.add("store_o_state", Op(OpKind.STORE_O_STATE, Space.HBM, ("Br", "dv"), pass_loops, b.role(False), "order",
+                              "HBM <- O_i, m_i, l_i   (O_i / l_i, kept normalised; on the q tile's last kv tile "
+                              "O / l and lse = m + log l go straight to the output)", variant="normalized",
+                              hbm=(Access("O_state", "write", "q", "dv"), Access("m", "write", "q", "1"),
+                                   Access("l", "write", "q", "1"))))
+    for value in ("O", "m", "l"):
+        if not g.dag.has_edge(produced[value], "store_o_state"):
+            g.connect(produced[value], "store_o_state", value)
+    g.carry("loop_q", "store_o_state", "wait_q_free", "Q and O staging free", EdgeKind.SYNC)
+    if scratch:
+        g.carry("loop_rows", "store_o_state", scratch, "combine scratch free", EdgeKind.SYNC)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
+from .graph import Op, ScheduleGraph, build_graph
 from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
@@ -43,6 +44,9 @@ class LoopOp:
     what: str
     pending: int = 0          # wait_*: cp.async groups allowed to stay in flight
     distance: int = 0         # prefetch_kv: how many tiles ahead
+    node: str = ""            # the scheduler-graph op this step lowers
+    tile: str = ""            # prefetch_*: the kv tile it loads and the ring slot it fills (CUDA expressions)
+    stage: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,17 @@ class KernelPlan:
     launch: Launch
     register_estimate: int
     notes: tuple[str, ...] = field(default=())
-    wgmma_n_qk: int = 0       # fa2 on wgmma: n of the S = Q K^T instruction (the kv tile)
-    wgmma_n_pv: int = 0       # fa2 on wgmma: n of the O += P V instruction (head dim of v)
+    mma: str = "mma.sync"     # the graph's MMA instruction: "mma.sync" | "wgmma"
+    wgmma_qk: object = None   # wgmma only: lower_wgmma.WgmmaAsm of S = Q K^T (its n = the kv tile)
+    wgmma_pv: object = None   # wgmma only: lower_wgmma.WgmmaAsm of O += P V (its n = head dim of v)
     kv_load_scope: str = "block"   # "warp": each warp loads (and waits for) only its key slice of a kv tile
+    kv_groups_per_tile: int = 2    # cp.async groups per K/V tile: 2 (K, then V: QK^T starts before V lands) | 1
+
+
+    @property
+    def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:
+        """(graph loop, the CUDA steps of its body), outer loop first."""
+        return (("loop_kv", self.loop_body),)
 
 
 def _align(n: int) -> int:
@@ -158,6 +170,31 @@ def kv_buffer_constants(stages: int, q_offset: int, k_offset: int, k_stage: int,
     ]
 
 
+def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, ...]:
+    """The ops directly inside `loop`, in the graph's emission order, each lowered by
+    `lower_op(name, op) -> [LoopOp, ...]` (nothing for ops a neighbour's CUDA covers, and for
+    nested loops, which the template opens itself). Every LoopOp records the node it lowers."""
+    body: list[LoopOp] = []
+    for name in emission_order(graph):
+        op = graph.op(name)
+        if op.loops and op.loops[-1] == loop:
+            body += [replace(step, node=name, **_prefetch_target(step)) for step in lower_op(name, op)]
+    return tuple(body)
+
+
+def _prefetch_target(step: LoopOp) -> dict:
+    """A prefetch's tile and ring slot, `distance` tiles ahead of the loop's `tile` and `stage`."""
+    if not step.kind.startswith("prefetch"):
+        return {}
+    return {"tile": f"tile + {step.distance}", "stage": f"(stage + {step.distance}) % C::STAGES"}
+
+
+def mma_instruction(spec: KernelSpec) -> tuple[Op, Op]:
+    """The graph's two MMA ops (mma_qk, mma_pv), which carry the tensor-core instruction."""
+    graph = build_graph(spec)
+    return graph.op("mma_qk"), graph.op("mma_pv")
+
+
 def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     """The kv loop of FA2, in the scheduler graph's emission order (passes.emission_order).
 
@@ -165,36 +202,32 @@ def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
     pipeline depth: with 2+ stages tile j+S-1 is prefetched right after K_j has landed (into the
     buffer freed last step); with one stage the tile is loaded at the top of its own step. K and V
     are separate cp.async groups, so QK^T starts before V has landed."""
-    graph = run_passes(spec)
-    body: list[LoopOp] = []
-    for name in emission_order(graph):
-        op = graph.op(name)
-        if not op.loops or op.loops[-1] != "loop_kv":
-            continue
+    def lower_op(name: str, op: Op) -> list[LoopOp]:
         where = _where(spec, op.key or "order")
         kind = op.kind.value
         if kind == "load_k":
-            if stages == 1:
-                body += [LoopOp("barrier", where, "one stage: every warp is done with the buffer before it is refilled"),
-                         LoopOp("prefetch_kv", where, "load K_j, V_j", distance=0)]
-        elif kind == "load_v":
-            continue   # issued with K (own cp.async group) by prefetch_kv
-        elif kind == "wait":
-            if op.barrier.startswith("k"):
-                body.append(LoopOp("wait_k", where, "wait for K_j (V_j and later tiles may still be in flight)",
-                                   pending=1 if stages == 1 else 2 * stages - 3))
-                if stages > 1:
-                    body.append(LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
-                                       distance=stages - 1))
-            else:
-                body.append(LoopOp("wait_v", where, "wait for V_j", pending=0 if stages == 1 else 2 * stages - 2))
-        elif kind in ("mma_qk", "mask", "online_softmax", "mma_pv"):
-            body.append(LoopOp(kind, where, op.text or LOOP_TEXT[kind]))
-        elif kind == "rescale_o":
-            continue   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
-        else:
-            raise AssertionError(f"fa2 lowering has no CUDA for graph op {name} ({kind})")
-    return tuple(body)
+            if stages > 1:
+                return []
+            return [LoopOp("barrier", where, "one stage: every warp is done with the buffer before it is refilled"),
+                    LoopOp("prefetch_kv", where, "load K_j, V_j", distance=0)]
+        if kind == "load_v":
+            return []   # issued with K (own cp.async group) by prefetch_kv
+        if kind == "wait" and op.barrier.startswith("k"):
+            steps = [LoopOp("wait_k", where, "wait for K_j (V_j and later tiles may still be in flight)",
+                            pending=1 if stages == 1 else 2 * stages - 3)]
+            if stages > 1:
+                steps.append(LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
+                                    distance=stages - 1))
+            return steps
+        if kind == "wait":
+            return [LoopOp("wait_v", where, "wait for V_j", pending=0 if stages == 1 else 2 * stages - 2)]
+        if kind in ("mma_qk", "mask", "online_softmax", "mma_pv"):
+            return [LoopOp(kind, where, op.text or LOOP_TEXT[kind])]
+        if kind == "rescale_o":
+            return []   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        raise AssertionError(f"fa2 lowering has no CUDA for graph op {name} ({kind})")
+
+    return graph_loop_body(run_passes(spec), "loop_kv", lower_op)
 
 
 LOOP_TEXT = {

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
 from .errors import SpecError
+from dataclasses import replace
+
+from .graph import Op, build_graph
 from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
-                    kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
+                    graph_loop_body, kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes,
+                    tile_row_constants)
+from .passes import run_passes
 from .spec import DType, Family, KernelSpec
 
 COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
@@ -24,55 +29,68 @@ REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpa
 
 
 def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
-    """The kv loop of one split, in emission order, run by each warp on its own key slice of every
-    tile: the warp loads the slice it multiplies, so waits and buffer reuse are per warp (a warp
-    barrier, no block barrier). K and V are separate cp.async groups (QK^T starts before V lands).
+    """The kv loop of one split, in the scheduler graph's emission order. Each warp runs it on its
+    own key slice of every tile (the graph's warp-scope loads and waits): it loads the slice it
+    multiplies, so waits and buffer reuse are per warp (a warp barrier, no block barrier), and keeps
+    its own running softmax state, merged with the other warps' once after the loop (the graph's
+    combine_warps). K and V are separate cp.async groups (QK^T starts before V lands).
 
-    With 2+ stages the warp refills the buffer it finished last step with tile j+S-1 before it
-    waits for tile j (`prefetch_first`), so S tiles are in flight while it waits, not S-1; waiting
-    first (the order a block-wide barrier forces) holds the refill back until tile j has landed.
+    Lowering places the loads by the pipeline depth. One stage: one buffer each for K and V,
+    refilled as soon as the warp has read it (the refill of K follows QK^T, of V follows PV), so
+    K_{j+1} loads during the softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T. With 2+ stages
+    the warp refills the buffer it finished last step with tile j+S-1 before it waits for tile j
+    (`prefetch_first`), so S tiles are in flight while it waits, not S-1; waiting first (the order
+    a block-wide barrier forces) holds the refill back until tile j has landed."""
+    graph = run_passes(_with_stages(spec, stages), check_legality=False)   # the order, for any variant
 
-    The scheduler graph merges the warps' states after every kv step (`combine_warps` inside the
-    loop); here each warp keeps a running online-softmax state over its own key slices of every
-    tile and the warps are merged once, after the loop. Both are the same exact merge formula;
-    merging once saves a shared-memory round trip and two barriers per tile."""
-    pipe, tile, mask, order = (_where(spec, key) for key in ("pipeline", "tile", "mask", "order"))
-    if stages == 1:
-        # One buffer each for K and V, refilled as soon as it is read: K_{j+1} loads during the
-        # softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T (K and V staggered by half a step).
-        return (
-            LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j may still be in flight)", pending=1),
-            LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
-            LoopOp("barrier", pipe, "the warp is done with its slice of K_j"),
-            LoopOp("prefetch_k", pipe, "refill the K buffer with the warp's slice of K_{j+1}", distance=1),
-            LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
-            LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
-            LoopOp("wait_v", pipe, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)", pending=1),
-            LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
-            LoopOp("barrier", pipe, "the warp is done with its slice of V_j"),
-            LoopOp("prefetch_v", pipe, "refill the V buffer with the warp's slice of V_{j+1}", distance=1),
-        )
-    if prefetch_first:
-        # Groups in flight after the refill: V_j, then K, V of tiles j+1 .. j+S-1.
-        head = [LoopOp("barrier", pipe, "the warp is done with its slice of the buffer of tile j-1"),
-                LoopOp("prefetch_kv", pipe, f"refill it with the warp's slice of K, V of tile j+{stages - 1}, "
-                       "before waiting for tile j", distance=stages - 1),
-                LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
-                       pending=2 * stages - 1)]
-        wait_v = 2 * stages - 2
-    else:
-        head = [LoopOp("wait_k", pipe, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
-                       pending=2 * stages - 3),
-                LoopOp("prefetch_kv", pipe, f"prefetch the warp's slice of K, V of tile j+{stages - 1} into the buffer "
-                       "it freed last step", distance=stages - 1)]
-        wait_v = 2 * stages - 2
-    return tuple(head + [
-        LoopOp("mma_qk", tile, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)"),
-        LoopOp("mask", mask, "mask keys past the sequence / after the query's diagonal / outside the window"),
-        LoopOp("online_softmax", order, LOOP_TEXT["online_softmax"] + " (per warp)"),
-        LoopOp("wait_v", pipe, "wait for the warp's slice of V_j", pending=wait_v),
-        LoopOp("mma_pv", tile, LOOP_TEXT["mma_pv"]),
-    ])
+    def lower_op(name: str, op: Op) -> list[LoopOp]:
+        where = _where(spec, op.key or "order")
+        kind = op.kind.value
+        if kind in ("load_k", "load_v"):
+            if kind == "load_v" or stages == 1 or not prefetch_first:
+                return []   # V goes with K; one stage refills after the MMA; wait-first prefetches after the wait
+            return [LoopOp("barrier", where, "the warp is done with its slice of the buffer of tile j-1"),
+                    LoopOp("prefetch_kv", where, f"refill it with the warp's slice of K, V of tile j+{stages - 1}, "
+                           "before waiting for tile j", distance=stages - 1)]
+        if kind == "wait" and op.barrier.startswith("k"):
+            if stages == 1:
+                return [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j may still be in flight)", pending=1)]
+            steps = [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
+                            pending=2 * stages - 1 if prefetch_first else 2 * stages - 3)]
+            if not prefetch_first:
+                steps.append(LoopOp("prefetch_kv", where, f"prefetch the warp's slice of K, V of tile j+{stages - 1} "
+                                    "into the buffer it freed last step", distance=stages - 1))
+            return steps
+        if kind == "wait":
+            if stages == 1:
+                return [LoopOp("wait_v", where, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)", pending=1)]
+            return [LoopOp("wait_v", where, "wait for the warp's slice of V_j", pending=2 * stages - 2)]
+        if kind == "mma_qk":
+            step = LoopOp("mma_qk", where, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)")
+            return [step] + _refill("k", _where(spec, "pipeline")) if stages == 1 else [step]
+        if kind == "mask":
+            return [LoopOp("mask", where, "mask keys past the sequence / after the query's diagonal / outside the window")]
+        if kind == "online_softmax":
+            return [LoopOp("online_softmax", where, LOOP_TEXT["online_softmax"] + " (per warp)")]
+        if kind == "mma_pv":
+            step = LoopOp("mma_pv", where, LOOP_TEXT["mma_pv"])
+            return [step] + _refill("v", _where(spec, "pipeline")) if stages == 1 else [step]
+        if kind == "rescale_o":
+            return []   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        raise AssertionError(f"decode lowering has no CUDA for graph op {name} ({kind})")
+
+    return graph_loop_body(graph, "loop_kv", lower_op)
+
+
+def _refill(t: str, where: str) -> list[LoopOp]:
+    """One stage: the warp has read its slice of the K or V buffer; refill it with tile j+1."""
+    tile = t.upper()
+    return [LoopOp("barrier", where, f"the warp is done with its slice of {tile}_j"),
+            LoopOp(f"prefetch_{t}", where, f"refill the {tile} buffer with the warp's slice of {tile}_{{j+1}}", distance=1)]
+
+
+def _with_stages(spec: KernelSpec, stages: int) -> KernelSpec:
+    return replace(spec, schedule=replace(spec.schedule, stages=stages))
 
 
 def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None,
@@ -179,7 +197,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         name += "__wait_first"
     return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope="warp")
+                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope)
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:

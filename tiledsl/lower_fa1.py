@@ -9,7 +9,7 @@ query tile's last kv tile the output is written in the input dtype with LSE = sc
 Two warp splits:
   warps along q  (split-Q): each warp owns ROWS_PER_WARP rows of the q tile and all keys of K_j;
                  its state round-trips to HBM straight from the mma accumulators.
-  warps along kv (split-K): each warp takes TILE_KV / WARPS keys of K_j for all rows of the q tile;
+  warps along kv (split-K): each warp takes KEYS_PER_WARP = BC / WARPS keys of K_j for all rows of the q tile;
                  the partial (m, l, O) of the warps are combined through shared memory
                  (combine.cuh: combine_warp_states) and the block stores the rows from there.
 
@@ -20,8 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
+from .graph import Op, OpKind
 from .lower import (REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
-                    kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes, tile_row_constants)
+                    graph_loop_body, kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes,
+                    tile_row_constants)
+from .passes import run_passes
 from .spec import Axis, DType, Family, KernelSpec
 
 SHARED_LIMIT = H200.max_shared_per_block   # sm_90 opt-in shared memory per block (227 KB)
@@ -40,47 +43,65 @@ class Fa1Plan(KernelPlan):
     pass_body: tuple[LoopOp, ...] = ()
     split_k: bool = False
 
-
-def fa1_kv_step(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
-    """The head of the outer (kv) loop: make K_j, V_j resident. With 2+ stages tile j+S-1 is
-    prefetched into the buffer freed by tile j-1 and overlaps the whole q loop of tile j."""
-    pipe = _where(spec, "pipeline")
-    if stages == 1:
-        return (LoopOp("barrier", pipe, "one stage: every warp is done with K, V before they are refilled"),
-                LoopOp("prefetch_kv", pipe, "load K_j, V_j", distance=0),
-                LoopOp("wait_kv", pipe, "wait for K_j, V_j", pending=0))
-    return (LoopOp("wait_kv", pipe, f"wait for K_j, V_j (up to {stages - 2} later tiles stay in flight)", pending=stages - 2),
-            LoopOp("prefetch_kv", pipe, f"prefetch K, V of tile j+{stages - 1} into the buffer tile j-1 used",
-                   distance=stages - 1))
+    @property
+    def loop_bodies(self):
+        return (("loop_kv", self.kv_step), ("loop_q", self.loop_body), ("loop_rows", self.pass_body))
 
 
-def fa1_loop_body(spec: KernelSpec, split_k: bool) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ...]]:
-    """The inner (q) loop of FA1 in emission order, the paper's Algorithm 1 lines 8-13: the ops run
-    once per q tile, and the ops of each row pass (split-K walks the tile's rows in passes; split-Q
-    makes one pass, each warp over its own rows)."""
-    order, tile, mask = _where(spec, "order"), _where(spec, "tile"), _where(spec, "mask")
-    warps = _where(spec, "warps")
-    per_tile = (
-        LoopOp("barrier", order, "every warp is done with the previous q tile's Q and O staging"),
-        LoopOp("load_q", tile, "Q_i -> shared memory (rows past q_len read as zero)"),
-    )
-    per_pass = [LoopOp("barrier", warps, "the previous pass's combine scratch has been stored")] if split_k else []
-    per_pass += [
-        LoopOp("mma_qk", tile, "S = Q_i K_j^T" + (" over this warp's keys" if split_k else "")
-               + " (mma.sync m16n8k16, fp32 accumulate)"),
-        LoopOp("mask", mask, "mask keys outside the sequence / diagonal / window (only tiles that need it)"),
-        LoopOp("load_state", order,
-               "O_i (fp32, normalised), m_i, l_i <- HBM; O_i *= l_i (first visit: O = 0, m = -inf, l = 0)"
-               + ("; warp 0 carries the old state, the others start empty" if split_k else "")),
-        LoopOp("online_softmax", order, "m_new = max(m, rowmax S); P = exp(scale (S - m_new)); l, O *= exp(scale (m - m_new))"),
-        LoopOp("mma_pv", tile, "O += P V_j (P from registers, V via ldmatrix.trans)"),
-    ]
-    if split_k:
-        per_pass.append(LoopOp("combine", warps, "split-K: combine the warps' partial (m, l, O) through shared memory"))
-    per_pass.append(LoopOp("store_state", order,
-                           "last kv tile of Q_i: O / l -> out (input dtype), LSE = scale m + log l; "
-                           "else O / l, m, l -> HBM"))
-    return per_tile, tuple(per_pass)
+def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], ...]:
+    """FA1's three loop bodies in the scheduler graph's emission order: the kv step (make K_j, V_j
+    resident), the q loop (Q_i in) and the row pass (the paper's Algorithm 1 lines 8-13).
+
+    K_j and V_j are one cp.async group, waited for once. With 2+ stages tile j+S-1 is prefetched
+    right after tile j has landed, into the buffer tile j-1 used, and overlaps the whole q loop of
+    tile j; with one stage the tile is loaded at the top of its own step."""
+    graph = run_passes(spec, check_legality=False)   # lower_fa1 checks what its template needs
+    split_k = graph.has(OpKind.COMBINE_WARPS)
+
+    def lower_op(name: str, op: Op) -> list[LoopOp]:
+        where = _where(spec, op.key or "order")
+        kind = op.kind.value
+        if kind == "loop" or kind == "load_v" or kind == "rescale_o":
+            # nested loops are the template's; V is issued with K; O is rescaled inside online_softmax
+            return []
+        if kind == "load_k":
+            if stages > 1:
+                return []
+            return [LoopOp("barrier", where, "one stage: every warp is done with K, V before they are refilled"),
+                    LoopOp("prefetch_kv", where, "load K_j, V_j", distance=0)]
+        if kind == "wait" and op.barrier == "kv_ready":
+            if stages == 1:
+                return [LoopOp("wait_kv", where, "wait for K_j, V_j", pending=0)]
+            return [LoopOp("wait_kv", where, f"wait for K_j, V_j (up to {stages - 2} later tiles stay in flight)",
+                           pending=stages - 2),
+                    LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer tile j-1 used",
+                           distance=stages - 1)]
+        if kind == "wait":   # q_free, scratch_free: a buffer the previous trip still reads
+            return [LoopOp("barrier", where, op.text.removesuffix(" (__syncthreads)"))]
+        if kind == "load_q":
+            return [LoopOp("load_q", where, "Q_i -> shared memory (rows past q_len read as zero)")]
+        if kind == "mma_qk":
+            return [LoopOp("mma_qk", where, "S = Q_i K_j^T" + (" over this warp's keys" if split_k else "")
+                           + " (mma.sync m16n8k16, fp32 accumulate)")]
+        if kind == "mask":
+            return [LoopOp("mask", where, "mask keys outside the sequence / diagonal / window (only tiles that need it)")]
+        if kind == "load_o_state":
+            return [LoopOp("load_state", where,
+                           "O_i (fp32, normalised), m_i, l_i <- HBM; O_i *= l_i (first visit: O = 0, m = -inf, l = 0)"
+                           + ("; warp 0 carries the old state, the others start empty" if split_k else ""))]
+        if kind == "online_softmax":
+            return [LoopOp("online_softmax", where,
+                           "m_new = max(m, rowmax S); P = exp(scale (S - m_new)); l, O *= exp(scale (m - m_new))")]
+        if kind == "mma_pv":
+            return [LoopOp("mma_pv", where, "O += P V_j (P from registers, V via ldmatrix.trans)")]
+        if kind == "combine_warps":
+            return [LoopOp("combine", where, "split-K: combine the warps' partial (m, l, O) through shared memory")]
+        if kind == "store_o_state":
+            return [LoopOp("store_state", where, "last kv tile of Q_i: O / l -> out (input dtype), LSE = scale m + log l; "
+                           "else O / l, m, l -> HBM")]
+        raise AssertionError(f"fa1 lowering has no CUDA for graph op {name} ({kind})")
+
+    return tuple(graph_loop_body(graph, loop, lower_op) for loop in ("loop_kv", "loop_q", "loop_rows"))
 
 
 def rows_per_pass(spec: KernelSpec) -> int:
@@ -160,8 +181,8 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per q tile (tile q)"),
-        Constant("TILE_KV", "int", s.tile_kv, "keys per kv tile (tile kv)"),
-        Constant("BC", "int", keys_per_warp, "keys of a kv tile one warp multiplies (tile kv / warps when split along kv)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("KEYS_PER_WARP", "int", keys_per_warp, "keys of a kv tile one warp multiplies (tile kv / warps when split along kv)"),
         Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("WARPS", "int", s.warps, f"warps, split along {s.warp_axis.value}"),
@@ -185,7 +206,7 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
         *softmax_constants(p),
     ]
     order = _where(spec, "order")
-    per_tile, per_pass = fa1_loop_body(spec, split_k)
+    kv_step, per_tile, per_pass = fa1_loop_bodies(spec, s.stages)
     regions = {
         "kv_range": Region(_where(spec, "mask"), "the kv tiles each q tile can see; tiles no q tile sees are never loaded"),
         "empty_rows": Region(_where(spec, "mask"), "q tiles that see no key at all: O = 0, LSE = -inf"),
@@ -199,4 +220,5 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
              "allocated by the runtime per call, never initialised (a q tile's first kv tile starts from empty)",)
     return make_plan(spec, Family.FA1, consts, regions, per_tile,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
-                     plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=fa1_kv_step(spec, s.stages), split_k=split_k)
+                     plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,
+                     kv_groups_per_tile=1)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
-from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan,
+from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan, mma_instruction,
                     softmax_constants)
+from .lower_wgmma import WgmmaAsm
 from .spec import DType, Family, KernelSpec
 
 WARPGROUP_THREADS = 128
@@ -170,6 +171,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         *softmax_constants(p),
     ]
     prologue, body, epilogue = consumer_ops(spec)
+    mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
         "producer": Region(_where(spec, "warpgroups"), f"producer warpgroup: {s.producer_regs} registers, one thread issues TMA copies"),
@@ -182,6 +184,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
     }
     return make_plan(spec, Family.HOPPER, consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
-                     plan_class=HopperPlan, wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v, pingpong=s.pingpong, o_in_q=o_in_q,
+                     plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5),
+                     pingpong=s.pingpong, o_in_q=o_in_q,
                      loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)
 

@@ -11,9 +11,12 @@ Sizes are derived here; the template only names them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .device_limits import H200
+from .graph import Op
 from .lower import (Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, kv_buffer_constants, make_plan,
-                    softmax_constants, tile_row_bytes)
+                    mma_instruction, softmax_constants, tile_row_bytes)
 from .spec import DType, Family, KernelSpec
 
 WARPGROUP_WARPS = 4
@@ -21,6 +24,22 @@ WGMMA_ROWS = 64           # rows of one warpgroup's m64 wgmma
 PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel
 SWIZZLE_ATOM = 1024       # bytes of 8 swizzled 128-byte rows: panels start on this alignment
 REGISTER_OVERHEAD = 40
+
+
+@dataclass(frozen=True)
+class WgmmaAsm:
+    """One wgmma m64nNk16 as inline asm: a thread's fp32 accumulators are operands %0 .. %(N/2 - 1)
+    (64 x N over 128 threads), the remaining operands follow them in `after`."""
+    n: int
+    registers: int                    # accumulator registers per thread
+    accumulators: tuple[int, ...]     # their operand numbers
+    after: tuple[int, ...]            # qk: desc_a, desc_b, the accumulate flag; pv: A's 4 registers, desc_b
+
+    @classmethod
+    def of(cls, op: Op, operands_after: int) -> "WgmmaAsm":
+        _, n, _ = op.mma_shape
+        registers = 64 * n // 128
+        return cls(n, registers, tuple(range(registers)), tuple(range(registers, registers + operands_after)))
 
 
 def _align_atom(n: int) -> int:
@@ -40,6 +59,7 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
     _require(s.tile_kv % 16 == 0 and 16 <= s.tile_kv <= 256 and p.head_dim_v <= 256, spec, "tile",
              f"wgmma n must be a multiple of 16 up to 256: tile kv = {s.tile_kv}, head dim v = {p.head_dim_v}")
     warpgroups = s.warps // WARPGROUP_WARPS
+    mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     threads = s.warps * 32
     _require(threads % (p.head_dim_qk // 8) == 0 and (threads // (p.head_dim_qk // 8)) % 8 == 0, spec, "warps",
              f"{threads} threads do not copy whole groups of 8 rows of a {p.head_dim_qk}-wide tile per pass")
@@ -80,4 +100,4 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
     regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
-                     wgmma_n_qk=s.tile_kv, wgmma_n_pv=p.head_dim_v)
+                     mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5))

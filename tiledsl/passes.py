@@ -84,13 +84,17 @@ class Pipelining(Pass):
         ring = f"j % {depth}"
         for name in graph.names():
             op = graph.op(name)
-            uses_kv = op.kind in (OpKind.LOAD_K, OpKind.LOAD_V, OpKind.MMA_QK, OpKind.MMA_PV) or op.barrier[:2] in ("k_", "v_")
+            tensors, _, state = op.barrier.partition("_")
+            uses_kv = op.kind in (OpKind.LOAD_K, OpKind.LOAD_V, OpKind.MMA_QK, OpKind.MMA_PV) or tensors in ("k", "v", "kv")
             if uses_kv:
                 graph.update(name, stages=depth, buffer=ring)
-            elif op.kind is OpKind.LOAD_Q or op.barrier.startswith("q_"):
+            elif op.kind is OpKind.LOAD_Q or tensors == "q":
                 graph.update(name, stages=1, buffer="0")
-            if op.kind is OpKind.WAIT and not op.barrier.endswith("full") and not op.barrier.endswith("empty"):
-                graph.update(name, text=f"{op.text} (cp.async.wait_group {depth - 1}; __syncthreads)")
+            if op.kind is OpKind.WAIT and state == "ready":   # cp.async tiles (TMA's full/empty are mbarriers)
+                sync = "__syncwarp" if op.scope == "warp" else "__syncthreads"
+                graph.update(name, text=f"{op.text} (cp.async.wait_group; {sync})")
+            elif op.kind is OpKind.WAIT and state == "free":   # a buffer the previous trip read
+                graph.update(name, text=f"{op.text} (__syncthreads)")
 
     def verify(self, graph):
         for name in graph.names(OpKind.LOAD_K) + graph.names(OpKind.LOAD_V):

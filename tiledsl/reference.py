@@ -194,6 +194,10 @@ class _Executor:
         elif op.var == "split":
             for s, owned in enumerate(split_ranges(tiles, self.splits)):
                 yield {"split": s, "tiles": owned}
+        elif op.var == "rows":
+            # FA1's row passes partition the q tile's rows, and rows never mix: one trip over all
+            # of them computes what the passes do.
+            yield {}
         elif op.var == "kv":
             first, stop = at.get("tiles", (0, tiles))
             for t in range(first, stop):
@@ -219,13 +223,15 @@ class _Executor:
     wait = arrive
 
     def load_o_state(self, op, at, env):
+        """FA1: the q tile's state from HBM; O is kept normalised there, so it is multiplied back by l."""
         rows = slice(*at["q"])
-        env["O"], env["m"], env["l"] = (self.hbm[t][:, :, rows].copy() for t in ("O_state", "m", "l"))
+        o, env["m"], env["l"] = (self.hbm[t][:, :, rows].copy() for t in ("O_state", "m", "l"))
+        env["O"] = o * env["l"][..., None]
 
     def store_o_state(self, op, at, env):
         rows = slice(*at["q"])
-        for tensor, value in (("O_state", "O"), ("m", "m"), ("l", "l")):
-            self.hbm[tensor][:, :, rows] = env[value]
+        self.hbm["O_state"][:, :, rows], _ = _lse_and_divide(env["l"], env["m"], env["O"])
+        self.hbm["m"][:, :, rows], self.hbm["l"][:, :, rows] = env["m"], env["l"]
 
     def mma_qk(self, op, at, env):
         env["S"] = (env["Q"] @ np.swapaxes(env["K"], -1, -2)) * self.scale
@@ -236,55 +242,45 @@ class _Executor:
         seen = (cols >= lo[..., None]) & (cols < hi[..., None])          # (B, rows, cols)
         env["S"] = np.where(seen[:, None], env["S"], -np.inf)
 
-    def online_softmax(self, op, at, env):
-        s = env["S"]
-        if op.variant == "running":      # FA2: exponentiate against the new running max
-            m_new = np.maximum(env["m"], s.max(axis=-1))
-            top = _finite_or_zero(m_new)
-            env["alpha"] = np.exp(env["m"] - top)
-            env["P"] = np.exp(s - top[..., None])
-            env["l"] = env["alpha"] * env["l"] + env["P"].sum(axis=-1)
-            env["m"] = m_new
-            return
-        # tile-local statistics, one set per warp's column slice (one slice without split-K)
+    def _states(self, env):
+        """The running (m, l, O) states and the key columns of S each one sees: the block's, or with
+        split-K warps one per warp over its own column slice of every tile (warp 0 starts from the
+        block's state, the others empty), kept until combine_warps merges them."""
+        if self.groups == 1:
+            return [(env, slice(None))]
+        if "warps" not in env:
+            empty = {"m": np.full_like(env["m"], -np.inf), "l": np.zeros_like(env["l"]), "O": np.zeros_like(env["O"])}
+            env["warps"] = [{"m": env["m"], "l": env["l"], "O": env["O"]}] + [dict(empty) for _ in range(self.groups - 1)]
         width = math.ceil(self.Bc / self.groups)
-        env["groups"] = []
-        for g in range(self.groups):
-            cols = slice(min(g * width, s.shape[-1]), min((g + 1) * width, s.shape[-1]))
-            part = s[..., cols]
-            m = part.max(axis=-1) if part.shape[-1] else np.full(part.shape[:-1], -np.inf)
-            p = np.exp(part - _finite_or_zero(m)[..., None])
-            env["groups"].append({"cols": cols, "m": m, "l": p.sum(axis=-1), "P": p})
+        return [(state, slice(g * width, (g + 1) * width)) for g, state in enumerate(env["warps"])]
+
+    def online_softmax(self, op, at, env):
+        for state, cols in self._states(env):
+            s = env["S"][..., cols]
+            m_new = np.maximum(state["m"], s.max(axis=-1, initial=-np.inf))
+            top = _finite_or_zero(m_new)
+            state["alpha"] = np.exp(state["m"] - top)
+            state["P"] = np.exp(s - top[..., None])
+            state["l"] = state["alpha"] * state["l"] + state["P"].sum(axis=-1)
+            state["m"] = m_new
 
     def mma_pv(self, op, at, env):
-        if "groups" not in env:
-            env["PV"] = env["P"] @ env["V"]
-            return
-        for group in env["groups"]:
-            group["PV"] = group["P"] @ env["V"][:, :, group["cols"]]
-
-    def combine_warps(self, op, at, env):
-        groups = env["groups"]
-        m = np.max([g["m"] for g in groups], axis=0)
-        weights = [np.exp(g["m"] - _finite_or_zero(m)) for g in groups]
-        env["groups"] = [{"m": m, "l": sum(w * g["l"] for w, g in zip(weights, groups)),
-                          "PV": sum(w[..., None] * g["PV"] for w, g in zip(weights, groups))}]
+        for state, cols in self._states(env):
+            state["PV"] = state["P"] @ env["V"][:, :, cols]
 
     def rescale_o(self, op, at, env):
-        if "groups" not in env:          # FA2: alpha and l were updated by the softmax
-            env["O"] = env["alpha"][..., None] * env["O"] + env["PV"]
+        for state, _ in self._states(env):
+            state["O"] = state["alpha"][..., None] * state["O"] + state["PV"]
+
+    def combine_warps(self, op, at, env):
+        warps = env.pop("warps", None)
+        if warps is None:      # no kv tile ran: the block's state is untouched
             return
-        (tile,) = env.pop("groups")      # one set left: several would need combine_warps first
-        m_new = np.maximum(env["m"], tile["m"])
-        top = _finite_or_zero(m_new)
-        alpha, beta = np.exp(env["m"] - top), np.exp(tile["m"] - top)
-        l_new = alpha * env["l"] + beta * tile["l"]
-        if op.variant == "normalized":   # FA1: O stays normalised by l after every step
-            acc = (alpha * env["l"])[..., None] * env["O"] + beta[..., None] * tile["PV"]
-            env["O"], _ = _lse_and_divide(l_new, top, acc)
-        else:
-            env["O"] = alpha[..., None] * env["O"] + beta[..., None] * tile["PV"]
-        env["m"], env["l"] = m_new, l_new
+        m = np.max([w["m"] for w in warps], axis=0)
+        weights = [np.exp(w["m"] - _finite_or_zero(m)) for w in warps]
+        env["m"] = m
+        env["l"] = sum(wt * w["l"] for wt, w in zip(weights, warps))
+        env["O"] = sum(wt[..., None] * w["O"] for wt, w in zip(weights, warps))
 
     def normalize_o(self, op, at, env):
         env["O"], env["lse"] = _lse_and_divide(env["l"], env["m"], env["O"])
