@@ -134,7 +134,11 @@ class KernelSpec:
         return kernel_name(self)
 
     def span_of(self, key: str) -> Span | None:
-        """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's."""
+        """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's (a
+        setting left at its default); a key the DSL doesn't have is a KeyError."""
+        from .check import PROBLEM_KEYS, SCHEDULE_KEYS   # here: check.py imports this module
+        if key not in PROBLEM_KEYS + SCHEDULE_KEYS:
+            raise KeyError(f"{key!r} is not a spec setting; settings: {', '.join(PROBLEM_KEYS + SCHEDULE_KEYS)}")
         for k, s in self.spans:
             if k == key:
                 return s
