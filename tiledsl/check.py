@@ -35,6 +35,7 @@ EXAMPLES = {
 }
 WARP_COUNTS = (1, 2, 4, 8, 16)
 MMA_ROWS = 16                   # mma.sync m16n8k16: a warp's share of a tile is a multiple of 16 rows
+MAX_SPACE_CONFIGS = 10_000      # a search space's size limit (each config is checked, then maybe compiled)
 WGMMA_ROWS = 64                 # each Hopper consumer warpgroup's wgmma covers 64 rows of Q
 SM_REGISTERS = 65536
 WARPGROUP_THREADS = 128
@@ -176,6 +177,10 @@ class _Checker:
                           spans, att.span)
         if not choices:
             return space.spec({})
+        if space.size > MAX_SPACE_CONFIGS:   # refused before expanding: 10^6 configs took minutes
+            sizes = " x ".join(f"{len(options)} {name}" for name, options in space.choices)
+            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}); at most "
+                      f"{MAX_SPACE_CONFIGS:,} are accepted", att.name.span, "drop options from the `in {...}` choices")
         legal, rejected = space.expand()
         if not legal:
             self.no_legal_config(space, rejected)

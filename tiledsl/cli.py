@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:   # `tiledsl check ... | head`: the reader left; stop quietly
+        sys.stdout = None
+        return 1
     except OSError as err:   # a spec path, -o, --dot, --record: name the path and what went wrong
         print(f"error: {err.filename or ''}: {_os_reason(err)}", file=sys.stderr)
         return 2
