@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from pathlib import Path
 
@@ -122,3 +123,16 @@ def writable_folder(option: str, folder) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CliError(f"{option} {folder}: the folder is not writable")
     return folder
+
+
+def gpu_ready(command: str, specs: list[KernelSpec], torch_for: str = "") -> None:
+    """Refuse up front what would fail midway: a kernel whose family has no template (a SpecError
+    at its block), CuPy missing, PyTorch missing where `torch_for` says it is needed."""
+    from .lower import lower
+    for spec in specs:
+        lower(spec)
+    if importlib.util.find_spec("cupy") is None:
+        raise CliError(f"tiledsl {command} runs kernels on a GPU and needs CuPy, which is not installed: "
+                       "pip install 'tiledsl[gpu]'")
+    if torch_for and importlib.util.find_spec("torch") is None:
+        raise CliError(f"{torch_for} needs PyTorch, which is not installed: pip install 'tiledsl[bench]'")
