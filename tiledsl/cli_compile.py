@@ -9,8 +9,6 @@ from pathlib import Path
 from . import nvcc
 from .cli_common import add_spec_arguments, concrete_specs, writable_folder
 from .errors import CliError, SpecError
-from .lower import LOWERINGS, lower
-from .render import render, write_if_changed
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
 
@@ -24,6 +22,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from .lower import LOWERINGS, lower   # here: `tiledsl --help` need not load networkx and Jinja2
+    from .render import render, write_if_changed
+
     emits = [e.strip() for e in args.emit.split(",") if e.strip()]
     unknown = [e for e in emits if e not in EMITS]
     if unknown or not emits:

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from .cli_common import COUNT, MODEL_SEQLEN, check_kv_heads, concrete_specs
 from .errors import CliError, SpecError
-from .explain import explain, to_dot
-from .passes import run_passes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .explain import explain, to_dot   # here: networkx and numpy load only when a command needs them
+    from .passes import run_passes
+
     check_kv_heads(args.heads, args.kv_heads)
     if args.dot and Path(args.dot).is_dir():
         raise CliError(f"--dot {args.dot}: is a folder; give a file name, e.g. {Path(args.dot) / 'graphs.dot'}")

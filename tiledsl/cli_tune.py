@@ -12,14 +12,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .bench import prefill_shape
 from .check import SpecSpace
 from .cli_common import COUNT, MODEL_SEQLEN
 from .errors import SpecError
 from .parse import parse_file
-from .tune import Candidate, plan_candidates, spec_to_dsl, with_mask
-from .tune_model import Shape
+
+if TYPE_CHECKING:
+    from .tune import Candidate
+    from .tune_model import Shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +50,12 @@ def load_space(path: str, causal: bool | None) -> SpecSpace:
         what = "no search space (no `in {...}`)" if not spaces else f"{len(items)} attention blocks"
         raise SpecError(f"{path} holds {what}; tiledsl tune needs exactly one block with `in {{...}}` choices",
                         hint="e.g. `tile q in {64, 128}, kv in {32, 64, 128}`")
+    from .tune import with_mask   # here and below: `tiledsl --help` need not load the tuner
     return with_mask(spaces[0], causal)
 
 
 def shape_of(args, space: SpecSpace) -> Shape:
+    from .tune_model import Shape
     batch, heads = prefill_shape(args.seqlen, space.problem.head_dim_qk)   # the options are >= 1 (argparse)
     return Shape(args.batch or batch, args.heads or heads, args.seqlen, args.seqlen)
 
@@ -127,6 +132,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def run(args) -> int:
+    from .tune import plan_candidates, spec_to_dsl
     space = load_space(args.space, args.causal)
     shape = shape_of(args, space)
     title = (f"{space.name} {space.problem.mask.value} d{space.problem.head_dim_qk} {space.problem.dtype.value}: "
