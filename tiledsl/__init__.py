@@ -1,12 +1,34 @@
-"""tiledsl: a tile DSL for attention kernels, compiled to readable CUDA."""
+"""tiledsl: a tile DSL for attention kernels, compiled to readable CUDA.
+
+`import tiledsl` loads only the spec types and errors; the front end (Lark), the scheduler graph
+(networkx), the templates (Jinja2) and the runtime (CuPy) load on first use of the names that need
+them, so the CLI and scripts that only check specs start fast."""
+from __future__ import annotations
+
+import importlib
+
 from .errors import LaunchError, RuntimeInputError, SpecError
 from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule, Span
-from .parse import load_specs, parse_file, parse_text
-from .tuned import attention
-from .runtime import Kernel
-from .families import compile  # noqa: A004 - tiledsl.compile(spec) is the documented API
-
 from .version import __version__
 
+# name -> the module that defines it, imported on first access (PEP 562)
+_LAZY = {"load_specs": "parse", "parse_file": "parse", "parse_text": "parse", "SpecSpace": "check",
+         "attention": "tuned", "Kernel": "runtime", "compile": "families"}   # tiledsl.compile(spec) is the documented API
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiledsl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value   # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
-           "Schedule", "Span", "Kernel", "attention", "compile", "load_specs", "parse_file", "parse_text", "SpecError", "RuntimeInputError", "LaunchError", "__version__"]
+           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "compile", "load_specs", "parse_file", "parse_text",
+           "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

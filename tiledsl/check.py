@@ -19,10 +19,9 @@ from typing import Any, NoReturn
 
 from . import ast
 from .errors import SpecError
-from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule, Span
+from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
+                   Problem, Schedule, Span)
 
-PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries")
-SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
 EXAMPLES = {
     "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
     "mask": "mask = causal   (none | causal | window(left = 256, right = 0))",
@@ -35,6 +34,7 @@ EXAMPLES = {
 }
 WARP_COUNTS = (1, 2, 4, 8, 16)
 MMA_ROWS = 16                   # mma.sync m16n8k16: a warp's share of a tile is a multiple of 16 rows
+MAX_SPACE_CONFIGS = 10_000      # a search space's size limit (each config is checked, then maybe compiled)
 WGMMA_ROWS = 64                 # each Hopper consumer warpgroup's wgmma covers 64 rows of Q
 SM_REGISTERS = 65536
 WARPGROUP_THREADS = 128
@@ -176,6 +176,10 @@ class _Checker:
                           spans, att.span)
         if not choices:
             return space.spec({})
+        if space.size > MAX_SPACE_CONFIGS:   # refused before expanding: 10^6 configs took minutes
+            sizes = " x ".join(f"{len(options)} {name}" for name, options in space.choices)
+            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}); at most "
+                      f"{MAX_SPACE_CONFIGS:,} are accepted", att.name.span, "drop options from the `in {...}` choices")
         legal, rejected = space.expand()
         if not legal:
             self.no_legal_config(space, rejected)
@@ -347,6 +351,7 @@ def _schedule(problem: Problem, written: dict) -> Schedule:
         fit = (SM_REGISTERS // WARPGROUP_THREADS - producer_regs * producers) // consumers // 8 * 8
         values.setdefault("consumer_regs", min(256, fit))
         values.setdefault("copy", CopyVia.TMA)
+        values.setdefault("mma", Mma.WGMMA)   # the family's only instruction
         values.setdefault("warps", 4 * (producers + consumers))
     elif problem.queries_per_seq is not None:
         values.setdefault("warp_axis", Axis.KV)
@@ -377,9 +382,11 @@ def _rule_family_features(spec: KernelSpec, written: set):
                 "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
     if s.copy is not CopyVia.TMA and fam is Family.HOPPER:
         return ("pipeline", f"the hopper family copies with TMA, not {s.copy.value}", "write `via tma`")
-    if s.mma is Mma.WGMMA and fam is not Family.FA2:
-        return ("mma", f"`mma wgmma` is built for the fa2 family; this kernel is {fam.value}",
-                "remove `mma` (the hopper family always uses wgmma; fa1 and decode use mma.sync)")
+    if s.mma is Mma.WGMMA and fam not in (Family.FA2, Family.HOPPER):
+        return ("mma", f"`mma wgmma` is built for the fa2 and hopper families; this kernel is {fam.value}",
+                "remove `mma` (fa1 and decode use mma.sync)")
+    if s.mma is not Mma.WGMMA and fam is Family.HOPPER:
+        return ("mma", f"the hopper family runs on wgmma, not {s.mma.value}", "remove `mma` or write `mma wgmma`")
     if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
         return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
                 "add `warpgroups producer 1, consumer 2`, or remove `overlap`")

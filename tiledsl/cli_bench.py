@@ -7,15 +7,15 @@ import json
 import sys
 
 from .bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms
-from .cli_common import add_spec_arguments, concrete_specs
-from .spec import Mask
+from .cli_common import SEQLEN, add_spec_arguments, concrete_specs, gpu_ready
+from .spec import DType, Mask
 
 DEFAULT_SEQLENS = (1024, 4096, 8192, 16384)
 
 
 def add_arguments(parser) -> None:
     add_spec_arguments(parser)
-    parser.add_argument("--seqlen", type=int, nargs="+", default=list(DEFAULT_SEQLENS))
+    parser.add_argument("--seqlen", type=SEQLEN, nargs="+", default=list(DEFAULT_SEQLENS))
     parser.add_argument("--against", choices=["sdpa", "none"], default="sdpa", help="peers timed in the same run")
     parser.add_argument("--record", metavar="JSON", help="write the run to this JSON file (bench/results/...)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -40,7 +40,10 @@ def bench_spec(spec, seqlen: int, against: str) -> dict:
 
 
 def run(args) -> int:
-    rows = [bench_spec(spec, n, args.against) for spec in concrete_specs(args.specs, args.name) for n in args.seqlen]
+    specs = concrete_specs(args.specs, args.name)
+    gpu_ready("bench", specs, torch_for="bench --against sdpa" if args.against == "sdpa" else
+              "" if all(s.problem.dtype is DType.FP16 for s in specs) else "bf16/fp32 inputs (CuPy has no bfloat16)")
+    rows = [bench_spec(spec, n, args.against) for spec in specs for n in args.seqlen]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

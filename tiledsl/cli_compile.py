@@ -1,15 +1,14 @@
 """`tiledsl compile`: emit the CUDA of each kernel, and on request PTX, cubin, the ptxas resource
-report and SASS through nvcc."""
+report and SASS through nvcc (SASS where cuobjdump exists; a note otherwise). A search space
+compiles each of its legal configs, after a line saying how many the checker rejected."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 from . import nvcc
-from .cli_common import add_spec_arguments, concrete_specs
-from .errors import SpecError
-from .families import WITH_TEMPLATE, lower
-from .render import render, write_if_changed
+from .cli_common import add_spec_arguments, concrete_specs, writable_folder
+from .errors import CliError, SpecError
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
 
@@ -23,14 +22,24 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from .families import WITH_TEMPLATE, lower   # here: `tiledsl --help` need not load networkx and Jinja2
+    from .render import render, write_if_changed
+
     emits = [e.strip() for e in args.emit.split(",") if e.strip()]
     unknown = [e for e in emits if e not in EMITS]
-    if unknown:
-        print(f"error: --emit: unknown {', '.join(unknown)}; choose from {', '.join(EMITS)}", file=sys.stderr)
-        return 2
-    out = Path(args.output)
-    status = 0
-    for spec in concrete_specs(args.specs, args.name):
+    if unknown or not emits:
+        raise CliError(f"--emit: unknown {', '.join(unknown) or '(nothing)'}; choose from {', '.join(EMITS)}")
+    if set(emits) - {"cuda"} and nvcc.nvcc_path() is None:
+        raise CliError(f"--emit {','.join(emits)} needs nvcc, which is not on PATH (--emit cuda does not)")
+    notes: list[str] = []
+    specs = concrete_specs(args.specs, args.name, expand_spaces=True, notes=notes)
+    for note in notes:
+        print(note)
+    if not specs:
+        raise CliError("no legal kernels to compile in " + ", ".join(args.specs))
+    out = writable_folder("-o", args.output)
+    status, no_sass = 0, False
+    for spec in specs:
         if args.skip_unsupported and spec.family not in WITH_TEMPLATE:
             print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
             continue
@@ -41,30 +50,42 @@ def run(args) -> int:
             status = 2
             continue
         name = spec.kernel_name
-        changed = write_if_changed(out / f"{name}.cu", source) if "cuda" in emits else False
-        line = [f"{name}: {out / (name + '.cu')}" + (" (updated)" if changed else "")]
+        line = []
+        if "cuda" in emits:
+            changed = write_if_changed(out / f"{name}.cu", source)
+            line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
         try:
-            status = max(status, _emit_nvcc(source, name, emits, out, line))
-        except FileNotFoundError as err:
-            print(f"error: {name}: --emit {','.join(emits)} needs {err.args[0]}, which is not on PATH", file=sys.stderr)
-            return 2
-        print("  ".join(line))
+            no_sass = _emit_nvcc(source, name, emits, out, line) or no_sass
+        except RuntimeError as err:   # nvcc refused the generated source: a bug, but one line per kernel
+            print(f"error: {err}", file=sys.stderr)
+            status = 2
+            continue
+        print(f"{name}: " + "  ".join(line))
+    if no_sass:
+        print("note: --emit sass: cuobjdump is not on PATH; no SASS written (the other outputs were)", file=sys.stderr)
     return status
 
 
-def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str]) -> int:
+def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str]) -> bool:
+    """Runs nvcc for the requested outputs; True when SASS was asked for but cuobjdump is absent."""
+    no_sass = False
     if "ptx" in emits:
         nvcc.compile_to(source, name, "ptx", out)
         line.append(f"ptx: {out / (name + '.ptx')}")
     if {"cubin", "resources", "sass"} & set(emits):
         cubin, report = nvcc.compile_to(source, name, "cubin", out)
         res = nvcc.parse_ptxas(report).get(name, nvcc.Resources(0, report=report))
+        if "cubin" in emits:
+            line.append(f"cubin: {cubin}")
         if "resources" in emits:
             (out / f"{name}.resources.txt").write_text(report)
             line.append(f"registers {res.registers}, spills {res.spill_stores} B, stack {res.stack_bytes} B")
         if "sass" in emits:
-            (out / f"{name}.sass").write_text(nvcc.sass(cubin))
-            line.append(f"sass: {out / (name + '.sass')}")
+            try:
+                (out / f"{name}.sass").write_text(nvcc.sass(cubin))
+                line.append(f"sass: {out / (name + '.sass')}")
+            except FileNotFoundError:
+                no_sass = True
         if "cubin" not in emits:
             cubin.unlink()
-    return 0
+    return no_sass

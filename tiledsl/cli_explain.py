@@ -6,46 +6,52 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from .errors import SpecError
-from .explain import explain, to_dot
-from .passes import run_passes
+from .cli_common import COUNT, MODEL_SEQLEN, check_kv_heads, concrete_specs
+from .errors import CliError, SpecError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("specs", nargs="+", metavar="SPEC", help=".tile files")
-    parser.add_argument("--seqlen", type=int, default=None,
+    parser.add_argument("--seqlen", type=MODEL_SEQLEN, default=None,
                         help="queries per sequence (default 4096; for decode: the kv cache length)")
-    parser.add_argument("--seqlen-kv", type=int, default=None, help="keys per sequence (default: --seqlen)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=None, help="kv heads (GQA; default: --heads)")
+    parser.add_argument("--seqlen-kv", type=MODEL_SEQLEN, default=None, help="keys per sequence (default: --seqlen)")
+    parser.add_argument("--batch", type=COUNT, default=1)
+    parser.add_argument("--heads", type=COUNT, default=16, help="query heads")
+    parser.add_argument("--kv-heads", type=COUNT, default=None, help="kv heads (GQA; default: --heads)")
     parser.add_argument("--dot", metavar="FILE", default=None, help="write the scheduler graphs as Graphviz DOT")
 
 
 def run(args: argparse.Namespace) -> int:
-    from .parse import load_specs   # lazily: the front end is only needed when the command runs
+    from .explain import explain, to_dot   # here: networkx and numpy load only when a command needs them
+    from .passes import run_passes
 
+    check_kv_heads(args.heads, args.kv_heads)
+    if args.dot and Path(args.dot).is_dir():
+        raise CliError(f"--dot {args.dot}: is a folder; give a file name, e.g. {Path(args.dot) / 'graphs.dot'}")
     dots, refused, first = [], 0, True
-    for path in args.specs:
-        for spec in load_specs(path):
-            if not first:
-                print("=" * 100)
-            first = False
-            decode = spec.problem.queries_per_seq is not None   # --seqlen is then the kv cache length
-            try:
-                print(explain(spec, batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
-                              seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None),
-                              kv_heads=args.kv_heads), end="")
-            except SpecError as err:
-                # one refused config of a search space should not hide the others
-                print(f"{spec.kernel_name}: refused (see stderr)")
-                print(err.render(), file=sys.stderr)
-                refused += 1
-                continue
-            if args.dot:
-                dots.append(to_dot(run_passes(spec)))
+    for spec in concrete_specs(args.specs, expand_spaces=True):
+        if not first:
+            print("=" * 100)
+        first = False
+        decode = spec.problem.queries_per_seq is not None   # --seqlen is then the kv cache length
+        try:
+            print(explain(spec, batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
+                          seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None),
+                          kv_heads=args.kv_heads), end="")
+        except SpecError as err:
+            # one refused config of a search space should not hide the others
+            print(f"{spec.kernel_name}: refused (see stderr)")
+            print(err.render(), file=sys.stderr)
+            refused += 1
+            continue
+        if args.dot:
+            dots.append(to_dot(run_passes(spec)))
     if args.dot:
-        with open(args.dot, "w") as f:
-            f.write("".join(dots))
+        try:
+            with open(args.dot, "w") as f:
+                f.write("".join(dots))
+        except OSError as err:
+            raise CliError(f"--dot {args.dot}: cannot write it ({err.strerror or err})") from None
     return 2 if refused else 0

@@ -2,7 +2,8 @@
 exact float64 reference; exit status 1 when any error is over its tolerance."""
 from __future__ import annotations
 
-from .cli_common import add_shape_arguments, add_spec_arguments, concrete_specs
+from .cli_common import add_shape_arguments, add_spec_arguments, check_kv_heads, concrete_specs, gpu_ready
+from .spec import DType
 
 TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3   # 16-bit inputs: normwise relative on O, absolute on LSE
 
@@ -22,8 +23,12 @@ def validate_spec(spec, batch: int, heads: int, q_len: int, kv_len: int, kv_head
 
 
 def run(args) -> int:
+    check_kv_heads(args.heads, args.kv_heads)
+    specs = concrete_specs(args.specs, args.name)
+    gpu_ready("run", specs, torch_for="" if all(s.problem.dtype is DType.FP16 for s in specs) else
+              "bf16/fp32 inputs (CuPy has no bfloat16)")
     status = 0
-    for spec in concrete_specs(args.specs, args.name):
+    for spec in specs:
         q_len = spec.problem.queries_per_seq or args.seqlen
         kv_len = args.seqlen_kv or args.seqlen
         err_o, err_lse = validate_spec(spec, args.batch, args.heads, q_len, kv_len, args.kv_heads)

@@ -12,23 +12,27 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .bench import prefill_shape
 from .check import SpecSpace
+from .cli_common import COUNT, MODEL_SEQLEN
 from .errors import SpecError
 from .parse import parse_file
-from .tune import Candidate, plan_candidates, spec_to_dsl, with_mask
-from .tune_model import Shape
+
+if TYPE_CHECKING:
+    from .tune import Candidate
+    from .tune_model import Shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("space", help="a .tile file with one attention block holding `in {...}` choices")
-    parser.add_argument("--seqlen", type=int, required=True, help="sequence length (queries = keys)")
-    parser.add_argument("--batch", type=int, help="batch (default: 16k tokens in total, as in the papers)")
-    parser.add_argument("--heads", type=int, help="heads (default: hidden 2048 / head_dim)")
+    parser.add_argument("--seqlen", type=MODEL_SEQLEN, required=True, help="sequence length (queries = keys)")
+    parser.add_argument("--batch", type=COUNT, help="batch (default: 16k tokens in total, as in the papers)")
+    parser.add_argument("--heads", type=COUNT, help="heads (default: hidden 2048 / head_dim)")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                         help="override the space's mask: --causal -> causal, --no-causal -> none")
-    parser.add_argument("--budget", type=int, help="configs to time (default: 30%% of the legal ones)")
+    parser.add_argument("--budget", type=COUNT, help="configs to time (default: 30%% of the legal ones)")
     parser.add_argument("--exhaustive", action="store_true", help="time every legal config (no model pruning)")
     parser.add_argument("--json", action="store_true", help="print machine-readable results instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="plot TFLOP/s per config (needs matplotlib)")
@@ -46,20 +50,20 @@ def load_space(path: str, causal: bool | None) -> SpecSpace:
         what = "no search space (no `in {...}`)" if not spaces else f"{len(items)} attention blocks"
         raise SpecError(f"{path} holds {what}; tiledsl tune needs exactly one block with `in {{...}}` choices",
                         hint="e.g. `tile q in {64, 128}, kv in {32, 64, 128}`")
+    from .tune import with_mask   # here and below: `tiledsl --help` need not load the tuner
     return with_mask(spaces[0], causal)
 
 
 def shape_of(args, space: SpecSpace) -> Shape:
-    batch, heads = prefill_shape(args.seqlen, space.problem.head_dim_qk)
-    for name, value in (("seqlen", args.seqlen), ("batch", args.batch), ("heads", args.heads)):
-        if value is not None and value < 1:
-            raise SpecError(f"--{name} must be >= 1, got {value}")
+    from .tune_model import Shape
+    batch, heads = prefill_shape(args.seqlen, space.problem.head_dim_qk)   # the options are >= 1 (argparse)
     return Shape(args.batch or batch, args.heads or heads, args.seqlen, args.seqlen)
 
 
 def short(c: Candidate) -> str:
     s = c.spec.schedule
-    return f"q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}" + (" wgmma" if s.mma.value == "wgmma" else "")
+    return (f"{c.spec.family.value} q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}"
+            + (" wgmma" if s.mma.value == "wgmma" else ""))
 
 
 def rows_of(candidates: list[Candidate]) -> list[dict]:
@@ -84,7 +88,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'#':>3} {'config':<26} {'ms':>8} {'TFLOP/s':>8} | {'model#':>6} {'pred ms':>8} {'pred TF':>8} " \
+    head = f"{'#':>3} {'config':<30} {'ms':>8} {'TFLOP/s':>8} | {'model#':>6} {'pred ms':>8} {'pred TF':>8} " \
            f"{'regs':>4} {'spill':>5} {'blk/SM':>6}  status"
     lines = [head, "-" * len(head)]
     place = 0
@@ -92,7 +96,7 @@ def table(rows: list[dict]) -> str:
         measured = r["tflops"] is not None and r["status"] in ("timed", "stored")
         place += measured
         status = r["status"] + (f": {r['reason']}" if r["reason"] and r["status"] != "stored" else "")
-        lines.append(f"{(place if measured else ''):>3} {r['config']:<26} {_fmt(r['ms'], '.3f'):>8} "
+        lines.append(f"{(place if measured else ''):>3} {r['config']:<30} {_fmt(r['ms'], '.3f'):>8} "
                      f"{_fmt(r['tflops'], '.1f'):>8} | {_fmt(r['model_rank'], 'd'):>6} {_fmt(r['predicted_ms'], '.3f'):>8} "
                      f"{_fmt(r['predicted_tflops'], '.1f'):>8} {_fmt(r['registers'], 'd'):>4} {_fmt(r['spills'], 'd'):>5} "
                      f"{_fmt(r['blocks_per_sm'], 'd'):>6}  {status}")
@@ -128,12 +132,14 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def run(args) -> int:
+    from .tune import plan_candidates, spec_to_dsl
     space = load_space(args.space, args.causal)
     shape = shape_of(args, space)
     title = (f"{space.name} {space.problem.mask.value} d{space.problem.head_dim_qk} {space.problem.dtype.value}: "
              f"batch {shape.batch}, heads {shape.heads}, seqlen {shape.seqlen_q}")
     if args.dry_run:
-        candidates, rejected, budget = plan_candidates(space, shape, budget=args.budget, exhaustive=args.exhaustive)
+        candidates, rejected, budget = plan_candidates(space, shape, budget=args.budget, exhaustive=args.exhaustive,
+                                                       progress=not args.json)
         rows = rows_of(candidates)
         if args.json:
             print(json.dumps({"space": space.name, "shape": shape.key(), "configs": len(candidates) + len(rejected),

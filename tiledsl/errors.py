@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from .spec import Span
 
+EXCERPT_WIDTH = 100   # characters of a source line shown under an error (a 10 MB line stays one screen)
+
 
 class SpecError(Exception):
     """A spec that cannot be built. `hint` says what would be accepted."""
@@ -43,7 +45,13 @@ def _excerpt(text: str, span: Span | None) -> list[str]:
     line = source_lines[span.line - 1].replace("\t", " ")
     start = max(span.column - 1, 0)
     end = span.end_column - 1 if span.end_line == span.line else len(line)
-    width = max(end - start, 1)
+    width = min(max(end - start, 1), EXCERPT_WIDTH)
+    if len(line) > EXCERPT_WIDTH:   # a huge line or token: show a window around the caret
+        left = max(min(start - 20, len(line) - EXCERPT_WIDTH), 0)
+        shown = line[left:left + EXCERPT_WIDTH]
+        line = ("..." if left else "") + shown + ("..." if left + EXCERPT_WIDTH < len(line) else "")
+        start = start - left + (3 if left else 0)
+        width = max(min(width, len(line) - start), 1)
     gutter = f"{span.line:>5} | "
     return [gutter + line, " " * len(gutter) + " " * start + "^" * width]
 
@@ -54,3 +62,8 @@ class RuntimeInputError(ValueError):
 
 class LaunchError(RuntimeError):
     """A kernel launch or GPU execution failure, raised with the kernel's name and config."""
+
+
+class CliError(Exception):
+    """A command-line mistake that is not in a spec (an option out of range, an output folder that
+    can't be written): the CLI prints it as one `error: ...` line and exits 2."""

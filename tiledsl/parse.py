@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import unicodedata
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -30,7 +31,7 @@ def _parser() -> Lark:
 
 # ---- tree -> ast --------------------------------------------------------------------------------
 
-_INTEGER = re.compile(r"[+-]?\d+")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def _number_value(text: str) -> int | float:
@@ -165,10 +166,20 @@ def _found(tok: Token) -> str:
         return "the end of the line"
     if tok.type == "$END":
         return "the end of the file"
-    return repr(str(tok))
+    return _clip(str(tok))
 
 
-_TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_.]*|[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|\S")
+def _clip(text: str, width: int = 40) -> str:
+    """repr of a token for a message, shortened: a 10 MB token must not make a 10 MB message."""
+    return repr(text) if len(text) <= width else repr(text[:width]) + f"... ({len(text)} characters)"
+
+
+def _unicode_hint(char: str) -> str:
+    name = unicodedata.name(char, "")
+    return f"specs are ASCII outside comments; found U+{ord(char):04X} {name}".rstrip()
+
+
+_TOKEN = re.compile(r"#[^\n]*|[A-Za-z_][A-Za-z0-9_.]*|[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|\S")
 
 
 def _previous_token(text: str, pos: int, file: str) -> tuple[str, Span] | None:
@@ -218,7 +229,8 @@ def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
     at_end = isinstance(err, (UnexpectedToken, UnexpectedEOF)) and (tok.type == "$END" or tok.line is None)
     if isinstance(err, UnexpectedCharacters):
         line, column, width = err.line, err.column, 1
-        found = repr(text[err.pos_in_stream]) if 0 <= err.pos_in_stream < len(text) else "a character"
+        char = text[err.pos_in_stream] if 0 <= err.pos_in_stream < len(text) else ""
+        found = repr(char) if char else "a character"
     elif at_end:
         line = max(text.count("\n") + (0 if text.endswith("\n") else 1), 1)
         line, column, width = line, len(text.split("\n")[line - 1]) + 1, 1
@@ -232,8 +244,10 @@ def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
     prev = _previous_token(text, position if isinstance(position, int) else len(text), file)
     message, hint, at = _context_hint(text, line, prev, expected, at_end)
     span = at or span
+    if isinstance(err, UnexpectedCharacters) and char and not char.isascii():
+        hint = _unicode_hint(char)
     if message is None:
-        after = f" after {prev[0]!r}" if prev is not None else ""
+        after = f" after {_clip(prev[0])}" if prev is not None else ""
         message = f"expected {_expected_words(expected)}{after}, found {found}"
     return SpecError(message, span, text, hint)
 
@@ -249,20 +263,56 @@ def parse_ast(text: str, filename: str = "<string>") -> ast.Module:
 
 # ---- entry points ---------------------------------------------------------------------------------
 
+# Bounds on what one spec may hold, checked before parsing so that a huge input is refused in
+# well under a second instead of taking minutes and gigabytes (bundled specs are under 1 KiB).
+MAX_SPEC_BYTES = 1 << 20
+MAX_BLOCKS = 1000
+MAX_TOKEN = 128
+_BLOCK_START = re.compile(r"^[\t ]*attention\b", re.M)
+_LONG_TOKEN = re.compile(r"[^\s#{}(),=]{%d,}" % (MAX_TOKEN + 1))
+
+
+def _check_bounds(text: str, filename: str) -> None:
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(f"the spec is {len(text):,} characters; at most {MAX_SPEC_BYTES:,} are accepted",
+                        Span(filename, 1, 1, 1, 2), hint="split it into several files")
+    for i, match in enumerate(_BLOCK_START.finditer(text)):
+        if i == MAX_BLOCKS:
+            line = text.count("\n", 0, match.start()) + 1
+            raise SpecError(f"more than {MAX_BLOCKS} attention blocks in one spec",
+                            Span(filename, line, 1, line, 10), text, "split it into several files")
+    for line_no, line in enumerate(text.split("\n"), 1):
+        code = line.split("#", 1)[0]   # comments may be long
+        match = _LONG_TOKEN.search(code)
+        if match:
+            raise SpecError(f"a token of {len(match.group()):,} characters; at most {MAX_TOKEN} are accepted",
+                            Span(filename, line_no, match.start() + 1, line_no, match.end() + 1), text)
+
+
 def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec | SpecSpace]:
     """One KernelSpec per attention block, or a SpecSpace for a block with `in {...}` choices."""
+    text = text.removeprefix("\ufeff")   # a UTF-8 byte order mark, as some editors write
+    _check_bounds(text, filename)
     return check_module(parse_ast(text, filename), text)
 
 
 def parse_file(path: str | os.PathLike) -> list[KernelSpec | SpecSpace]:
+    """parse_text of a file. A missing or unreadable path raises the OSError (the CLI names the
+    path); a file too big or not UTF-8 is a SpecError."""
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read(4 * MAX_SPEC_BYTES + 1)   # UTF-8 takes up to 4 bytes a character
+    if len(data) > 4 * MAX_SPEC_BYTES:
+        raise SpecError(f"the file is over {4 * MAX_SPEC_BYTES:,} bytes; at most {MAX_SPEC_BYTES:,} characters "
+                        "are accepted", Span(str(path), 1, 1, 1, 2), hint="split it into several files")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
-        raise SpecError(f"the file is not UTF-8 text (byte {err.start})",
-                        Span(str(path), line, 1, line, 2)) from None
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        column = len(data[line_start:err.start].decode("utf-8", "replace")) + 1
+        raise SpecError(f"the file is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start}",
+                        Span(str(path), line, column, line, column + 1), data.decode("utf-8", "replace"),
+                        "save the file as UTF-8") from None
     return parse_text(text, str(path))
 
 
@@ -272,6 +322,8 @@ def _looks_like_path(path_or_text) -> bool:
 
 def load_specs(path_or_text: str | os.PathLike) -> list[KernelSpec]:
     """Concrete kernels from a file path or spec text: spaces become their legal configs."""
+    if isinstance(path_or_text, str) and not path_or_text.strip():
+        raise SpecError("load_specs got an empty string", hint="pass a .tile path or spec text")
     if _looks_like_path(path_or_text):
         items = parse_file(path_or_text)
     else:

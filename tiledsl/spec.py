@@ -13,6 +13,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
+# The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
+PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries")
+SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
+
 
 @dataclass(frozen=True)
 class Span:
@@ -152,7 +156,10 @@ class KernelSpec:
         return kernel_name(self)
 
     def span_of(self, key: str) -> Span | None:
-        """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's."""
+        """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's (a
+        setting left at its default); a key the DSL doesn't have is a KeyError."""
+        if key not in PROBLEM_KEYS + SCHEDULE_KEYS:
+            raise KeyError(f"{key!r} is not a spec setting; settings: {', '.join(PROBLEM_KEYS + SCHEDULE_KEYS)}")
         for k, s in self.spans:
             if k == key:
                 return s
@@ -224,7 +231,7 @@ def kernel_name(spec: KernelSpec) -> str:
     else:
         parts.append(f"w{s.warps}{s.warp_axis.value}")
     parts.append(f"s{s.stages}" + ("tma" if s.copy is CopyVia.TMA else ""))
-    if s.mma is Mma.WGMMA:
+    if s.mma is Mma.WGMMA and fam is not Family.HOPPER:   # hopper runs on nothing else
         parts.append("wgmma")
     if s.split_kv != 1:
         parts.append(f"split{s.split_kv}")

@@ -144,14 +144,19 @@ def ptxas_report(spec: KernelSpec, arch: str) -> tuple[int, int, int] | None:
 
 
 def resources_of(specs: list[KernelSpec], arch: str = "sm_90a", jobs: int | None = None,
-                 use_nvcc: bool = True) -> dict[str, Resources]:
+                 use_nvcc: bool = True, progress: bool = False) -> dict[str, Resources]:
     """Resources of each spec: ptxas's registers and spills when nvcc is there (compiled in
     parallel), else the plan's register estimate with no spills."""
     reports: dict[str, tuple[int, int, int] | None] = {}
     if use_nvcc and nvcc_available() and specs:
         with concurrent.futures.ThreadPoolExecutor(jobs or min(32, os.cpu_count() or 4)) as pool:
             futures = {pool.submit(ptxas_report, s, arch): s.kernel_name for s in specs}
-            reports = {futures[f]: f.result() for f in concurrent.futures.as_completed(futures)}
+            bar = Progress(len(futures), enabled=progress)   # ptxas takes seconds per config: show it
+            for f in concurrent.futures.as_completed(futures):
+                reports[futures[f]] = f.result()
+                bar.done += 1
+                bar.update(f"ptxas {futures[f]}", None)
+            bar.finish()
     out = {}
     for spec in specs:
         plan = lower(spec)
@@ -165,7 +170,7 @@ def resources_of(specs: list[KernelSpec], arch: str = "sm_90a", jobs: int | None
 
 def plan_candidates(space: SpecSpace, shape: Shape, limits: DeviceLimits = H200, arch: str = "sm_90a",
                     budget: int | None = None, exhaustive: bool = False,
-                    use_nvcc: bool = True) -> tuple[list[Candidate], list[tuple[dict, str]], int]:
+                    use_nvcc: bool = True, progress: bool = False) -> tuple[list[Candidate], list[tuple[dict, str]], int]:
     """(candidates with predictions and statuses, the space's rejections, the budget used).
     Statuses: illegal (passes refuse it), hopeless (model), pruned (over budget), pending (to time)."""
     legal, rejected = space.expand()
@@ -179,7 +184,7 @@ def plan_candidates(space: SpecSpace, shape: Shape, limits: DeviceLimits = H200,
             c.status, c.reason = "illegal", err.message
             continue
         buildable.append((c, graph))
-    resources = resources_of([c.spec for c, _ in buildable], arch, use_nvcc=use_nvcc)
+    resources = resources_of([c.spec for c, _ in buildable], arch, use_nvcc=use_nvcc, progress=progress)
     for c, graph in buildable:
         c.resources = resources[c.name]
         traffic = hbm_traffic(graph, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_kv, sm_count=limits.sm_count)
@@ -365,7 +370,8 @@ def tune(space: SpecSpace, shape: Shape, budget: int | None = None, exhaustive: 
     """Search `space` on the GPU for `shape`; see the module docstring for the steps."""
     started = time.time()
     bench = bench or Workbench()
-    candidates, rejected, budget = plan_candidates(space, shape, bench.limits, bench.arch, budget, exhaustive)
+    candidates, rejected, budget = plan_candidates(space, shape, bench.limits, bench.arch, budget, exhaustive,
+                                                   progress=progress)
     todo = [c for c in candidates if c.status == "pending"]
     keys = {c.name: entry_key({"config_hash": c.spec.config_hash}, shape.key(), bench.gpu, bench.toolchain) for c in todo}
     stored = 0
