@@ -225,13 +225,14 @@ def test_spec_errors_render_file_line_column_and_caret(write_spec):
 
 # ---- spaces -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["fa2_space_d64.tile", "fa2_space_d128.tile"])
-def test_bundled_space_expansion(name):
+@pytest.mark.parametrize("name, counts", [("fa2_space_d64.tile", (45, 27)), ("fa2_space_d128.tile", (42, 30))])
+def test_bundled_space_expansion(name, counts):
     (space,) = parse_file(SPEC_FILES[0].with_name(name))
     assert isinstance(space, SpecSpace)
     assert space.size == 72 and [n for n, _ in space.choices] == ["tile_q", "tile_kv", "warps", "stages", "mma"]
     legal, rejected = space.expand()
-    assert (len(legal), len(rejected)) == (45, 27)
+    # d128: q128 kv128 on 4 warps keeps ~296 registers of accumulators a thread (layout.py refuses it)
+    assert (len(legal), len(rejected)) == counts
     from tiledsl.spec import Mma
     assert sum(spec.schedule.mma is Mma.WGMMA for spec in legal) == 18   # q64 w4 and q128 w8, 3 kv tiles, 3 depths
     for config, reason in rejected:

@@ -1,15 +1,18 @@
 """`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE]`:
 print each kernel's loop nest, ops, on-chip budget and HBM traffic; optionally write the graphs
-as Graphviz DOT (several kernels: one digraph each, in one file). A kernel the legality pass
-refuses gets its error on stderr, the others are still explained, and the exit status is 2."""
+as Graphviz DOT (several kernels: one digraph each, in one file). A search space lists its refused
+configs (as `tiledsl check` does) and explains the legal ones. A kernel that is refused gets its
+error on stderr, the others are still explained, and the exit status is 2."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .check import SpecSpace
 from .errors import SpecError
 from .explain import explain, to_dot
 from .passes import run_passes
+from .spec import KernelSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,12 +26,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dot", metavar="FILE", default=None, help="write the scheduler graphs as Graphviz DOT")
 
 
-def run(args: argparse.Namespace) -> int:
-    from .parse import load_specs   # lazily: the front end is only needed when the command runs
+def _kernels(path: str) -> list[KernelSpec]:
+    """The file's kernels; a search space's legal configs, after a list of the refused ones (the
+    same rejections `tiledsl check` prints)."""
+    from .parse import parse_file   # lazily: the front end is only needed when the command runs
+    specs: list[KernelSpec] = []
+    for item in parse_file(path):
+        if not isinstance(item, SpecSpace):
+            specs.append(item)
+            continue
+        legal, rejected = item.expand()
+        print(f"space '{item.name}': {item.size} configs, {len(legal)} legal, {len(rejected)} rejected")
+        for config, reason in rejected:
+            print("    rejected  " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items()) + f": {reason}")
+        print("=" * 100)
+        specs += legal
+    return specs
 
+
+def run(args: argparse.Namespace) -> int:
     dots, refused, first = [], 0, True
     for path in args.specs:
-        for spec in load_specs(path):
+        for spec in _kernels(path):
             if not first:
                 print("=" * 100)
             first = False
