@@ -236,7 +236,9 @@ def test_bundled_space_expansion(name, counts):
     from tiledsl.spec import Mma
     assert sum(spec.schedule.mma is Mma.WGMMA for spec in legal) == 18   # q64 w4 and q128 w8, 3 kv tiles, 3 depths
     for config, reason in rejected:
-        if config["mma"] is Mma.SYNC:   # 8 warps on 64 rows
+        if "registers" in reason:       # d128 only: q128 kv128 on 4 warps
+            assert (name, config["tile_q"], config["tile_kv"], config["warps"]) == ("fa2_space_d128.tile", 128, 128, 4)
+        elif config["mma"] is Mma.SYNC:   # 8 warps on 64 rows
             assert config["tile_q"] == 64 and config["warps"] == 8 and "a warp needs a multiple of 16" in reason
         else:                           # warpgroups that do not own 64 rows each
             assert config["warps"] * 16 != config["tile_q"] and "whole warpgroups" in reason

@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 from . import nvcc
+from .check import SpecSpace
 from .cli_common import add_spec_arguments, concrete_specs
 from .errors import SpecError
 from .lower import LOWERINGS, lower
+from .parse import parse_file
 from .render import render, write_if_changed
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
@@ -30,6 +32,7 @@ def run(args) -> int:
         return 2
     out = Path(args.output)
     status = 0
+    _list_spaces(args.specs)
     for spec in concrete_specs(args.specs, args.name):
         if args.skip_unsupported and spec.family not in LOWERINGS:
             print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
@@ -48,8 +51,26 @@ def run(args) -> int:
         except FileNotFoundError as err:
             print(f"error: {name}: --emit {','.join(emits)} needs {err.args[0]}, which is not on PATH", file=sys.stderr)
             return 2
+        except RuntimeError as err:   # nvcc refused the source: a tiledsl bug, reported without a traceback
+            print(f"error: {err}", file=sys.stderr)
+            status = 2
+            continue
         print("  ".join(line))
     return status
+
+
+def _list_spaces(paths) -> None:
+    """A search space is not compiled here (`tiledsl tune` compiles its configs); say so, with the
+    configs `tiledsl check` rejects."""
+    for path in paths:
+        for item in parse_file(path):
+            if isinstance(item, SpecSpace):
+                legal, rejected = item.expand()
+                print(f"space '{item.name}': {item.size} configs, {len(legal)} legal, {len(rejected)} rejected "
+                      "(not compiled: `tiledsl tune` compiles a space's configs)")
+                for config, reason in rejected:
+                    print("    rejected  " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items())
+                          + f": {reason}")
 
 
 def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str]) -> int:
