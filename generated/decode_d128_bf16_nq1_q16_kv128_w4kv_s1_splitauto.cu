@@ -440,6 +440,7 @@ struct C {
     static constexpr int COMBINE_ROW_FLOATS = 132;   // staged O row, padded against bank conflicts
     static constexpr u32 COMBINE_BYTES = 8832;
     static constexpr u32 SMEM_BYTES = 69632;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int Q_PENDING_GROUPS = 2;   // cp.async groups issued after Q's
     static constexpr bool Q_IN_REGISTERS = true;   // Q fragments held for the whole kv loop
     static constexpr int Q_REG_TILES = 1;
@@ -453,7 +454,7 @@ static_assert(C::ROWS == 16 * C::M_TILES, "packed query rows fill whole 16-row m
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 keys of a tile");
 static_assert(C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES >= C::COMBINE_BYTES, "the combine scratch fits in the kernel's shared memory");
-static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
+static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
 template <class C>

@@ -441,6 +441,7 @@ struct C {
     static constexpr int COMBINE_ROW_FLOATS = 72;   // row of the combine tile, padded against bank conflicts
     static constexpr u32 COMBINE_BYTES = 9984;
     static constexpr u32 SMEM_BYTES = 83712;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr bool Q_IN_REGISTERS = false;   // Q changes every inner step: fragments come from shared memory
     static constexpr int Q_REG_TILES = 1;
     static constexpr MaskKind MASK = MASK_NONE;
@@ -453,7 +454,7 @@ static_assert(C::ROWS_PER_WARP == C::M_TILES * 16 && C::BR == C::ROW_PASSES * C:
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "split-K: each warp takes a multiple of 16 keys of the tile");
 static_assert(C::COMBINE_BYTES >= 4 * C::ROWS_PER_WARP * (C::COMBINE_ROW_FLOATS + C::WARPS + 2), "combine scratch holds o_sum, m_part, m, l");
 static_assert(C::S_TILES * 8 == C::KEYS_PER_WARP && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
-static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
+static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
 template <class C>

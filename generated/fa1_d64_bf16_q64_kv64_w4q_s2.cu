@@ -441,6 +441,7 @@ struct C {
     static constexpr int COMBINE_ROW_FLOATS = 72;   // row of the combine tile, padded against bank conflicts
     static constexpr u32 COMBINE_BYTES = 0;
     static constexpr u32 SMEM_BYTES = 40960;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr bool Q_IN_REGISTERS = false;   // Q changes every inner step: fragments come from shared memory
     static constexpr int Q_REG_TILES = 1;
     static constexpr MaskKind MASK = MASK_NONE;
@@ -452,7 +453,7 @@ struct C {
 static_assert(C::BR == C::WARPS * C::ROWS_PER_WARP && C::ROWS_PER_WARP == C::M_TILES * 16, "each warp owns a multiple of 16 query rows");
 static_assert(C::KEYS_PER_WARP == C::BC, "split-Q: every warp multiplies the whole kv tile");
 static_assert(C::S_TILES * 8 == C::KEYS_PER_WARP && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
-static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
+static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // The kv tiles [lo, hi) that query rows q0 .. q0+rows-1 can see (bottom-right aligned masks).
 template <class C>

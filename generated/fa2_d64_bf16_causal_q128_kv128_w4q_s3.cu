@@ -435,6 +435,7 @@ struct C {
     static constexpr u32 V_STAGE_BYTES = 16384;
     static constexpr u32 O_OFFSET = 0;   // O staging for coalesced stores
     static constexpr u32 SMEM_BYTES = 114688;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int Q_PENDING_GROUPS = 4;   // cp.async groups issued after Q's
     static constexpr bool Q_IN_REGISTERS = false;   // Q fragments held for the whole kv loop
     static constexpr int Q_REG_TILES = 1;
@@ -446,7 +447,7 @@ struct C {
 };
 static_assert(C::BR == C::WARPS * C::ROWS_PER_WARP && C::ROWS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 query rows");
 static_assert(C::BC % 16 == 0 && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
-static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
+static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // One thread block per (query tile, batch * head); each warp owns C::ROWS_PER_WARP query rows
 // (split-Q), so softmax statistics never leave the warp. O stays in registers for the whole

@@ -434,6 +434,7 @@ struct C {
     static constexpr u32 V_STAGE_BYTES = 16384;
     static constexpr u32 O_OFFSET = 0;   // O staging for coalesced stores
     static constexpr u32 SMEM_BYTES = 40960;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr MaskKind MASK = MASK_NONE;
     static constexpr int WINDOW_LEFT = 0;
     static constexpr int WINDOW_RIGHT = 0;
@@ -443,7 +444,7 @@ struct C {
 static_assert(C::BR == C::WARPS / 4 * 64 && C::ROWS_PER_WARP == 16, "each warpgroup owns 64 query rows, each warp 16");
 static_assert(C::D % 64 == 0 && C::DV % 64 == 0, "wgmma panels are 64 columns wide");
 static_assert(C::Q_OFFSET % 1024 == 0 && C::K_OFFSET % 1024 == 0 && C::V_OFFSET % 1024 == 0, "panels start on 1024 B swizzle atoms");
-static_assert(C::SMEM_BYTES <= 232448, "shared memory over the sm_90 per-block limit");
+static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 
 // Tiles live in shared memory as panels of 64 columns: panel p holds columns 64p..64p+63 of every

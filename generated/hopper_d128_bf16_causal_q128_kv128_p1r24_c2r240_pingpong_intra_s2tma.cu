@@ -446,6 +446,7 @@ struct C {
     static constexpr int K_EMPTY_BAR = 6;
     static constexpr int V_EMPTY_BAR = 8;
     static constexpr u32 SMEM_BYTES = 196688;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int TURN_BAR = 1;   // ping-pong: named barrier of consumer c is TURN_BAR + c
     static constexpr int TURN_THREADS = 256;   // a consumer waits, the one before it arrives
     static constexpr int EPILOGUE_BAR = 3;   // named barrier of one consumer before it stages O
@@ -747,7 +748,7 @@ hopper_d128_bf16_causal_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(const __gri
             int it = 0;   // kv tiles this block has loaded so far: the position in the ring
             for (int item = blockIdx.x, q_round = 0; item < items; item += gridDim.x, ++q_round) {
                 const WorkItem w = work_item<C>(item, items, q_len, kv_len, heads, kv_group, kv_lens, order_groups);
-    // [hopper_d128_causal.tile:10] Q tile (128 x 128) once, as 2 swizzled 64-column panels
+    // [hopper_d128_causal.tile:10] Q tile (128 x 128) per work item, as 64-column swizzled panels (one TMA box each)
                 if (q_round > 0) mbarrier_wait(bars + C::Q_EMPTY_BAR * 8, (q_round - 1) & 1);
                 mbarrier_arrive_expect_tx(bars + C::Q_FULL_BAR * 8, C::Q_BYTES);
 #pragma unroll

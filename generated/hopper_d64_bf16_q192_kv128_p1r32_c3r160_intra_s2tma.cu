@@ -445,6 +445,7 @@ struct C {
     static constexpr int K_EMPTY_BAR = 6;
     static constexpr int V_EMPTY_BAR = 8;
     static constexpr u32 SMEM_BYTES = 114768;
+    static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int TURN_BAR = 1;   // ping-pong: named barrier of consumer c is TURN_BAR + c
     static constexpr int TURN_THREADS = 256;   // a consumer waits, the one before it arrives
     static constexpr int EPILOGUE_BAR = 4;   // named barrier of one consumer before it stages O
@@ -746,7 +747,7 @@ hopper_d64_bf16_q192_kv128_p1r32_c3r160_intra_s2tma(const __grid_constant__ Tens
             int it = 0;   // kv tiles this block has loaded so far: the position in the ring
             for (int item = blockIdx.x, q_round = 0; item < items; item += gridDim.x, ++q_round) {
                 const WorkItem w = work_item<C>(item, items, q_len, kv_len, heads, kv_group, kv_lens, order_groups);
-    // [hopper_d64.tile:9] Q tile (192 x 64) once, as 1 swizzled 64-column panels
+    // [hopper_d64.tile:9] Q tile (192 x 64) per work item, as 64-column swizzled panels (one TMA box each)
                 if (q_round > 0) mbarrier_wait(bars + C::Q_EMPTY_BAR * 8, (q_round - 1) & 1);
                 mbarrier_arrive_expect_tx(bars + C::Q_FULL_BAR * 8, C::Q_BYTES);
 #pragma unroll

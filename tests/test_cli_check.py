@@ -47,7 +47,7 @@ def test_check_json(capsys):
     items = json.loads(capsys.readouterr().out)
     assert [item["type"] for item in items] == ["kernel", "kernel", "space"]
     assert items[0]["family"] == "fa1" and items[0]["schedule"]["order"] == "kv, q"
-    assert (items[2]["size"], items[2]["legal_count"], len(items[2]["rejected"])) == (72, 45, 27)
+    assert (items[2]["size"], items[2]["legal_count"], len(items[2]["rejected"])) == (72, 42, 30)
     assert items[2]["choices"]["tile_kv"] == [32, 64, 128]
     assert items[2]["rejected"][0]["config"] == {"tile_q": 64, "tile_kv": 32, "warps": 8, "stages": 1, "mma": "mma.sync"}
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, kernel_for, requires_gpu, run_case
 
@@ -23,7 +23,7 @@ MASKS = {"none": (Mask.NONE, 0, 0), "causal": (Mask.CAUSAL, 0, 0), "window": (Ma
 
 def schedule(consumers=2, tile_kv=128, stages=2, pingpong=False, intra=True):
     regs = {1: (56, 240), 2: (24, 240), 3: (32, 160)}[consumers]
-    return Schedule(tile_q=64 * consumers, tile_kv=tile_kv, stages=stages, copy=CopyVia.TMA, producer_warpgroups=1,
+    return Schedule(tile_q=64 * consumers, tile_kv=tile_kv, stages=stages, copy=CopyVia.TMA, mma=Mma.WGMMA, producer_warpgroups=1,
                     producer_regs=regs[0],
                     consumer_warpgroups=consumers, consumer_regs=regs[1], pingpong=pingpong, intra_overlap=intra)
 
@@ -133,9 +133,9 @@ def _subprocess(script: str, tool: list[str], timeout: int):
 
 
 SMALL = """
-    from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Problem, Schedule
+    from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
     from tests.gpu_support import kernel_for, run_case
-    sched = Schedule(tile_q=128, tile_kv=64, stages=2, copy=CopyVia.TMA, producer_warpgroups=1, producer_regs=24, consumer_warpgroups=2,
+    sched = Schedule(tile_q=128, tile_kv=64, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA, producer_warpgroups=1, producer_regs=24, consumer_warpgroups=2,
                      consumer_regs=240, pingpong=True, intra_overlap=True)
     for mask, left, right in ((Mask.CAUSAL, 0, 0), (Mask.WINDOW, 30, 5), (Mask.NONE, 0, 0)):
         spec = KernelSpec("m", Problem(64, 64, DType.BF16, mask, left, right), sched)
@@ -164,9 +164,9 @@ def test_a_wrong_barrier_count_hangs_and_is_caught_by_the_time_limit():
     # slot. The case runs in a subprocess under a time limit, so the hang fails here, not the suite.
     script = """
         from tiledsl import compile
-        from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Problem, Schedule
+        from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
         from tests.gpu_support import run_case
-        sched = Schedule(tile_q=128, tile_kv=64, stages=2, copy=CopyVia.TMA, producer_warpgroups=1, producer_regs=24,
+        sched = Schedule(tile_q=128, tile_kv=64, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA, producer_warpgroups=1, producer_regs=24,
                          consumer_warpgroups=2, consumer_regs=240)
         spec = KernelSpec("hang", Problem(64, 64, DType.BF16, Mask.NONE), sched)
         import tests.gpu_support as support

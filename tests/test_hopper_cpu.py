@@ -14,7 +14,7 @@ from tiledsl import nvcc
 from tiledsl.families import lower
 from tiledsl.parse import load_specs
 from tiledsl.render import render
-from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = sorted(ROOT.glob("specs/hopper_*.tile"))
@@ -22,7 +22,7 @@ BUNDLED = sorted(ROOT.glob("specs/hopper_*.tile"))
 
 def spec_for(consumers=2, stages=2, pingpong=False, intra=False, tile_kv=128):
     regs = {1: (56, 240), 2: (24, 240), 3: (32, 160)}[consumers]
-    schedule = Schedule(tile_q=64 * consumers, tile_kv=tile_kv, stages=stages, copy=CopyVia.TMA, producer_warpgroups=1,
+    schedule = Schedule(tile_q=64 * consumers, tile_kv=tile_kv, stages=stages, copy=CopyVia.TMA, mma=Mma.WGMMA, producer_warpgroups=1,
                         producer_regs=regs[0], consumer_warpgroups=consumers, consumer_regs=regs[1], pingpong=pingpong,
                         intra_overlap=intra)
     return KernelSpec("h", Problem(64, 64, DType.BF16, Mask.NONE), schedule)

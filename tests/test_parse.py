@@ -110,7 +110,7 @@ def test_defaults_are_spec_defaults():
     ("", "order kv, q", lambda s: s.schedule.order is LoopOrder.KV_OUTER and s.family.value == "fa1"),
     ("", "tile q = 64, kv = 32", lambda s: (s.schedule.tile_q, s.schedule.tile_kv) == (64, 32)),
     ("", "tile kv = 128", lambda s: (s.schedule.tile_q, s.schedule.tile_kv) == (128, 128)),
-    ("", "warps 2 along q", lambda s: (s.schedule.warps, s.schedule.warp_axis) == (2, Axis.Q)),
+    ("", "tile kv = 32\nwarps 2 along q", lambda s: (s.schedule.warps, s.schedule.warp_axis) == (2, Axis.Q)),
     ("", "warps 8", lambda s: (s.schedule.warps, s.schedule.warp_axis) == (8, Axis.Q)),
     ("", "order kv, q\nwarps 4 along kv", lambda s: s.schedule.warp_axis is Axis.KV),
     ("", "pipeline 3 stages", lambda s: (s.schedule.stages, s.schedule.copy) == (3, CopyVia.CP_ASYNC)),

@@ -52,7 +52,7 @@ def test_pass_manager_orders_by_facts_not_by_list_order(spec):
         assert position["shape_inference"] < position["warp_roles"] < position["legality"]
         g = PassManager(passes).run(build_graph(spec))
         assert g.facts >= {"graph", "shapes", "stages", "roles", "legal", "order"}
-        assert (g.sizes, g.budget, g.order) == (want.sizes, want.budget, want.order)
+        assert (g.sizes, g.layout, g.order) == (want.sizes, want.layout, want.order)
 
 
 def test_missing_provider_and_broken_promise_are_compiler_errors():
@@ -81,8 +81,8 @@ def test_passes_annotate_every_op(spec):
             assert len(op.sizes) == len(op.shape) and op.bytes > 0
     for load in ("load_k", "load_v"):
         assert g.op(load).stages == spec.schedule.stages and g.op(load).buffer == f"j % {spec.schedule.stages}"
-    assert g.budget.shared_total == sum(i.amount for i in g.budget.shared) <= H200.max_shared_per_block
-    assert g.budget.register_total <= g.budget.register_limit
+    assert g.layout.smem_bytes == max(b.offset + b.bytes for b in g.layout.buffers) <= H200.max_shared_per_block
+    assert g.layout.accumulator_registers <= g.layout.register_limit
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -124,7 +124,7 @@ def test_too_many_stages_points_at_the_pipeline_line():
 
 def test_register_refusal():
     spec = spanned(Problem(128, 128), Schedule(tile_q=128, tile_kv=128, warps=4, stages=1))
-    with pytest.raises(SpecError, match=r"registers: ~280 per thread .* > 255"):
+    with pytest.raises(SpecError, match=r"registers: ~296 per thread .* > 255"):
         run_passes(spec)
 
 
@@ -152,7 +152,7 @@ def test_roles_and_threads():
     g = run_passes(SPECS[2])
     assert g.roles["producer"] == {"warpgroups": 1, "threads": 128, "registers": 24}
     assert g.roles["consumer"]["threads"] == 256 and g.sizes["threads"] == 384
-    assert g.budget.register_limit == 240
+    assert g.layout.register_limit == 240
     assert run_passes(SPECS[0]).roles["all"]["threads"] == 128
 
 

@@ -3,8 +3,9 @@
 Two kinds of check, in this order:
   1. each written value on its own (types, ranges, names), at the value's span; a bad option
      inside `in {...}` is an error too, since no config could use it;
-  2. the rules between values (family features, warps vs tile, register budget), run on a whole
-     KernelSpec by `validate`. For a space they run per config and turn into rejections; a space
+  2. the rules between values (family features, warps vs tile), then the kernel's layout
+     (layout.layout_of: the shapes its template needs, shared memory, registers, threads; the
+     lowering calls the same function), run on a whole KernelSpec by `validate`. For a space they run per config and turn into rejections; a space
      with no legal config is an error.
 Defaults are those of spec.Schedule, except a few that depend on the family (see `_schedule`).
 """
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 
 from . import ast
 from .errors import SpecError
+from .layout import layout_of
 from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
                    Problem, Schedule, Span)
 
@@ -458,13 +460,15 @@ _RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit)
 
 
 def validate(spec: KernelSpec) -> None:
-    """Raise SpecError for the first rule between values that `spec` breaks."""
+    """Raise SpecError for the first rule between values that `spec` breaks, then for what its
+    kernel's layout refuses (shapes and resources: the same function lowering calls)."""
     written = {key for key, _ in spec.spans}
     for rule in _RULES:
         broken = rule(spec, written)
         if broken:
             key, message, hint = broken
             raise SpecError(message, spec.span_of(key), spec.source_text, hint)
+    layout_of(spec)
 
 
 def check_module(module: ast.Module, text: str) -> list[KernelSpec | SpecSpace]:

@@ -72,8 +72,9 @@ def concrete_specs(paths, name: str | None = None, expand_spaces: bool = False,
                 if expand_spaces:
                     legal, rejected = item.expand()
                     if notes is not None:
-                        notes.append(f"space '{item.name}': {item.size} configs, {len(legal)} legal, "
-                                     f"{len(rejected)} rejected by the checker")
+                        notes.append(f"space '{item.name}': {item.size} configs, {len(legal)} legal, {len(rejected)} rejected")
+                        notes += ["    rejected  " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items())
+                                  + f": {reason}" for config, reason in rejected]
                     # a config of a space that repeats another block's is the same kernel: once is enough
                     specs.extend(spec for spec in legal if spec.kernel_name not in emitted)
                     emitted.update(spec.kernel_name for spec in legal)

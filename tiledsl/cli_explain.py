@@ -1,7 +1,8 @@
 """`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE]`:
 print each kernel's loop nest, ops, on-chip budget and HBM traffic; optionally write the graphs
-as Graphviz DOT (several kernels: one digraph each, in one file). A kernel the legality pass
-refuses gets its error on stderr, the others are still explained, and the exit status is 2."""
+as Graphviz DOT (several kernels: one digraph each, in one file). A search space lists its refused
+configs (as `tiledsl check` does) and explains the legal ones. A kernel that is refused gets its
+error on stderr, the others are still explained, and the exit status is 2."""
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ def run(args: argparse.Namespace) -> int:
     check_kv_heads(args.heads, args.kv_heads)
     if args.dot and Path(args.dot).is_dir():
         raise CliError(f"--dot {args.dot}: is a folder; give a file name, e.g. {Path(args.dot) / 'graphs.dot'}")
-    dots, refused, first = [], 0, True
-    for spec in concrete_specs(args.specs, expand_spaces=True):
+    dots, refused, first, notes = [], 0, True, []
+    specs = concrete_specs(args.specs, expand_spaces=True, notes=notes)
+    for note in notes:   # a space's refused configs, as `tiledsl check` lists them
+        print(note)
+    for spec in specs:
         if not first:
             print("=" * 100)
         first = False

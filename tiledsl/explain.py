@@ -88,19 +88,26 @@ def op_table(graph: ScheduleGraph) -> list[str]:
 
 
 def budget_lines(graph: ScheduleGraph) -> list[str]:
-    b = graph.budget
-    lines = [f"shared memory per block (limit {b.shared_limit} B on {b.arch}):"]
-    for item in b.shared:
-        lines.append(f"    {item.name:<20} {item.amount:>8} B   {item.formula}")
-    lines.append(f"    {'total':<20} {b.shared_total:>8} B   {100 * b.shared_total / b.shared_limit:.0f}% of "
-                 f"{b.shared_limit}")
-    lines.append(f"registers per thread (estimate, limit {b.register_limit}; {b.threads} threads per block):")
-    for item in b.registers:
-        lines.append(f"    {item.name:<20} {item.amount:>8}     {item.formula}")
-    lines.append(f"    {'total':<20} {b.register_total:>8}     of {b.register_limit}")
+    """The kernel's layout (layout.py): the same numbers the lowering writes into the kernel."""
+    lay = graph.layout
+    lines = [f"shared memory per block (limit {lay.smem_limit} B on {lay.arch}"
+             + ("" if lay.generated else "; the graph's dense-tile model, no template") + "):"]
+    for b in lay.buffers:
+        where = f"reuses {b.reuses}'s bytes" if b.reuses else f"at {b.offset}"
+        detail = ", ".join(x for x in (where, b.layout) if x)
+        lines.append(f"    {b.name:<20} {b.bytes:>8} B   {b.formula}   ({detail})")
+    lines.append(f"    {'total':<20} {lay.smem_bytes:>8} B   {100 * lay.smem_bytes / lay.smem_limit:.0f}% of "
+                 f"{lay.smem_limit}")
+    lines.append(f"registers per thread (estimate, limit {lay.register_limit}; {lay.threads} threads per block):")
+    for r in lay.registers:
+        lines.append(f"    {r.name:<20} {r.amount:>8}     {r.formula}")
+    lines.append(f"    {'total':<20} {lay.register_estimate:>8}     of {lay.register_limit} (accumulators and "
+                 f"allowance {lay.accumulator_registers} must fit)")
     for role, info in graph.roles.items():
         regs = f", {info['registers']} registers (setmaxnreg)" if info.get("registers") else ""
         lines.append(f"    role {role}: {info['threads']} threads{regs}")
+    lines.append(f"    {lay.resident_blocks} block(s) resident per SM (limited by {lay.limit_reason}); "
+                 f"launch bounds promise {lay.min_blocks_per_sm}")
     return lines
 
 
@@ -142,7 +149,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})" + (f": {t.split_reason}" if t.split_reason else ""),
                 ""]
     if spec.family is Family.FA2 and plan is not None:
-        out += [_launch_order_line(spec, plan, batch * heads, -(-nq // s.tile_q), limits), ""]
+        out += [_launch_order_line(spec, graph.layout, batch * heads, -(-nq // s.tile_q), limits), ""]
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
     out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
@@ -228,9 +235,7 @@ def _blocks_per_sm(spec, plan) -> int:
     return decode_blocks_per_sm(plan)
 
 
-def _launch_order_line(spec, plan, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
-    """block_order.py's choice for this shape, with resident blocks from the plan's estimates."""
+def _launch_order_line(spec, layout, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
+    """block_order.py's choice for this shape, with resident blocks from the layout."""
     from .block_order import describe
-    from .device_limits import resident_blocks
-    per_sm, _ = resident_blocks(limits, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
-    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(per_sm, 1))
+    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(layout.resident_blocks, 1))

@@ -128,7 +128,7 @@ class ScheduleGraph:
         self.carried: list[Carry] = []
         self.facts: set[str] = set()            # what passes have established ("shapes", ...)
         self.sizes: dict[str, int | None] = {}  # Br, Bc, d, dv, ... (shape inference)
-        self.budget = None                      # on-chip budget (legality)
+        self.layout = None                      # every size of the kernel (legality: layout.py)
         self.roles: dict[str, dict] = {}        # role -> warps, threads, registers (warp roles)
         self.order: tuple[str, ...] | None = None   # emission order (emission order pass)
 

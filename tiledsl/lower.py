@@ -1,7 +1,8 @@
 """Lowering: KernelSpec -> KernelPlan, the plain data a template renders.
 
-All arithmetic on sizes happens here (shared-memory layout, fragment counts, cp.async group
-bookkeeping, register estimates); templates only loop and branch over the plan's fields.
+Sizes come from the layout pass (layout.py: shared-memory buffers, register estimates, launch
+bounds); lowering names them as the plan's constants, and templates only loop and branch over the
+plan's fields.
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .graph import Op, ScheduleGraph, build_graph
+from .layout import Layout, cp_async_pending, layout_of, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
 from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
-SMEM_ALIGN = 128
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
-REGISTER_OVERHEAD = 40   # addresses, indices, loop state: measured ballpark from ptxas reports
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,6 @@ class KernelPlan:
         return (("loop_kv", self.loop_body),)
 
 
-def _align(n: int) -> int:
-    return (n + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
-
-
-def tile_row_bytes(dim: int) -> tuple[int, bool]:
-    """Bytes per shared-memory row of a 16-bit tile with `dim` columns, and whether it is swizzled.
-    Rows of a multiple of 64 elements are XOR-swizzled; others get one 16-byte pad."""
-    if dim % 64 == 0:
-        return dim * 2, True
-    return (dim + 8) * 2, False
-
-
 def _where(spec: KernelSpec, key: str) -> str:
     span = spec.span_of(key)
     if span is None:
@@ -154,6 +142,15 @@ def tile_row_constants(qk_row: int, qk_swizzle: bool, v_row: int, v_swizzle: boo
         Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
         Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V (and O) tiles"),
         Constant("V_SWIZZLE", "bool", v_swizzle),
+    ]
+
+
+def smem_constants(lay: Layout) -> list[Constant]:
+    """The kernel's shared-memory total and the limit its static_assert checks it against (both
+    from the layout)."""
+    return [
+        Constant("SMEM_BYTES", "u32", lay.smem_bytes),
+        Constant("SMEM_LIMIT", "u32", lay.smem_limit, f"opt-in shared memory per block on {lay.arch}"),
     ]
 
 
@@ -214,13 +211,13 @@ def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
             return []   # issued with K (own cp.async group) by prefetch_kv
         if kind == "wait" and op.barrier.startswith("k"):
             steps = [LoopOp("wait_k", where, "wait for K_j (V_j and later tiles may still be in flight)",
-                            pending=1 if stages == 1 else 2 * stages - 3)]
+                            pending=cp_async_pending(Family.FA2, stages, "k"))]
             if stages > 1:
                 steps.append(LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer freed last step",
                                     distance=stages - 1))
             return steps
         if kind == "wait":
-            return [LoopOp("wait_v", where, "wait for V_j", pending=0 if stages == 1 else 2 * stages - 2)]
+            return [LoopOp("wait_v", where, "wait for V_j", pending=cp_async_pending(Family.FA2, stages, "v"))]
         if kind in ("mma_qk", "mask", "online_softmax", "mma_pv"):
             return [LoopOp(kind, where, op.text or LOOP_TEXT[kind])]
         if kind == "rescale_o":
@@ -256,37 +253,12 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     p, s = spec.problem, spec.schedule
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"the fa2 template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
-    rows_per_warp = s.tile_q // s.warps
-    _require(rows_per_warp % 16 == 0 and rows_per_warp > 0, spec, "warps",
-             f"{s.warps} warps along q give {s.tile_q}/{s.warps} rows per warp; fa2 needs a multiple of 16")
-    _require(s.tile_kv % 16 == 0 and p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "tile",
-             "fa2 needs tile kv and head dims that are multiples of 16 (mma m16n8k16)")
-    m_tiles = rows_per_warp // 16
-    threads = s.warps * 32
+    lay = layout_of(spec, H200, min_blocks_per_sm=min_blocks_per_sm, q_in_registers=q_in_registers)
+    rows_per_warp, m_tiles, threads = lay.rows_per_warp, lay.rows_per_warp // 16, lay.threads
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
-
-    acc_o, acc_s = m_tiles * p.head_dim_v // 2, m_tiles * s.tile_kv // 2
-    q_regs, k_frag = m_tiles * p.head_dim_qk // 4, s.tile_kv // 4
-    base_estimate = acc_o + acc_s + k_frag + REGISTER_OVERHEAD
-    if q_in_registers is None:
-        q_in_registers = base_estimate + q_regs <= 255
-    register_estimate = base_estimate + (q_regs if q_in_registers else 0)
-
-    q_bytes = s.tile_q * qk_row
-    k_stage, v_stage = s.tile_kv * qk_row, s.tile_kv * v_row
-    q_offset = 0
-    k_offset = _align(q_offset + q_bytes)
-    v_offset = _align(k_offset + s.stages * k_stage)
-    end = _align(v_offset + s.stages * v_stage)
-    # O is staged through Q's rows when the layouts match (each warp reuses only its own rows).
-    if (v_row, v_swizzle) == (qk_row, qk_swizzle):
-        o_offset = q_offset
-    else:
-        o_offset, end = end, _align(end + s.tile_q * v_row)
-    smem = end
-    if min_blocks_per_sm is None:
-        min_blocks_per_sm = 2 if register_estimate <= 128 - 8 and 2 * smem <= H200.max_shared_per_block else 1
+    q_in_registers, smem = lay.q_in_registers, lay.smem_bytes
+    q, k, v = lay.buffer("Q"), lay.buffer("K"), lay.buffer("V")
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
@@ -300,9 +272,9 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         Constant("S_TILES", "int", s.tile_kv // 8, "8-column mma tiles of S per row block"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
         *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
-        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
-        Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
-        Constant("SMEM_BYTES", "u32", smem),
+        *kv_buffer_constants(s.stages, q.offset, k.offset, k.stage_bytes, v.offset, v.stage_bytes),
+        Constant("O_OFFSET", "u32", lay.buffer("O staging").offset, "O staging for coalesced stores"),
+        *smem_constants(lay),
         Constant("Q_PENDING_GROUPS", "int", 2 * (s.stages - 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
@@ -310,4 +282,5 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     ]
     regions = fa2_regions(spec)
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
-                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate)
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
+                     lay.register_estimate)

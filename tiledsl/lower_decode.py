@@ -9,23 +9,20 @@ normalised O (fp32) and LSE to a workspace; the last split of each (batch, kv he
 merges them (an atomic ticket), so a call is one launch. With one split the block writes the
 final output directly.
 
-Sizes are derived here; the template only names them.
+Sizes come from layout.py (its _decode); the template only names them.
 """
 from __future__ import annotations
 
-from .device_limits import H200, SMEM_RESERVED_PER_BLOCK, resident_blocks
-from .errors import SpecError
+from .device_limits import H200, resident_blocks
 from dataclasses import replace
 
 from .graph import Op, build_graph
-from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
-                    graph_loop_body, kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes,
-                    tile_row_constants)
+from .layout import DECODE_COMBINE_PAD_FLOATS, cp_async_pending, layout_of
+from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, graph_loop_body,
+                    kv_buffer_constants, make_plan, smem_constants, softmax_constants, tile_row_bytes, tile_row_constants)
 from .passes import run_passes
 from .spec import DType, Family, KernelSpec
 
-COMBINE_PAD_FLOATS = 4             # pad each staged O row so the quads' float2 stores spread banks
-REGISTER_OVERHEAD = 40             # addresses, indices, loop state (same ballpark as lower.py)
 
 
 def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
@@ -54,17 +51,19 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True)
                            "before waiting for tile j", distance=stages - 1)]
         if kind == "wait" and op.barrier.startswith("k"):
             if stages == 1:
-                return [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j may still be in flight)", pending=1)]
+                return [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j may still be in flight)", pending=cp_async_pending(Family.DECODE, 1, "k"))]
             steps = [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
-                            pending=2 * stages - 1 if prefetch_first else 2 * stages - 3)]
+                            pending=cp_async_pending(Family.DECODE, stages, "k", prefetch_first))]
             if not prefetch_first:
                 steps.append(LoopOp("prefetch_kv", where, f"prefetch the warp's slice of K, V of tile j+{stages - 1} "
                                     "into the buffer it freed last step", distance=stages - 1))
             return steps
         if kind == "wait":
             if stages == 1:
-                return [LoopOp("wait_v", where, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)", pending=1)]
-            return [LoopOp("wait_v", where, "wait for the warp's slice of V_j", pending=2 * stages - 2)]
+                return [LoopOp("wait_v", where, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)",
+                                pending=cp_async_pending(Family.DECODE, 1, "v"))]
+            return [LoopOp("wait_v", where, "wait for the warp's slice of V_j",
+                            pending=cp_async_pending(Family.DECODE, stages, "v"))]
         if kind == "mma_qk":
             step = LoopOp("mma_qk", where, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)")
             return [step] + _refill("k", _where(spec, "pipeline")) if stages == 1 else [step]
@@ -104,45 +103,14 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
              f"the decode template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
     _require(p.queries_per_seq is not None and p.queries_per_seq >= 1, spec, "queries",
              "the decode template needs `queries = N` (N >= 1)")
-    # Two 16-row tiles (O alone 128 registers a thread) spill at 255 registers; groups of more
-    # than 16 packed rows run as several row tiles instead, each in its own block.
-    _require(s.tile_q == 16, spec, "tile",
-             f"decode packs query rows into one 16-row MMA tile; tile q = {s.tile_q} is not 16 (larger "
-             "kv groups are split into several row tiles at launch)", "tile q = 16")
-    _require(tile_kv % (16 * s.warps) == 0 and tile_kv > 0, spec, "warps",
-             f"{s.warps} warps along kv give tile kv = {tile_kv} / {s.warps} keys per warp; decode needs a multiple of 16")
-    _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
-             "decode needs head dims that are multiples of 16 (mma m16n8k16)")
-    _require(stages >= 1, spec, "pipeline", "decode needs at least one pipeline stage")
-
-    threads = s.warps * 32
-    m_tiles = s.tile_q // 16
-    keys_per_warp = tile_kv // s.warps
+    lay = layout_of(spec, H200, stages=stages, tile_kv=tile_kv)
+    threads, keys_per_warp, smem, q_in_registers = lay.threads, lay.keys_per_warp, lay.smem_bytes, lay.q_in_registers
+    m_tiles, min_blocks_per_sm = s.tile_q // 16, lay.min_blocks_per_sm
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
-
-    # Shared memory: Q once, then STAGES K/V buffers. After the kv loop the same bytes hold the
-    # warps' states for the combine (Q is no longer read, the pipeline is drained).
-    q_offset = 0
-    k_offset = _align(q_offset + s.tile_q * qk_row)
-    k_stage, v_stage = tile_kv * qk_row, tile_kv * v_row
-    v_offset = _align(k_offset + stages * k_stage)
-    end = _align(v_offset + stages * v_stage)
-    combine_row_floats = p.head_dim_v + COMBINE_PAD_FLOATS
-    combine_bytes = 4 * (s.tile_q * combine_row_floats + (s.warps + 2) * s.tile_q)   # combine.cuh's contract
-    smem = max(end, _align(combine_bytes))
-    if smem > H200.max_shared_per_block:
-        raise SpecError(f"decode needs {smem} B of shared memory ({stages} stages x {k_stage + v_stage} B of K/V "
-                        f"+ Q); an sm_90 block may use {H200.max_shared_per_block}", spec.span_of("pipeline"),
-                        spec.source_text, "use fewer stages or a smaller tile kv")
-    blocks_per_sm = max(1, H200.shared_per_sm // (smem + SMEM_RESERVED_PER_BLOCK))
-    # Registers: O (M_TILES x DV/8 x 4), S (M_TILES x keys/8 x 4) and Q fragments (M_TILES x D/4).
-    # Q stays in registers when that fits (one 16-row tile: yes); else mma_qk reads it from shared.
-    base_estimate = m_tiles * p.head_dim_v // 2 + m_tiles * keys_per_warp // 2 + REGISTER_OVERHEAD
-    q_in_registers = base_estimate + m_tiles * p.head_dim_qk // 4 <= 255
-    register_estimate = base_estimate + (m_tiles * p.head_dim_qk // 4 if q_in_registers else 0)
-    # Never ask ptxas for more than 2 blocks' worth of registers: 2 x 128 threads still allow 255.
-    min_blocks_per_sm = min(blocks_per_sm, 2)
+    q, k, v, combine = (lay.buffer(name) for name in ("Q", "K", "V", "warp partials"))
+    k_stage, v_stage = k.stage_bytes, v.stage_bytes
+    blocks_per_sm = max(1, lay.blocks_by_shared)
     # One stage: the K and V buffers are refilled half a step apart, so about one tile is in flight.
     bytes_in_flight = (stages - 1) * (k_stage + v_stage) if stages > 1 else k_stage + v_stage
 
@@ -160,11 +128,12 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("WARP_V_BYTES", "u32", keys_per_warp * v_row, "offset of a warp's key slice in a V tile"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O"),
         *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
-        *kv_buffer_constants(stages, q_offset, k_offset, k_stage, v_offset, v_stage),
-        Constant("COMBINE_OFFSET", "u32", 0, "warp states for the combine reuse the Q/K/V bytes"),
-        Constant("COMBINE_ROW_FLOATS", "int", combine_row_floats, "staged O row, padded against bank conflicts"),
-        Constant("COMBINE_BYTES", "u32", combine_bytes),
-        Constant("SMEM_BYTES", "u32", smem),
+        *kv_buffer_constants(stages, q.offset, k.offset, k_stage, v.offset, v_stage),
+        Constant("COMBINE_OFFSET", "u32", combine.offset, "warp states for the combine reuse the Q/K/V bytes"),
+        Constant("COMBINE_ROW_FLOATS", "int", p.head_dim_v + DECODE_COMBINE_PAD_FLOATS,
+                 "staged O row, padded against bank conflicts"),
+        Constant("COMBINE_BYTES", "u32", combine.bytes),
+        *smem_constants(lay),
         Constant("Q_PENDING_GROUPS", "int", 2 * max(stages - 1, 1), "cp.async groups issued after Q's"),
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
@@ -196,7 +165,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     if not prefetch_first:
         name += "__wait_first"
     return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
-                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, lay.register_estimate,
                      kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope)
 
 

@@ -13,7 +13,7 @@ Two warp splits:
                  the partial (m, l, O) of the warps are combined through shared memory
                  (combine.cuh: combine_warp_states) and the block stores the rows from there.
 
-All sizes are derived here; the template only names them (STYLE.md 1).
+All sizes come from layout.py (its _fa1); the template only names them (STYLE.md 1).
 """
 from __future__ import annotations
 
@@ -21,18 +21,13 @@ from dataclasses import dataclass
 
 from .device_limits import H200
 from .graph import Op, OpKind
-from .lower import (REGISTER_OVERHEAD, Constant, KernelPlan, Launch, LoopOp, Region, _align, _require, _where,
-                    graph_loop_body, kv_buffer_constants, make_plan, softmax_constants, tile_row_bytes,
-                    tile_row_constants)
+from .layout import FA1_COMBINE_PAD_FLOATS, Buffer, cp_async_pending, layout_of  # noqa: F401
+from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, graph_loop_body, kv_buffer_constants,
+                    make_plan, smem_constants, softmax_constants, tile_row_bytes, tile_row_constants)
 from .passes import run_passes
 from .spec import Axis, DType, Family, KernelSpec
 
 SHARED_LIMIT = H200.max_shared_per_block   # sm_90 opt-in shared memory per block (227 KB)
-MAX_REGISTERS = 255
-ACCUMULATOR_BUDGET = 128       # O + S accumulator registers per thread that leave room (measured with ptxas) for
-                               # fragments, addresses and the combine without spills
-COMBINE_PAD_FLOATS = 8         # pad rows of the fp32 combine tile: float2 fragment stores of a half-warp
-                               # then cover rows r..r+3 at 8-word offsets, 32 distinct banks
 
 
 @dataclass(frozen=True)
@@ -71,9 +66,9 @@ def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], 
                     LoopOp("prefetch_kv", where, "load K_j, V_j", distance=0)]
         if kind == "wait" and op.barrier == "kv_ready":
             if stages == 1:
-                return [LoopOp("wait_kv", where, "wait for K_j, V_j", pending=0)]
+                return [LoopOp("wait_kv", where, "wait for K_j, V_j", pending=cp_async_pending(Family.FA1, 1, "kv"))]
             return [LoopOp("wait_kv", where, f"wait for K_j, V_j (up to {stages - 2} later tiles stay in flight)",
-                           pending=stages - 2),
+                           pending=cp_async_pending(Family.FA1, stages, "kv")),
                     LoopOp("prefetch_kv", where, f"prefetch K, V of tile j+{stages - 1} into the buffer tile j-1 used",
                            distance=stages - 1)]
         if kind == "wait":   # q_free, scratch_free: a buffer the previous trip still reads
@@ -104,80 +99,18 @@ def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], 
     return tuple(graph_loop_body(graph, loop, lower_op) for loop in ("loop_kv", "loop_q", "loop_rows"))
 
 
-def rows_per_pass(spec: KernelSpec) -> int:
-    """Split-K: how many of the q tile's rows a warp holds at a time. Every warp keeps a partial O
-    of all the rows it works on, so a 64-row tile at d64 would need 128 accumulator registers for
-    O alone; the tile is walked in passes of the most rows whose O and S fit ACCUMULATOR_BUDGET."""
-    p, s = spec.problem, spec.schedule
-    keys_per_warp = s.tile_kv // s.warps
-    m_tiles = s.tile_q // 16
-    while m_tiles > 1 and ((s.tile_q // 16) % m_tiles or m_tiles * (p.head_dim_v + keys_per_warp) // 2 > ACCUMULATOR_BUDGET):
-        m_tiles -= 1
-    return 16 * m_tiles
-
-
 def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows: int | None = None) -> KernelPlan:
     p, s = spec.problem, spec.schedule
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"the fa1 template computes with fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
-    _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
-             f"fa1 needs head dims that are multiples of 16 (mma m16n8k16, ldmatrix.x4), got {p.head_dim_qk}/{p.head_dim_v}")
+    lay = layout_of(spec, H200, min_blocks_per_sm=min_blocks_per_sm, pass_rows=pass_rows)
     split_k = s.warp_axis is Axis.KV
-    if split_k:
-        keys_per_warp = s.tile_kv // s.warps
-        _require(s.tile_q % 16 == 0, spec, "tile", f"tile q = {s.tile_q} is not a multiple of 16 (mma rows)",
-                 "use tile q = 16, 32 or 64")
-        rows_per_warp = pass_rows or rows_per_pass(spec)
-        _require(rows_per_warp % 16 == 0 and s.tile_q % rows_per_warp == 0, spec, "tile",
-                 f"split-K passes of {rows_per_warp} rows must be a multiple of 16 that divides tile q = {s.tile_q}")
-        _require(s.tile_kv % s.warps == 0 and keys_per_warp % 16 == 0, spec, "warps",
-                 f"{s.warps} warps along kv give {s.tile_kv}/{s.warps} keys each; fa1 split-K needs a multiple of 16",
-                 f"use tile kv = {16 * s.warps} or a multiple")
-    else:
-        rows_per_warp = s.tile_q // s.warps
-        keys_per_warp = s.tile_kv
-        _require(s.tile_q % s.warps == 0 and rows_per_warp % 16 == 0, spec, "warps",
-                 f"{s.warps} warps along q give {s.tile_q}/{s.warps} rows each; fa1 needs a multiple of 16",
-                 f"use tile q = {16 * s.warps} or a multiple")
-        _require(s.tile_kv % 16 == 0, spec, "tile", f"tile kv = {s.tile_kv} is not a multiple of 16",
-                 "use tile kv = 32, 64 or 128")
+    rows_per_warp, keys_per_warp, threads, smem = lay.rows_per_warp, lay.keys_per_warp, lay.threads, lay.smem_bytes
     m_tiles = rows_per_warp // 16
-    threads = s.warps * 32
-
-    # Registers per thread: O and S accumulators, one k-slice of Q fragments, a K fragment pair.
-    acc_o, acc_s = m_tiles * p.head_dim_v // 2, m_tiles * keys_per_warp // 2
-    register_estimate = acc_o + acc_s + 4 * m_tiles + 4 + REGISTER_OVERHEAD
-    _require(register_estimate <= MAX_REGISTERS, spec, "tile",
-             f"each thread would hold about {register_estimate} registers ({acc_o} of O, {acc_s} of S): over {MAX_REGISTERS}",
-             "use a smaller tile q" + (" (split-K warps each keep all tile-q rows of O)" if split_k else " or more warps"))
-
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
-    q_offset = 0
-    k_offset = _align(q_offset + s.tile_q * qk_row)
-    k_stage, v_stage = s.tile_kv * qk_row, s.tile_kv * v_row
-    v_offset = _align(k_offset + s.stages * k_stage)
-    end = _align(v_offset + s.stages * v_stage)
-    combine_row = p.head_dim_v + COMBINE_PAD_FLOATS
-    combine_bytes = 4 * rows_per_warp * (combine_row + s.warps + 2)
-    if split_k:
-        # o[rows][DV + pad], m per warp [WARPS][rows], combined m [rows], l [rows] (combine.cuh's layout)
-        o_offset, combine_offset = q_offset, end
-        end = _align(end + combine_bytes)
-    else:
-        combine_offset = 0
-        combine_bytes = 0
-        # The final O is staged through Q's rows when the layouts match (each warp its own rows).
-        if (v_row, v_swizzle) == (qk_row, qk_swizzle):
-            o_offset = q_offset
-        else:
-            o_offset, end = end, _align(end + s.tile_q * v_row)
-    smem = end
-    _require(smem <= SHARED_LIMIT, spec, "tile",
-             f"fa1 needs {smem} bytes of shared memory per block, over the {SHARED_LIMIT} of sm_90",
-             "use smaller tiles or fewer pipeline stages")
-    if min_blocks_per_sm is None:
-        min_blocks_per_sm = 1   # one block per (batch, head): rarely more blocks than SMs
+    q, k, v = lay.buffer("Q"), lay.buffer("K"), lay.buffer("V")
+    combine = lay.buffer("warp partials") if split_k else Buffer("warp partials", 0, 0, 0)
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per q tile (tile q)"),
@@ -195,12 +128,13 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
         Constant("S_TILES", "int", keys_per_warp // 8, "8-column mma tiles of S per row block"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
         *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
-        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
-        Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores (split-Q)"),
-        Constant("COMBINE_OFFSET", "u32", combine_offset, "fp32 combine tile (split-K)"),
-        Constant("COMBINE_ROW_FLOATS", "int", combine_row, "row of the combine tile, padded against bank conflicts"),
-        Constant("COMBINE_BYTES", "u32", combine_bytes),
-        Constant("SMEM_BYTES", "u32", smem),
+        *kv_buffer_constants(s.stages, q.offset, k.offset, k.stage_bytes, v.offset, v.stage_bytes),
+        Constant("O_OFFSET", "u32", lay.buffer("O staging").offset, "O staging for coalesced stores (split-Q)"),
+        Constant("COMBINE_OFFSET", "u32", combine.offset, "fp32 combine tile (split-K)"),
+        Constant("COMBINE_ROW_FLOATS", "int", p.head_dim_v + FA1_COMBINE_PAD_FLOATS,
+                 "row of the combine tile, padded against bank conflicts"),
+        Constant("COMBINE_BYTES", "u32", combine.bytes),
+        *smem_constants(lay),
         Constant("Q_IN_REGISTERS", "bool", False, "Q changes every inner step: fragments come from shared memory"),
         Constant("Q_REG_TILES", "int", 1),
         *softmax_constants(p),
@@ -219,6 +153,6 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     notes = (f"workspace: O fp32 (batch, heads, q_len, {p.head_dim_v}), m and l fp32 (batch, heads, q_len); "
              "allocated by the runtime per call, never initialised (a q tile's first kv tile starts from empty)",)
     return make_plan(spec, Family.FA1, consts, regions, per_tile,
-                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, register_estimate,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm, lay.register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,
                      kv_groups_per_tile=1)

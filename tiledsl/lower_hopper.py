@@ -18,23 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device_limits import H200
-from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, make_plan, mma_instruction,
+from .layout import layout_of
+from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, make_plan, mma_instruction, smem_constants,
                     softmax_constants)
 from .lower_wgmma import WgmmaAsm
-from .spec import DType, Family, KernelSpec
+from .spec import Family, KernelSpec
 
+PANEL_ROW_BYTES = 128     # a 64-column panel row of 16-bit values: one TMA box row, one swizzle row
 WARPGROUP_THREADS = 128
-WGMMA_ROWS = 64           # rows of one consumer's m64 wgmma
-PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel (one TMA box is one panel)
-PANEL_ROW_BYTES = 128
-SWIZZLE_ATOM = 1024       # 8 swizzled 128-byte rows: panels start on this alignment
-TMA_BOX_MAX = 256         # rows of one TMA box
-BARRIER_BYTES = 8
-REGISTER_OVERHEAD = 16     # consumers keep loop state and barrier addresses; the producer computes the copies
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 @dataclass(frozen=True)
@@ -95,43 +86,11 @@ def consumer_ops(spec: KernelSpec) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ..
 def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
-    _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
-             f"the hopper family computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
-    _require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0 and p.head_dim_v <= p.head_dim_qk,
-             spec, "head_dim", f"the hopper family loads 64-column TMA panels and stages O in Q's: head dims must be "
-             f"multiples of 64 with head_dim_v <= head_dim, got {p.head_dim_qk}/{p.head_dim_v}",
-             "head_dim = 64, 128 or 256; other head dims: the fa2 family")
-    _require(16 <= s.tile_kv <= TMA_BOX_MAX and s.tile_kv % 16 == 0, spec, "tile",
-             f"tile kv = {s.tile_kv}: a TMA box and a wgmma n hold at most {TMA_BOX_MAX} keys, in steps of 16",
-             "tile kv = 64, 128 or 176")
-    consumers = s.consumer_warpgroups
-    threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
+    lay = layout_of(spec, H200)   # every size and every resource rule of the family
+    consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
+    q, k, v, o, bars = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
     panel_q, panel_kv = s.tile_q * PANEL_ROW_BYTES, s.tile_kv * PANEL_ROW_BYTES
-    q_bytes = p.head_dim_qk // PANEL_COLUMNS * panel_q
-    k_stage = p.head_dim_qk // PANEL_COLUMNS * panel_kv
-    v_stage = p.head_dim_v // PANEL_COLUMNS * panel_kv
-    q_offset = 0
-    k_offset = _align(q_offset + q_bytes, SWIZZLE_ATOM)
-    v_offset = _align(k_offset + s.stages * k_stage, SWIZZLE_ATOM)
-    kv_end = _align(v_offset + s.stages * v_stage, SWIZZLE_ATOM)
-    barriers = 2 + 4 * s.stages            # Q full and empty; K, V full and empty per stage
-    barrier_bytes = barriers * BARRIER_BYTES
-    o_bytes = p.head_dim_v // PANEL_COLUMNS * panel_q
-    # O gets its own panels when they fit, so the producer can load the next item's Q while the
-    # consumers store this one's O (persistent launch); else O is staged in Q's (dv <= d).
-    o_in_q = kv_end + o_bytes + barrier_bytes > H200.max_shared_per_block
-    o_offset = q_offset if o_in_q else kv_end
-    bar_offset = kv_end if o_in_q else kv_end + o_bytes
-    smem = bar_offset + barrier_bytes
-    _require(smem <= H200.max_shared_per_block, spec, "pipeline",
-             f"Q ({q_bytes} B) and {s.stages} stages of {s.tile_kv}-key K/V tiles ({k_stage + v_stage} B each) need "
-             f"{smem} B of shared memory (limit {H200.max_shared_per_block})", "fewer stages or a smaller tile kv")
-    register_estimate = p.head_dim_v // 2 + s.tile_kv // 2 + s.tile_kv // 4 + REGISTER_OVERHEAD
-    _require(register_estimate <= s.consumer_regs, spec, "warpgroups",
-             f"a consumer holds ~{register_estimate} registers per thread (O {p.head_dim_v // 2}, S {s.tile_kv // 2}, "
-             f"P {s.tile_kv // 4}, {REGISTER_OVERHEAD} for addresses), over its budget of {s.consumer_regs}",
-             "a smaller tile kv, or more consumer regs")
-
+    o_in_q = o.reuses == "Q"
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
         Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
@@ -147,24 +106,24 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         Constant("S_TILES", "int", s.tile_kv // 8, "8-column tiles of S in a thread's accumulators"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
         Constant("STAGES", "int", s.stages, "K/V ring stages"),
-        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("Q_OFFSET", "u32", q.offset),
         Constant("Q_PANEL_BYTES", "u32", panel_q, "64 columns of every Q row: one TMA box"),
-        Constant("Q_BYTES", "u32", q_bytes, "transaction bytes of Q's full barrier"),
-        Constant("K_OFFSET", "u32", k_offset),
+        Constant("Q_BYTES", "u32", q.bytes, "transaction bytes of Q's full barrier"),
+        Constant("K_OFFSET", "u32", k.offset),
         Constant("K_PANEL_BYTES", "u32", panel_kv),
-        Constant("K_STAGE_BYTES", "u32", k_stage, "one K tile: transaction bytes of its full barrier"),
-        Constant("V_OFFSET", "u32", v_offset),
+        Constant("K_STAGE_BYTES", "u32", k.stage_bytes, "one K tile: transaction bytes of its full barrier"),
+        Constant("V_OFFSET", "u32", v.offset),
         Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
-        Constant("V_STAGE_BYTES", "u32", v_stage, "one V tile: transaction bytes of its full barrier"),
-        Constant("O_OFFSET", "u32", o_offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
-        Constant("BAR_OFFSET", "u32", bar_offset, "mbarriers"),
+        Constant("V_STAGE_BYTES", "u32", v.stage_bytes, "one V tile: transaction bytes of its full barrier"),
+        Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
+        Constant("BAR_OFFSET", "u32", bars.offset, "mbarriers"),
         Constant("Q_FULL_BAR", "int", 0),
         Constant("Q_EMPTY_BAR", "int", 1),
         Constant("K_FULL_BAR", "int", 2),
         Constant("V_FULL_BAR", "int", 2 + s.stages),
         Constant("K_EMPTY_BAR", "int", 2 + 2 * s.stages),
         Constant("V_EMPTY_BAR", "int", 2 + 3 * s.stages),
-        Constant("SMEM_BYTES", "u32", smem),
+        *smem_constants(lay),
         Constant("TURN_BAR", "int", 1, "ping-pong: named barrier of consumer c is TURN_BAR + c"),
         Constant("TURN_THREADS", "int", 2 * WARPGROUP_THREADS, "a consumer waits, the one before it arrives"),
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
@@ -175,7 +134,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
     regions = {
         "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
         "producer": Region(_where(spec, "warpgroups"), f"producer warpgroup: {s.producer_regs} registers, one thread issues TMA copies"),
-        "load_q": Region(_where(spec, "tile"), f"Q tile ({s.tile_q} x {p.head_dim_qk}) once, as {p.head_dim_qk // PANEL_COLUMNS} swizzled 64-column panels"),
+        "load_q": Region(_where(spec, "tile"), f"Q tile ({s.tile_q} x {p.head_dim_qk}) per work item, as 64-column swizzled panels (one TMA box each)"),
         "load_kv": Region(_where(spec, "pipeline"), f"K, V tiles through a {s.stages}-stage ring: wait for the slot's empty barrier, then copy onto its full barrier"),
         "consumer": Region(_where(spec, "warpgroups"), f"{consumers} consumer warpgroup(s): {s.consumer_regs} registers, 64 query rows each"),
         "kv_loop": Region(_where(spec, "order"), "q outer (one block per q tile), kv inner" + ("; intra-warpgroup overlap" if s.intra_overlap else "")
@@ -183,7 +142,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         "epilogue": Region(_where(spec, "order"), "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
     }
     return make_plan(spec, Family.HOPPER, consts, regions, body,
-                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
                      loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)

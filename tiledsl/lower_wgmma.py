@@ -7,7 +7,7 @@ between the two GEMMs); only the tensor-core instruction changes. Each warpgroup
 O += P V an m64n{dv}k16 wgmma with P from registers and V in shared memory read transposed. Q,
 K and V are stored as 64-column panels with the 128-byte swizzle wgmma reads (wgmma.cuh.j2).
 
-Sizes are derived here; the template only names them.
+Sizes come from layout.py (its _fa2_wgmma); the template only names them.
 """
 from __future__ import annotations
 
@@ -15,15 +15,10 @@ from dataclasses import dataclass
 
 from .device_limits import H200
 from .graph import Op
+from .layout import WARPGROUP_WARPS, layout_of, tile_row_bytes  # noqa: F401
 from .lower import (Constant, KernelPlan, Launch, _require, fa2_loop_body, fa2_regions, kv_buffer_constants, make_plan,
-                    mma_instruction, softmax_constants, tile_row_bytes)
+                    mma_instruction, smem_constants, softmax_constants)
 from .spec import DType, Family, KernelSpec
-
-WARPGROUP_WARPS = 4
-WGMMA_ROWS = 64           # rows of one warpgroup's m64 wgmma
-PANEL_COLUMNS = 64        # 16-bit columns per 128-byte swizzled panel
-SWIZZLE_ATOM = 1024       # bytes of 8 swizzled 128-byte rows: panels start on this alignment
-REGISTER_OVERHEAD = 40
 
 
 @dataclass(frozen=True)
@@ -42,42 +37,15 @@ class WgmmaAsm:
         return cls(n, registers, tuple(range(registers)), tuple(range(registers, registers + operands_after)))
 
 
-def _align_atom(n: int) -> int:
-    return (n + SWIZZLE_ATOM - 1) // SWIZZLE_ATOM * SWIZZLE_ATOM
-
-
 def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
     p, s = spec.problem, spec.schedule
     _require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
              f"wgmma computes in fp16 or bf16 here, not {p.dtype.value}", "dtype = bf16 or fp16")
-    _require(s.warps % WARPGROUP_WARPS == 0 and s.tile_q == s.warps // WARPGROUP_WARPS * WGMMA_ROWS, spec, "warps",
-             f"wgmma needs whole warpgroups of 4 warps, each owning {WGMMA_ROWS} query rows: tile q = {s.tile_q} "
-             f"with {s.warps} warps is not {WGMMA_ROWS} rows per warpgroup", "e.g. tile q = 128 with warps 8 along q")
-    _require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0, spec, "head_dim",
-             f"the wgmma layout stores 64-column panels: head dims must be multiples of 64, got "
-             f"{p.head_dim_qk}/{p.head_dim_v}", "head_dim = 64, 128 or 256")
-    _require(s.tile_kv % 16 == 0 and 16 <= s.tile_kv <= 256 and p.head_dim_v <= 256, spec, "tile",
-             f"wgmma n must be a multiple of 16 up to 256: tile kv = {s.tile_kv}, head dim v = {p.head_dim_v}")
-    warpgroups = s.warps // WARPGROUP_WARPS
+    lay = layout_of(spec, H200)
+    warpgroups, threads, smem = s.warps // WARPGROUP_WARPS, lay.threads, lay.smem_bytes
     mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
-    threads = s.warps * 32
-    _require(threads % (p.head_dim_qk // 8) == 0 and (threads // (p.head_dim_qk // 8)) % 8 == 0, spec, "warps",
-             f"{threads} threads do not copy whole groups of 8 rows of a {p.head_dim_qk}-wide tile per pass")
-
-    q_bytes, k_stage, v_stage = s.tile_q * p.head_dim_qk * 2, s.tile_kv * p.head_dim_qk * 2, s.tile_kv * p.head_dim_v * 2
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
-    q_offset = 0
-    k_offset = _align_atom(q_offset + q_bytes)
-    v_offset = _align_atom(k_offset + s.stages * k_stage)
-    end = _align_atom(v_offset + s.stages * v_stage)
-    # O is staged for coalesced stores in Q's space once every warpgroup is past its last Q K^T.
-    o_offset = q_offset if s.tile_q * v_row <= q_bytes else end
-    smem = max(end, o_offset + s.tile_q * v_row)
-    _require(smem <= H200.max_shared_per_block, spec, "pipeline",
-             f"{s.stages} stages of {s.tile_kv}-key K/V tiles need {smem} B of shared memory (limit {H200.max_shared_per_block})",
-             "fewer stages or a smaller tile kv")
-    acc_o, acc_s = p.head_dim_v // 2, s.tile_kv // 2
-    register_estimate = acc_o + acc_s + s.tile_kv // 4 + REGISTER_OVERHEAD
+    q, k, v = lay.buffer("Q"), lay.buffer("K"), lay.buffer("V")
 
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
@@ -86,18 +54,18 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("WARPS", "int", s.warps, f"{warpgroups} warpgroups along q"),
         Constant("THREADS", "int", threads),
-        Constant("ROWS_PER_WARP", "int", 16, "a warp's slice of its warpgroup's 64 rows"),
+        Constant("ROWS_PER_WARP", "int", lay.rows_per_warp, "a warp's slice of its warpgroup's 64 rows"),
         Constant("M_TILES", "int", 1),
         Constant("S_TILES", "int", s.tile_kv // 8, "8-column tiles of S in a thread's accumulators"),
         Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
         Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of the O staging tile"),
         Constant("V_SWIZZLE", "bool", v_swizzle),
-        *kv_buffer_constants(s.stages, q_offset, k_offset, k_stage, v_offset, v_stage),
-        Constant("O_OFFSET", "u32", o_offset, "O staging for coalesced stores"),
-        Constant("SMEM_BYTES", "u32", smem),
+        *kv_buffer_constants(s.stages, q.offset, k.offset, k.stage_bytes, v.offset, v.stage_bytes),
+        Constant("O_OFFSET", "u32", lay.buffer("O staging").offset, "O staging for coalesced stores"),
+        *smem_constants(lay),
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
-                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, register_estimate,
-                     mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5))
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
+                     lay.register_estimate, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5))

@@ -8,20 +8,19 @@ manager orders passes by those facts, runs each, then checks its promise with th
     shapes   ShapeInference   concrete Br, Bc, d, dv, element sizes on every op
     stages   Pipelining       ring depth and slot of every K/V load, barrier and reader
     roles    WarpRoles        warps, threads and register budget of each role
-    legal    Legality         MMA divisibility, shared memory and register estimates vs the GPU
+    legal    Legality         the kernel's Layout (layout.py): sizes, MMA shapes, resources vs the GPU
     order    EmissionOrder    a deterministic topological order, loop bodies contiguous
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import networkx as nx
 
 from .device_limits import H200, DeviceLimits
-from .errors import SpecError
 from .graph import EdgeKind, OpKind, Role, ScheduleGraph, Space, build_graph, kv_groups
-from .spec import AUTO, Axis, DTYPE_BYTES, DType, Family, KernelSpec, LoopOrder
+from .layout import cp_async_pending, layout_of
+from .spec import AUTO, DTYPE_BYTES, Family, KernelSpec
 
 
 class PassError(RuntimeError):
@@ -91,8 +90,10 @@ class Pipelining(Pass):
             elif op.kind is OpKind.LOAD_Q or tensors == "q":
                 graph.update(name, stages=1, buffer="0")
             if op.kind is OpKind.WAIT and state == "ready":   # cp.async tiles (TMA's full/empty are mbarriers)
+                # the number of groups the lowering's wait leaves in flight (layout.cp_async_pending)
+                pending = cp_async_pending(graph.family, depth, op.barrier.split("_")[0])
                 sync = "__syncwarp" if op.scope == "warp" else "__syncthreads"
-                graph.update(name, text=f"{op.text} (cp.async.wait_group; {sync})")
+                graph.update(name, text=f"{op.text} (cp.async.wait_group {pending}; {sync})")
             elif op.kind is OpKind.WAIT and state == "free":   # a buffer the previous trip read
                 graph.update(name, text=f"{op.text} (__syncthreads)")
 
@@ -141,171 +142,20 @@ class WarpRoles(Pass):
                 _promise(a.barrier == b.barrier, self, f"{u} -> {v} joins different barriers")
 
 
-@dataclass(frozen=True)
-class Item:
-    """One line of a budget: a shared buffer in bytes, or a register group per thread."""
-    name: str
-    amount: int
-    formula: str
-
-
-@dataclass(frozen=True)
-class Budget:
-    arch: str
-    shared: tuple[Item, ...]
-    shared_total: int
-    shared_limit: int
-    registers: tuple[Item, ...]
-    register_total: int
-    register_limit: int
-    threads: int
-
-
-def shared_items(graph: ScheduleGraph) -> list[Item]:
-    """Shared memory per buffer: Q, the K and V rings, split-K warp partials, mbarriers."""
-    z = graph.sizes
-    e, S, G = z["elem_bytes"], z["stages"], z["kv_groups"]
-    items = [Item("Q", z["Br"] * z["d"] * e, f"Br*d*{e} = {z['Br']}*{z['d']}*{e}"),
-             Item("K", S * z["Bc"] * z["d"] * e, f"{S}x Bc*d*{e} = {S}x {z['Bc']}*{z['d']}*{e}"),
-             Item("V", S * z["Bc"] * z["dv"] * e, f"{S}x Bc*dv*{e} = {S}x {z['Bc']}*{z['dv']}*{e}")]
-    if graph.has(OpKind.COMBINE_WARPS):
-        items.append(Item("warp partials", G * z["Br"] * (z["dv"] + 2) * 4,
-                          f"{G} warps x Br*(dv+2)*4 = {G}x {z['Br']}*{z['dv'] + 2}*4 (fp32 O, m, l)"))
-    if graph.family is Family.HOPPER:
-        count = 4 * S + 1   # full and empty per K and V slot, plus Q's
-        items.append(Item("mbarriers", 8 * count, f"{count} x 8"))
-    return items
-
-
-# Pointers, loop counters, the softmax scale and mask bounds: a rough allowance, not a count.
-ADDRESS_REGISTERS = 16
-
-
-def register_items(graph: ScheduleGraph) -> list[Item]:
-    """Per-thread 32-bit registers of the math warps' accumulators (an estimate; ptxas decides)."""
-    z, s = graph.sizes, graph.spec.schedule
-    T, G = z["mma_threads"], z["kv_groups"]
-    Br, Bc, dv = z["Br"], z["Bc"], z["dv"]
-    if graph.family is Family.HOPPER:
-        rows_per_warp = Br / max(4 * s.consumer_warpgroups, 1)
-    else:
-        rows_per_warp = Br if s.warp_axis is Axis.KV else Br / max(s.warps, 1)
-    # split-K: every warp keeps a whole Br x dv partial; split-Q: the threads share it.
-    o_threads = 32 if G > 1 else T
-    stats = 2 * 2 * math.ceil(rows_per_warp / 16)   # m and l; an mma thread holds 2 rows per 16
-    # P is not counted apart: it is converted from S in place (S dies as P is formed), which is
-    # how FA2's 128 x 128 x d64 / 4-warp config fits 255 registers.
-    return [Item("O accumulator", math.ceil(Br * dv / o_threads), f"Br*dv/{o_threads} = {Br}*{dv}/{o_threads}"),
-            Item("S/P accumulator", math.ceil(Br * Bc / T), f"Br*Bc/{T} = {Br}*{Bc}/{T}"),
-            Item("m, l", stats, f"2 x 2 rows x ceil({rows_per_warp:g}/16)"),
-            Item("addresses, indices", ADDRESS_REGISTERS, "allowance")]
-
-
 class Legality(Pass):
+    """Every size and resource rule lives in layout.py (the lowerings and the checker read the same
+    Layout); this pass attaches it to the graph for explain."""
     name = "legality"
     requires = frozenset({"shapes", "stages", "roles"})
     ensures = frozenset({"legal"})
 
     def run(self, graph, limits):
-        spec = graph.spec
-        self._structure(spec)
-        self._divisibility(graph)
-        shared, regs = shared_items(graph), register_items(graph)
-        threads = graph.sizes["threads"]
-        if graph.family is Family.HOPPER:
-            reg_limit = spec.schedule.consumer_regs or limits.max_registers_per_thread
-        else:
-            reg_limit = min(limits.max_registers_per_thread, limits.registers_per_sm // max(threads, 1))
-        graph.budget = Budget(limits.arch, tuple(shared), sum(i.amount for i in shared), limits.max_shared_per_block,
-                              tuple(regs), sum(i.amount for i in regs), reg_limit, threads)
-        self._threads(graph, limits)
-        self._shared(graph, limits)
-        self._registers(graph, limits)
+        graph.layout = layout_of(graph.spec, limits)
 
     def verify(self, graph):
-        b = graph.budget
-        _promise(b is not None and b.shared_total <= b.shared_limit and b.register_total <= b.register_limit,
-                 self, "budget over the limits")
-
-    @staticmethod
-    def _refuse(spec: KernelSpec, key: str, message: str, hint: str = ""):
-        raise SpecError(message, spec.span_of(key), spec.source_text, hint)
-
-    def _structure(self, spec):
-        if spec.family is Family.FA1 and spec.schedule.split_kv != 1:
-            self._refuse(spec, "split", "split kv needs the q-outer order (FA1 already walks kv tiles outermost)",
-                         "use `order q, kv` or drop `split`")
-        if spec.family is Family.HOPPER and spec.schedule.order is LoopOrder.KV_OUTER:
-            self._refuse(spec, "order", "warp-specialized kernels are built for the q-outer order",
-                         "use `order q, kv` with warpgroups")
-
-    def _divisibility(self, graph):
-        """mma.sync m16n8k16 (k8 for tf32): rows per warp, kv columns and head dims in whole MMAs;
-        Hopper's wgmma takes 64 rows per consumer warpgroup."""
-        spec, z, s = graph.spec, graph.sizes, graph.spec.schedule
-        k = 8 if spec.problem.dtype is DType.FP32 else 16
-        if z["d"] % k or z["dv"] % 8:
-            self._refuse(spec, "head_dim", f"head dim qk {z['d']} / v {z['dv']} is not a whole number of MMA "
-                         f"steps (qk must divide by {k}, v by 8)", f"use a head dim that is a multiple of {k}")
-        if graph.family is Family.HOPPER:
-            rows = 64 * max(s.consumer_warpgroups, 1)
-            if z["Br"] % rows:
-                self._refuse(spec, "tile", f"tile q = {z['Br']} is not a multiple of {rows} "
-                             f"(64 rows per consumer warpgroup for wgmma)", f"use tile q = {rows} or a multiple")
-            cols, key = z["Bc"], "tile"
-        elif s.warp_axis is Axis.Q:
-            if z["Br"] % s.warps or (z["Br"] // s.warps) % 16:
-                self._refuse(spec, "warps", f"{s.warps} warps along q give {z['Br'] / s.warps:g} rows each; "
-                             "mma.sync needs a multiple of 16", f"use tile q = {16 * s.warps} or a multiple")
-            cols, key = z["Bc"], "tile"
-        else:
-            if z["Br"] % 16:
-                self._refuse(spec, "tile", f"tile q = {z['Br']} is not a multiple of 16 (mma.sync rows)",
-                             "use a multiple of 16")
-            if z["Bc"] % s.warps:
-                self._refuse(spec, "warps", f"{s.warps} warps along kv do not divide tile kv = {z['Bc']}")
-            cols, key = z["Bc"] // s.warps, "warps"
-        if cols % k:
-            self._refuse(spec, key, f"each warp's kv columns ({cols}) are not a multiple of {k} "
-                         "(the k step of the P V MMA)", f"use tile kv = a multiple of {k * kv_groups(spec)}")
-
-    def _threads(self, graph, limits):
-        if graph.budget.threads > limits.max_threads_per_block:
-            self._refuse(graph.spec, "warpgroups" if graph.family is Family.HOPPER else "warps",
-                         f"{graph.budget.threads} threads per block > {limits.max_threads_per_block}")
-
-    def _shared(self, graph, limits):
-        b = graph.budget
-        if b.shared_total <= b.shared_limit:
-            return
-        parts = " + ".join(f"{i.name} {_amount(i, graph.sizes['stages'])}" for i in b.shared)
-        per_stage = sum(i.amount for i in b.shared if i.name in ("K", "V")) // graph.sizes["stages"]
-        fixed = b.shared_total - per_stage * graph.sizes["stages"]
-        fit = (b.shared_limit - fixed) // per_stage if per_stage else 0
-        key = "pipeline" if graph.sizes["stages"] > 1 and fit >= 1 else "tile"
-        hint = f"at most {fit} stages fit with these tiles" if fit >= 1 else "use smaller tiles (or a smaller head dim)"
-        self._refuse(graph.spec, key, f"shared memory: {b.shared_total} bytes needed ({parts}) > "
-                     f"{b.shared_limit} available on {b.arch}", hint)
-
-    def _registers(self, graph, limits):
-        b, spec, s = graph.budget, graph.spec, graph.spec.schedule
-        parts = " + ".join(f"{i.name} {i.amount}" for i in b.registers)
-        key = "warpgroups" if graph.family is Family.HOPPER else "tile"
-        if b.register_total > b.register_limit:
-            self._refuse(spec, key, f"registers: ~{b.register_total} per thread estimated ({parts}) > "
-                         f"{b.register_limit} available", "use smaller tiles or more warps")
-        if graph.family is Family.HOPPER and s.producer_regs and s.consumer_regs:
-            total = 128 * (s.producer_warpgroups * s.producer_regs + s.consumer_warpgroups * s.consumer_regs)
-            if total > limits.registers_per_sm:
-                self._refuse(spec, "warpgroups", f"registers: {total} per block (128 x ({s.producer_warpgroups}x"
-                             f"{s.producer_regs} + {s.consumer_warpgroups}x{s.consumer_regs})) > "
-                             f"{limits.registers_per_sm} per SM")
-
-
-def _amount(item: Item, stages: int) -> str:
-    if item.name in ("K", "V") and stages > 1:
-        return f"{stages}x{item.amount // stages}"
-    return str(item.amount)
+        b = graph.layout
+        _promise(b is not None and b.smem_bytes <= b.smem_limit and b.accumulator_registers <= b.register_limit,
+                 self, "layout over the limits")
 
 
 class EmissionOrder(Pass):
