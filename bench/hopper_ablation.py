@@ -48,22 +48,20 @@ def fa2_wgmma(d, causal):
 
 
 def variants(d, causal):
-    """name -> spec: the ablation chain, then tile and consumer-count alternatives. A name ending in
-    " grid" runs its spec with one block per work item instead of the persistent launch."""
+    """name -> spec: the ablation chain, then tile and consumer-count alternatives. Kernels launch as
+    the runtime chooses (persistent without a mask, one block per work item otherwise); a name
+    ending in " grid" or " persistent" forces one launch."""
     if d == 256:
-        return {"hopper kv80": hopper(d, causal, kv=80), "hopper+intra kv64": hopper(d, causal, "intra", kv=64),
-                "hopper+intra kv64 grid": hopper(d, causal, "intra", kv=64)}
+        return {"hopper kv80": hopper(d, causal, kv=80), "hopper+intra kv64": hopper(d, causal, "intra", kv=64)}
     out = {"fa2_wgmma": fa2_wgmma(d, causal), "hopper": hopper(d, causal),
            "hopper+pingpong": hopper(d, causal, "pingpong"), "hopper+intra": hopper(d, causal, "intra"),
-           "hopper+both": hopper(d, causal, "pingpong, intra"), "hopper+intra grid": hopper(d, causal, "intra")}
+           "hopper+both": hopper(d, causal, "pingpong, intra"),
+           "hopper+intra " + ("persistent" if causal else "grid"): hopper(d, causal, "intra")}
     if d == 128:
         out["hopper+intra kv176"] = hopper(d, causal, "intra", kv=176)
-        out["hopper+intra 3 stages kv96"] = hopper(d, causal, "intra", kv=96, stages=3)
     if d == 64:
         out["hopper+intra c3 q192"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160)
-        out["hopper+intra c3 q192 grid"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160)
         out["hopper+both c3 q192"] = hopper(d, causal, "pingpong, intra", q=192, consumers=3, pregs=32, cregs=160)
-        out["hopper+intra c3 q192 3 stages"] = hopper(d, causal, "intra", q=192, consumers=3, pregs=32, cregs=160, stages=3)
     return out
 
 
@@ -91,6 +89,7 @@ def main() -> int:
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--variants", nargs="*")
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--rep-ms", type=int, default=100, help="timing window per kernel and shape (do_bench rep)")
     args = ap.parse_args()
     from tiledsl import compile
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
@@ -100,7 +99,7 @@ def main() -> int:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:   # NVRTC compiles in parallel
         kernels = dict(zip(specs, pool.map(lambda s: compile(s), specs.values())))
         for (_, _, name), kernel in kernels.items():
-            kernel.persistent = not name.endswith(" grid")
+            kernel.persistent = {" grid": False, " persistent": True}.get(name[name.rfind(" "):]) if " " in name else None
         list(pool.map(lambda k: k.function(), kernels.values()))
     print(f"compiled {len(kernels)} kernels in {time.time() - started:.1f} s", flush=True)
     rows, checked = [], {}
@@ -119,12 +118,12 @@ def main() -> int:
                     problem = next(sp for (dd, _, _), sp in specs.items() if dd == d).problem
                     q, k, v = random_inputs(problem, batch, heads, n, n)
                     flops = attention_flops(batch, heads, n, n, d, causal)
-                    peers = {name: flops / t / 1e9 for name, t in sdpa_peers(q, k, v, causal).items()
+                    peers = {name: flops / t / 1e9 for name, t in sdpa_peers(q, k, v, causal, args.rep_ms).items()
                              if isinstance(t, float)}
                     for (dd, cc, name), kernel in kernels.items():
                         if (dd, cc) != (d, causal) or checked[(dd, cc, name)] is None:
                             continue
-                        ms = time_ms(lambda: kernel(q, k, v))
+                        ms = time_ms(lambda: kernel(q, k, v), rep_ms=args.rep_ms)
                         spec = specs[(dd, cc, name)]
                         row = {"kernel": spec.kernel_name, "variant": name, "family": spec.family.value, "dtype": "bf16",
                                "head_dim": d, "seqlen": n, "batch": batch, "heads": heads, "causal": causal, "ms": ms,

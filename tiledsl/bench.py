@@ -47,7 +47,7 @@ def _time_with_events(fn, rep_ms: int) -> float:
     return times[len(times) // 2]
 
 
-def sdpa_peers(q, k, v, causal: bool) -> dict:
+def sdpa_peers(q, k, v, causal: bool, rep_ms: int = 100) -> dict:
     """Median ms of PyTorch SDPA's flash and cuDNN backends on the same tensors (None if absent)."""
     try:
         import torch
@@ -63,7 +63,7 @@ def sdpa_peers(q, k, v, causal: bool) -> dict:
                 fn = lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
-                results[label] = time_ms(fn)
+                results[label] = time_ms(fn, rep_ms=rep_ms)
         except Exception as err:   # a backend that refuses the shape is recorded as missing
             results[label] = None
             results[label + "_error"] = str(err).splitlines()[0][:200]
