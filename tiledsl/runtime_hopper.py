@@ -9,6 +9,8 @@ from .spec import Mask
 from .tensor_maps import tensor_map
 from .tensors import TensorView
 
+PERSISTENT_MASKED_TILES = 16
+
 
 class HopperKernel(Kernel):
     """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
@@ -16,10 +18,11 @@ class HopperKernel(Kernel):
     `persistent` True launches one block per resident slot, each walking work items in launch
     order, so a block's next Q, K and V load while it stores the last O; False launches one block
     per item, and the GPU hands the next item to whichever SM frees first. None (the default)
-    picks by mask, as measured (bench/results/2026-11-30-hopper-ablation-3.json): persistent
-    without a mask (every item costs the same; up to +12% at 1k-8k), one block per item under a
-    causal or window mask (items differ in cost and the static walk balances them worse: up to
-    -18%)."""
+    picks as measured (bench/results/2026-11-30-hopper-ablation-3.json and -4.json): persistent
+    without a mask (every item costs the same; +5-12% at 1k-8k), and under a causal or window mask
+    while an item sees at most PERSISTENT_MASKED_TILES kv tiles (1k: +11-22%); one block per item
+    for longer masked items, whose costs spread so far that the static walk balances them worse
+    than the GPU's block scheduler (-3% to -18% at 4k-16k)."""
     persistent: bool | None = None
 
     def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
@@ -38,6 +41,8 @@ class HopperKernel(Kernel):
                 np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
                 np.int32(shapes.heads // shapes.kv_heads), *(i64(s) for s in o.strides[:3]),
                 np.int32(self.order_groups_for(shapes, q.device_id)), np.int32(q_tiles * pairs))
-        persistent = self.persistent if self.persistent is not None else self.spec.problem.mask is Mask.NONE
+        persistent = self.persistent
+        if persistent is None:
+            persistent = self.spec.problem.mask is Mask.NONE or -(-shapes.kv_len // tile_kv) <= PERSISTENT_MASKED_TILES
         blocks = min(q_tiles * pairs, self.slots(q.device_id)) if persistent else q_tiles * pairs
         self.launch_function(self.function(), (blocks, 1, 1), args, q.device_id, stream)
