@@ -201,9 +201,11 @@ class Overlap:
     key: Word
     flags: tuple[Word, ...]
     span: Span | None = _span()
+    choices: tuple = ()          # per flag: None, or the Choice of `on` / `off` (search spaces)
 
     def source(self) -> str:
-        return "overlap " + ", ".join(f.text for f in self.flags)
+        choices = self.choices or (None,) * len(self.flags)
+        return "overlap " + ", ".join(f.text + (" " + c.source() if c is not None else "") for f, c in zip(self.flags, choices))
 
 
 @dataclass(frozen=True)

@@ -320,11 +320,13 @@ class _Checker:
     def overlap(self, node: ast.Overlap) -> dict:
         flags = {"pingpong": "pingpong", "intra": "intra_overlap"}
         out: dict = {}
-        for flag in node.flags:
+        for flag, choice in zip(node.flags, node.choices or (None,) * len(node.flags)):
             name = self.word(flag, "overlap", flags)
             if name in out:
                 self.fail(f"overlap '{flag.text}' given twice", flag.span, EXAMPLES["overlap"])
-            out[name] = ((True,), False)
+            # `intra in {on, off}`: a search space tries both
+            out[name] = self.values(choice, lambda a: self.word(a, "overlap switch", {"on": True, "off": False})) \
+                if choice is not None else ((True,), False)
         return out
 
     def split(self, node: ast.Split) -> dict:

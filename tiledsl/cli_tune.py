@@ -62,6 +62,10 @@ def shape_of(args, space: SpecSpace) -> Shape:
 
 def short(c: Candidate) -> str:
     s = c.spec.schedule
+    if c.spec.family.value == "hopper":   # its warps follow from the warpgroups; the switches tell configs apart
+        flags = "".join(f" {flag}" for flag, on in (("pingpong", s.pingpong), ("intra", s.intra_overlap)) if on)
+        return (f"hopper q{s.tile_q} kv{s.tile_kv} c{s.consumer_warpgroups} p{s.producer_regs}/c{s.consumer_regs} "
+                f"s{s.stages}{flags}")
     return (f"{c.spec.family.value} q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}"
             + (" wgmma" if s.mma.value == "wgmma" else ""))
 

@@ -112,7 +112,11 @@ class _ToAst(Transformer):
         return ast.Warpgroups(self._key(meta, "warpgroups"), tuple(children), self._span(meta))
 
     def overlap(self, meta, children):
-        return ast.Overlap(self._key(meta, "overlap"), tuple(self._word(t) for t in children), self._span(meta))
+        return ast.Overlap(self._key(meta, "overlap"), tuple(flag for flag, _ in children), self._span(meta),
+                           tuple(choice for _, choice in children))
+
+    def overlap_flag(self, meta, children):
+        return self._word(children[0]), children[1]
 
     def split(self, meta, children):
         return ast.Split(self._key(meta, "split"), children[0], self._span(meta))

@@ -68,7 +68,7 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
     else:
         lines.append(f"        warps    {s.warps} along {s.warp_axis.value}")
     lines.append(f"        pipeline {s.stages} stage{'s' if s.stages != 1 else ''} via {s.copy.value}")
-    if s.mma is not Mma.SYNC:
+    if s.mma is not Mma.SYNC and spec.family is not Family.HOPPER:   # hopper: wgmma is its only instruction
         lines.append(f"        mma      {s.mma.value}")
     flags = [flag for flag, on in (("pingpong", s.pingpong), ("intra", s.intra_overlap)) if on]
     if flags:

@@ -39,13 +39,14 @@ import numpy as np
 from .device_limits import H200, DeviceLimits, resident_blocks
 from .nvcc import Resources
 from .masks import tiles_visible
-from .spec import DTYPE_BYTES, Axis, KernelSpec, Mask, Mma
+from .spec import DTYPE_BYTES, Axis, Family, KernelSpec, Mask, Mma
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
 CLOCK_HZ = 1.755e9              # sustained SM clock under tensor-core load (boost is 1.98 GHz)
 MMA_FLOPS_PER_CLOCK = 2730      # mma.sync m16n8k16 per SM per clock: ~2/3 of wgmma's 4096
 WGMMA_FLOPS_PER_CLOCK = 4096    # wgmma m64nNk16 (dense bf16/fp16 peak per SM per clock)
 WGMMA_ROWS = 64                 # rows of one warpgroup's wgmma
+WARPGROUP_WARPS = 4
 SMEM_BYTES_PER_CLOCK = 128      # ldmatrix + cp.async: 32 banks x 4 bytes per clock
 CYCLES_PER_S_ELEMENT = 0.06     # scale, max, exp2 (MUFU 16/clock), row sum, convert to 16 bits
 CYCLES_PER_O_ELEMENT = 1 / 128  # the O rescale: one FMA per element per kv step
@@ -125,7 +126,13 @@ def step_cycles(spec: KernelSpec, resources: Resources, resident_blocks: int) ->
              "smem": smem_read / SMEM_BYTES_PER_CLOCK,
              "softmax": br * bc * CYCLES_PER_S_ELEMENT + br * dv * CYCLES_PER_O_ELEMENT}
     busiest = max(terms.values())
-    overlap = min(1.0, resident_blocks * s.warps / WARPS_FOR_FULL_OVERLAP)
+    if spec.family is Family.HOPPER:
+        # The producer warpgroup only issues copies; with intra overlap a consumer's softmax runs
+        # under its own P V, so the terms overlap fully (bench/NOTES.md, the hopper family).
+        warps = WARPGROUP_WARPS * s.consumer_warpgroups
+        overlap = 1.0 if s.intra_overlap else min(1.0, resident_blocks * warps / WARPS_FOR_FULL_OVERLAP)
+    else:
+        overlap = min(1.0, resident_blocks * s.warps / WARPS_FOR_FULL_OVERLAP)
     busy = busiest + (1.0 - overlap) * (sum(terms.values()) - busiest)
     sync = SYNC_CYCLES if s.stages > 1 else SYNC_CYCLES_ONE_STAGE
     cycles = busy + sync / max(resident_blocks, 1)
