@@ -93,7 +93,7 @@ def test_lookup_known_unknown_window_and_scale():
     spec, found = tuned.tuned_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL)
     assert found and (spec.schedule.tile_kv, spec.schedule.consumer_warpgroups) == (128, 2)
     spec, found = tuned.tuned_spec("sm_100", DType.BF16, 128, Mask.CAUSAL)
-    assert not found and spec.schedule == tuned.DEFAULT_SCHEDULE
+    assert not found and spec.family.value == "fa2" and spec.schedule.mma.value == "mma.sync"   # no wgmma off sm_90
     run_passes(spec)
     spec, found = tuned.tuned_spec("sm_90", DType.FP16, 128, Mask.WINDOW, window=(256, 0), scale=0.1)
     assert found and spec.schedule.pingpong   # a window takes the causal entry's schedule (d128: ping-pong)
@@ -102,20 +102,22 @@ def test_lookup_known_unknown_window_and_scale():
     assert not found and spec.problem.head_dim_v == 128
 
 
-def test_default_schedule_is_legal_for_common_head_dims():
+def test_untabled_schedule_is_legal_for_common_head_dims():
     for d in (64, 128):
         for dtype in (DType.BF16, DType.FP16):
-            spec, _ = tuned.tuned_spec("sm_80", dtype, d, Mask.CAUSAL)
+            spec, found = tuned.tuned_spec("sm_80", dtype, d, Mask.CAUSAL)
+            assert not found
             run_passes(spec)
             lower(spec)
 
 
 def test_hint_is_printed_once_per_key(capsys, monkeypatch):
     monkeypatch.setattr(tuned, "_hinted", set())
+    spec, _ = tuned.tuned_spec("sm_100", DType.BF16, 96, Mask.NONE)
     for _ in range(3):
-        tuned._hint_once(("sm_100", DType.BF16, 96, Mask.NONE), "sm_100", DType.BF16, 96, Mask.NONE)
+        tuned._hint_once(("sm_100", spec.problem), "sm_100", spec)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "tiledsl tune" in err[0] and "sm_100" in err[0]
+    assert len(err) == 1 and "tiledsl tune" in err[0] and "sm_100" in err[0] and spec.kernel_name in err[0]
 
 
 def test_attention_is_exported():

@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     ("run", "cli_run", "run a spec on the GPU and validate it against the float64 reference"),
     ("bench", "cli_bench", "time specs on the GPU next to PyTorch SDPA"),
     ("tune", "cli_tune", "search a spec's schedule space on the GPU"),
+    ("warmup", "cli_warmup", "compile the tuned kernels for this GPU into the disk cache"),
 ]
 
 

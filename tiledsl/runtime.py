@@ -6,6 +6,7 @@ Hopper); the cubin is cached under ~/.cache/tiledsl (TILEDSL_CACHE_DIR overrides
 source, options, architecture and NVRTC version."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ class Kernel:
         qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
         lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
         shapes = self.check_inputs(qv, kvw, vv, lens)
-        if lens is not None:
+        if lens is not None and not _capturing(q):   # reading the lengths syncs the host: not under graph capture
             _check_kv_lens(kv_lens, shapes.kv_len, self.name)
         out, lse = _allocate_outputs(q, shapes, self.spec.problem, out, lse, self.name)
         ov, lv = view(out, "out"), view(lse, "lse")
@@ -150,7 +151,7 @@ class Kernel:
 
     def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
         views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
-        self.launch(*views, shapes)
+        self.launch(*views, shapes, caller_stream(q))
         return out, lse
 
     def attention_args(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
@@ -204,6 +205,57 @@ class Kernel:
         args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (
             np.int32(self.order_groups_for(shapes, q.device_id)),)
         self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
+
+
+# -- streams: every launch goes to the stream the caller's framework is on -------------------------
+_external_streams: dict[tuple[int, int], object] = {}
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def caller_stream(x):
+    """The CuPy stream to launch on for inputs like `x`: PyTorch's current stream on x's device
+    (wrapped once per handle as a cupy ExternalStream) for torch tensors, CuPy's current stream
+    otherwise. Launching there orders the kernel after the caller's writes of q, k, v and lets
+    `torch.cuda.graph` capture it."""
+    cupy = _cupy()
+    if not _is_torch(x):
+        return cupy.cuda.get_current_stream()
+    import torch
+    handle, device_id = int(torch.cuda.current_stream(x.device).cuda_stream), x.device.index or 0
+    key = (handle, device_id)
+    stream = _external_streams.get(key)
+    if stream is None:
+        stream = _external_streams[key] = cupy.cuda.ExternalStream(handle, device_id)
+    return stream
+
+
+def _capturing(x) -> bool:
+    """Whether the caller's stream is being captured into a CUDA graph (no host syncs then)."""
+    if _is_torch(x):
+        import torch
+        return bool(torch.cuda.is_current_stream_capturing())
+    return bool(_cupy().cuda.get_current_stream().is_capturing())
+
+
+def allocate(like, shape: tuple[int, ...], dtype: str, stream, zero: bool = False):
+    """A scratch array of `dtype` ("float32" or "int32") on `like`'s device, in `like`'s framework,
+    ordered on `stream`: torch's caching allocator under torch (graph-capture safe, stream-aware),
+    CuPy's pool, with the fill on `stream`, otherwise."""
+    if _is_torch(like):
+        import torch
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=getattr(torch, dtype), device=like.device)
+    cupy = _cupy()
+    with cupy.cuda.Device(getattr(getattr(like, "device", None), "id", 0)), (stream or contextlib.nullcontext()):
+        return (cupy.zeros if zero else cupy.empty)(shape, dtype=dtype)
+
+
+def data_pointer(array) -> int:
+    """Device address of a torch tensor or CuPy array."""
+    return int(array.data_ptr()) if _is_torch(array) else int(array.data.ptr)
 
 
 _DEVICE_LIMITS: dict[int, DeviceLimits] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .errors import LaunchError, RuntimeInputError
 from .lower_decode import constant
-from .runtime import Kernel, Shapes, _cupy, device_limits
+from .runtime import Kernel, Shapes, _cupy, allocate, caller_stream, data_pointer, device_limits
 from .spec import AUTO
 from .splits import choose_splits
 from .tensors import TensorView
@@ -30,8 +30,8 @@ class DecodeKernel(Kernel):
         super().__init__(spec, plan)
         self.last_splits: int | None = None
         self.last_split_reason: str = ""
-        self._workspace = None   # (o_part, lse_part) CuPy arrays, grown on demand
-        self._counters = None    # int32 ticket per (batch, kv head, row tile), all zero between launches
+        self._workspace = None   # (o_part, lse_part, rows x splits, device), grown on demand
+        self._counters = None    # (int32 ticket per (batch, kv head, row tile), count, device), zero between launches
 
     def __repr__(self) -> str:
         return f"<tiledsl.DecodeKernel {self.name}>"
@@ -60,23 +60,23 @@ class DecodeKernel(Kernel):
             raise RuntimeInputError(f"{self.name}: batch {shapes.batch} or kv_heads x row tiles exceeds {MAX_GRID_YZ}")
         return shapes
 
-    def _counters_for(self, groups: int, device_id: int):
-        cupy = _cupy()
+    # Workspace and counters are allocated in the inputs' framework on the launch stream
+    # (runtime.allocate) and kept: a later launch of the same or a smaller shape allocates nothing,
+    # so it can be captured in a CUDA graph once an eager call has run.
+    def _counters_for(self, groups: int, q: TensorView, stream):
         have = self._counters
-        if have is None or have[0].size < groups or have[1] != device_id:
-            with cupy.cuda.Device(device_id):
-                have = (cupy.zeros(groups, dtype=cupy.int32), device_id)
+        if have is None or have[1] < groups or have[2] != q.device_id:
+            have = (allocate(q.owner, (groups,), "int32", stream, zero=True), groups, q.device_id)
             self._counters = have
         return have[0]
 
-    def _workspace_for(self, rows: int, splits: int, device_id: int):
-        cupy = _cupy()
+    def _workspace_for(self, rows: int, splits: int, q: TensorView, stream):
         dv = self.spec.problem.head_dim_v
         need = rows * splits
         have = self._workspace
-        if have is None or have[1].size < need or have[2] != device_id:
-            with cupy.cuda.Device(device_id):
-                have = (cupy.empty(need * dv, dtype=cupy.float32), cupy.empty(need, dtype=cupy.float32), device_id)
+        if have is None or have[2] < need or have[3] != q.device_id:
+            have = (allocate(q.owner, (need * dv,), "float32", stream), allocate(q.owner, (need,), "float32", stream),
+                    need, q.device_id)
             self._workspace = have
         return have[0], have[1]
 
@@ -99,9 +99,9 @@ class DecodeKernel(Kernel):
         rows = shapes.batch * shapes.heads * shapes.q_len
         grid = (splits, shapes.kv_heads * row_tiles, shapes.batch)
         if splits > 1:
-            o_part, lse_part = self._workspace_for(rows, splits, q.device_id)
-            counters = self._counters_for(grid[1] * grid[2], q.device_id)
-            o_part_ptr, lse_part_ptr, counters_ptr = o_part.data.ptr, lse_part.data.ptr, counters.data.ptr
+            o_part, lse_part = self._workspace_for(rows, splits, q, stream)
+            counters = self._counters_for(grid[1] * grid[2], q, stream)
+            o_part_ptr, lse_part_ptr, counters_ptr = map(data_pointer, (o_part, lse_part, counters))
         else:
             o_part = lse_part = counters = None
             o_part_ptr = lse_part_ptr = counters_ptr = 0
@@ -130,5 +130,5 @@ class DecodeKernel(Kernel):
     def bind(self, q, k, v, kv_lens=None, out=None, lse=None):
         """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
         views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
-        run = self.bind_views(*views, shapes)
+        run = self.bind_views(*views, shapes, caller_stream(q))
         return run, out, lse

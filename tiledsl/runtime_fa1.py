@@ -7,9 +7,7 @@ on the first kv tile it sees, and rows that see no key are written directly (O =
 """
 from __future__ import annotations
 
-import contextlib
-
-from .runtime import Kernel, Shapes, _cupy
+from .runtime import Kernel, Shapes, allocate, data_pointer
 from .tensors import TensorView
 
 
@@ -20,26 +18,23 @@ class Fa1Kernel(Kernel):
         """kv outer parallelises over batch * heads only: FA1's defining limitation."""
         return (shapes.batch * shapes.heads, 1, 1)
 
-    def workspace(self, shapes: Shapes, device_id: int):
-        """(O fp32 (batch, heads, q_len, dv), m fp32 (batch, heads, q_len), l fp32 (batch, heads, q_len))."""
-        cupy = _cupy()
+    def workspace(self, shapes: Shapes, like, stream):
+        """(O fp32 (batch, heads, q_len, dv), m fp32 (batch, heads, q_len), l fp32 (batch, heads, q_len)),
+        in `like`'s framework on `stream` (runtime.allocate)."""
         rows = (shapes.batch, shapes.heads, shapes.q_len)
-        with cupy.cuda.Device(device_id):
-            return (cupy.empty(rows + (self.spec.problem.head_dim_v,), dtype=cupy.float32),
-                    cupy.empty(rows, dtype=cupy.float32), cupy.empty(rows, dtype=cupy.float32))
+        return (allocate(like, rows + (self.spec.problem.head_dim_v,), "float32", stream),
+                allocate(like, rows, "float32", stream), allocate(like, rows, "float32", stream))
 
     def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
                kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
         import numpy as np
-        cupy = _cupy()
         if shapes.batch * shapes.heads == 0 or shapes.q_len == 0:
             return
         fn = self.function()
         grid = self.grid(shapes)
-        # Allocated on the stream that runs the kernel: CuPy's pool hands freed memory only to later
-        # work on the same stream, so dropping the workspace when this returns is safe.
-        with cupy.cuda.Device(q.device_id), (stream if stream is not None else contextlib.nullcontext()):
-            o_state, m_state, l_state = self.workspace(shapes, q.device_id)
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (
-            np.uintp(o_state.data.ptr), np.uintp(m_state.data.ptr), np.uintp(l_state.data.ptr))
+        # Allocated on the stream that runs the kernel: both frameworks' pools hand freed memory only
+        # to later work on the same stream, so dropping the workspace when this returns is safe (and
+        # torch's allocator is capture-aware, so the launch can be captured in a CUDA graph).
+        workspace = self.workspace(shapes, q.owner, stream)
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + tuple(np.uintp(data_pointer(w)) for w in workspace)
         self.launch_function(fn, grid, args, q.device_id, stream)

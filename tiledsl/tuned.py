@@ -1,18 +1,21 @@
 """Tuned defaults: the best known spec per (arch, dtype, head dim, mask), and `attention()`.
 
     o = tiledsl.attention(q, k, v, causal=True)        # q (batch, heads, seqlen, d), k/v alike
+    o, lse = tiledsl.attention(q, k, v, kv_lens=lens, return_lse=True)
 
 picks the spec from TUNED for the current GPU, compiles it once per process (kernels are cached
-per spec) and runs it. A (arch, dtype, head dim, mask) not in the table gets DEFAULT_SCHEDULE
-(q128/kv64/4 warps/2 stages, legal and spill-light for head dims up to 128) and a one-line hint,
-once per process, to run `tiledsl tune` for it. A window mask uses the causal entry's schedule
-(both skip whole tiles); `scale` is passed through as the spec's softmax scale.
+per spec) and runs it on the caller's current stream (runtime.caller_stream). A q_len of 1..16
+runs the decode family (split kv picked at launch); a (arch, dtype, head dim, mask) not in the
+table gets the best legal schedule of autoschedule.pick (layout pass + tune model, no GPU) and a
+one-line hint, once per process, to run `tiledsl tune` for it. A window mask uses the causal
+entry's schedule (both skip whole tiles); `scale` is passed through as the spec's softmax scale.
 """
 from __future__ import annotations
 
+import functools
 import sys
 
-from .spec import DType, KernelSpec, Mask, Problem, Schedule
+from .spec import DType, Family, KernelSpec, Mask, Problem
 
 # From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
 # `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
@@ -55,62 +58,85 @@ TUNED: dict[tuple[str, str, int, str], str] = {
     for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
 }
 
-DEFAULT_SCHEDULE = Schedule(tile_q=128, tile_kv=64, warps=4, stages=2)
-
 _kernels: dict[KernelSpec, object] = {}
 _hinted: set[tuple] = set()
 
 
+@functools.lru_cache(maxsize=None)
 def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
-               window: tuple[int, int] | None = None, scale: float | None = None) -> tuple[KernelSpec, bool]:
-    """(the spec to run, whether it came from the table). Pure: no GPU needed."""
+               window: tuple[int, int] | None = None, scale: float | None = None,
+               q_len: int | None = None) -> tuple[KernelSpec, bool]:
+    """(the spec to run, whether it came from the table). Pure and cached: no GPU needed. A q_len
+    of 1..16 picks the decode family where it serves the shape (autoschedule.pick); the table
+    holds prefill schedules only."""
+    from .autoschedule import DECODE_MAX_QUERIES, pick
     from .parse import load_spec
-    arch = arch.rstrip("a")   # sm_90a compiles sm_90's table entries
-    lookup = Mask.CAUSAL if mask is Mask.WINDOW else mask
-    text = TUNED.get((arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
-    if text is not None:
-        spec, found = load_spec(text), True
-        schedule = spec.schedule
-    else:
-        schedule, found = DEFAULT_SCHEDULE, False
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
                       softmax_scale=scale)
-    name = f"tuned_{arch}_{dtype.value}_d{head_dim}_{mask.value}" if found else f"default_{dtype.value}_d{head_dim}"
-    return KernelSpec(name, problem, schedule), found
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
+        spec = pick(arch, problem, q_len)
+        if spec.family is Family.DECODE:
+            return spec, False
+    lookup = Mask.CAUSAL if mask is Mask.WINDOW else mask
+    table_arch = arch.rstrip("a")   # sm_90a compiles sm_90's table entries
+    text = TUNED.get((table_arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
+    if text is None:
+        return pick(arch, problem), False
+    return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, load_spec(text).schedule), True
 
 
-def _hint_once(key: tuple, arch: str, dtype: DType, head_dim: int, mask: Mask) -> None:
+def _hint_once(key: tuple, arch: str, spec: KernelSpec) -> None:
     if key in _hinted:
         return
     _hinted.add(key)
-    print(f"tiledsl: no tuned schedule for {arch} {dtype.value} head_dim {head_dim} mask {mask.value}; using "
-          f"q128/kv64/4 warps/2 stages. Run `tiledsl tune SPACE.tile --seqlen N` to find a faster one.",
-          file=sys.stderr)
+    p = spec.problem
+    print(f"tiledsl: no tuned schedule for {arch} {p.dtype.value} head_dim {p.head_dim_qk} mask {p.mask.value}; "
+          f"using {spec.kernel_name} (the tune model's pick). Run `tiledsl tune SPACE.tile --seqlen N` to find a "
+          f"faster one.", file=sys.stderr)
 
 
-def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None):
+def kernel_for(spec: KernelSpec):
+    """The compiled kernel of `spec`, built once per process. The module is loaded (and its shared
+    memory limit raised) here, at first use, so no later launch -- e.g. one under CUDA graph
+    capture -- does either."""
+    kernel = _kernels.get(spec)
+    if kernel is None:
+        from .families import compile
+        kernel = compile(spec)
+        kernel.function()
+        _kernels[spec] = kernel
+    return kernel
+
+
+def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+              kv_lens=None, return_lse: bool = False):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
-    with the tuned spec for this GPU; returns O (q's dtype). `window=(left, right)` is a sliding
-    window (keys visible before / after the bottom-right aligned diagonal); it excludes causal."""
-    from .families import compile
+    with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
+    fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
+    visible before / after the bottom-right aligned diagonal); it excludes causal. `kv_lens`
+    (int32, one per batch entry, in [0, seqlen_kv]) limits each sequence's keys. fp16 or bf16;
+    head dims that are multiples of 16 up to 256 (autoschedule.supported_head_dims). Runs on the
+    caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
+    graph once an eager call of the same shape has compiled the kernel."""
+    from .errors import RuntimeInputError
     from .runtime import device_arch
     from .tensors import view
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
     qv, vv = view(q, "q"), view(v, "v")
+    if qv.dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
+    if len(qv.shape) != 4 or len(vv.shape) != 4:
+        raise RuntimeInputError(f"attention: q and v must be 4-d (batch, heads, seqlen, head_dim), got shapes "
+                                f"{qv.shape} and {vv.shape}")
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    if not isinstance(qv.dtype, DType):
-        from .errors import RuntimeInputError
-        raise RuntimeInputError(f"attention: q must be fp16, bf16 or fp32, got {qv.dtype}")
+    window = tuple(int(w) for w in window) if window is not None else None
     arch = device_arch()
-    dtype, head_dim = qv.dtype, qv.shape[-1]
-    spec, found = tuned_spec(arch, dtype, head_dim, mask, vv.shape[-1], window, scale)
-    if not found:
-        _hint_once((arch.rstrip("a"), dtype, head_dim, mask), arch, dtype, head_dim, mask)
-    kernel = _kernels.get(spec)
-    if kernel is None:
-        kernel = _kernels[spec] = compile(spec)
-    out, _ = kernel(q, k, v)
-    return out
+    spec, found = tuned_spec(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
+                             None if scale is None else float(scale), qv.shape[2])
+    if not found and spec.family is not Family.DECODE:
+        _hint_once((arch.rstrip("a"), spec.problem), arch, spec)
+    out, lse = kernel_for(spec)(q, k, v, kv_lens=kv_lens)
+    return (out, lse) if return_lse else out

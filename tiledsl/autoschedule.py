@@ -1,0 +1,135 @@
+"""The schedule `tiledsl.attention` runs where the tuned table (tuned.py) has no entry: a small
+candidate set per family, filtered by the layout pass (layout.layout_of refuses what does not fit)
+and ranked without a GPU.
+
+  prefill (fa2): tile q 64/128 x tile kv 32/64/128 x 4/8 warps x 1/2 stages on mma.sync, plus
+                 whole-warpgroup wgmma tiles where the head dims are multiples of 64 on sm_90;
+                 ranked by the tuner's model (tune_model.predict) on REPRESENTATIVE_SHAPE with the
+                 layout's register estimate (no ptxas), configs whose estimate exceeds the
+                 register limit (they would spill) last.
+  decode:        the bundled decode schedule (specs/decode_d128.tile: q16, kv128, 4 warps along kv,
+                 1 stage, split kv auto) first, then smaller kv tiles and 2 stages; the first the
+                 layout accepts wins (the tuner's model prices FA2 only).
+
+Both templates run m16n8k16 MMAs on 16-column steps, so a head dim that is a multiple of 8 but
+not of 16 (8, 24, 40, ...) has no legal schedule: `pick` refuses it by name with the list of the
+head dims that work (`supported_head_dims`). Choices are pure functions of their arguments and
+cached, so they are deterministic and cost nothing after the first call."""
+from __future__ import annotations
+
+import functools
+import itertools
+
+from .errors import RuntimeInputError, SpecError
+from .layout import layout_of
+from .nvcc import Resources
+from .spec import AUTO, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule
+
+MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
+DECODE_MAX_QUERIES = 16   # q_len up to this goes to the decode family (one 16-row MMA tile of queries)
+# The shape candidates are ranked on: long enough that tails and launch costs don't decide.
+REPRESENTATIVE_SEQLEN = 4096
+REPRESENTATIVE_BATCH_HEADS = (4, 16)
+
+_SYNC_TILES = ((64, 4), (128, 4), (128, 8))   # (tile q, warps): 16 or 32 rows per warp
+_WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
+_DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
+                for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
+
+
+def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
+    """The fa2 schedules tried for `problem` on `arch` (before the layout pass filters them)."""
+    out = [Schedule(tile_q=q, tile_kv=kv, warps=w, stages=stages)
+           for (q, w), kv, stages in itertools.product(_SYNC_TILES, (32, 64, 128), (1, 2))]
+    if arch.startswith("sm_9") and problem.head_dim_qk % 64 == 0 and problem.head_dim_v % 64 == 0:
+        out += [Schedule(tile_q=q, tile_kv=kv, warps=w, stages=stages, mma=Mma.WGMMA)
+                for (q, w), kv, stages in itertools.product(_WGMMA_TILES, (64, 128), (1, 2))]
+    return out
+
+
+def _legal(spec: KernelSpec):
+    """The spec's layout, or None when the layout pass refuses it."""
+    try:
+        return layout_of(spec)
+    except SpecError:
+        return None
+
+
+def _lowers(spec: KernelSpec) -> bool:
+    from .families import lower
+    try:
+        lower(spec)
+    except SpecError:
+        return False
+    return True
+
+
+def _rank_prefill(name: str, problem: Problem, arch: str) -> list[KernelSpec]:
+    """Legal fa2 specs, best predicted first (ties by kernel name: deterministic)."""
+    from .tune_model import Shape, predict
+    batch, heads = REPRESENTATIVE_BATCH_HEADS
+    shape = Shape(batch, heads, REPRESENTATIVE_SEQLEN, REPRESENTATIVE_SEQLEN)
+    scored = []
+    for schedule in prefill_candidates(problem, arch):
+        spec = KernelSpec(name, problem, schedule)
+        layout = _legal(spec)
+        if layout is None:
+            continue
+        resources = Resources(layout.register_estimate, smem_bytes=layout.smem_bytes, threads=layout.threads,
+                              q_in_registers=layout.q_in_registers)
+        prediction = predict(spec, shape, resources)
+        if prediction.hopeless:
+            continue
+        spills = layout.register_estimate > layout.register_limit
+        scored.append(((spills, prediction.time_ms, spec.kernel_name), spec))
+    return [spec for _, spec in sorted(scored, key=lambda item: item[0])]
+
+
+@functools.lru_cache(maxsize=None)
+def pick(arch: str, problem: Problem, q_len: int | None = None) -> KernelSpec:
+    """The spec to run `problem` with on `arch`: decode when 1 <= q_len <= DECODE_MAX_QUERIES and
+    a decode schedule is legal, else the best-ranked legal fa2 schedule. RuntimeInputError names
+    a head dim nothing serves."""
+    d, dv = problem.head_dim_qk, problem.head_dim_v
+    if max(d, dv) > MAX_HEAD_DIM or not (_supported(problem.dtype, d) and _supported(problem.dtype, dv)):
+        supported = supported_head_dims(problem.dtype)
+        raise RuntimeInputError(
+            f"attention: head dim {d}" + (f" / v {dv}" if dv != d else "") + " is not supported: the fa2 and decode "
+            f"templates step head dims by 16 (mma m16n8k16); supported head dims: "
+            f"{', '.join(map(str, supported))}")
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
+        decode = _pick_decode(problem, q_len)
+        if decode is not None:
+            return decode
+    tag = f"{problem.dtype.value}_d{d}" + (f"v{dv}" if dv != d else "") + f"_{problem.mask.value}"
+    for spec in _rank_prefill(f"auto_{tag}", problem, arch):
+        if _lowers(spec):
+            return spec
+    raise RuntimeInputError(f"attention: no legal fa2 schedule for head dim {d} / v {dv}, "
+                            f"{problem.dtype.value}, mask {problem.mask.value}")
+
+
+def _pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
+    """The first decode schedule (bundled one first) that the layout pass and lowering accept."""
+    from dataclasses import replace
+    decode_problem = replace(problem, queries_per_seq=q_len)
+    for schedule in _DECODE:
+        spec = KernelSpec(f"auto_decode_{problem.dtype.value}_d{problem.head_dim_qk}_nq{q_len}", decode_problem,
+                          schedule)
+        if _legal(spec) is not None and _lowers(spec):
+            return spec
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(dtype: DType, head_dim: int) -> bool:
+    """Whether some fa2 schedule is legal for a square head dim (layout only: cheap)."""
+    if head_dim <= 0 or head_dim > MAX_HEAD_DIM:
+        return False
+    problem = Problem(head_dim, head_dim, dtype, Mask.NONE)
+    return any(_legal(KernelSpec("probe", problem, s)) is not None for s in prefill_candidates(problem, "sm_90a"))
+
+
+def supported_head_dims(dtype: DType = DType.BF16) -> list[int]:
+    """Head dims (multiples of 8 up to MAX_HEAD_DIM) that some fa2 schedule serves."""
+    return [d for d in range(8, MAX_HEAD_DIM + 1, 8) if _supported(dtype, d)]
