@@ -44,6 +44,8 @@ class OpKind(str, Enum):
     MERGE_SPLITS = "merge_splits"
     ARRIVE = "arrive"
     WAIT = "wait"
+    MMA_WAIT = "mma_wait"               # Hopper: wait for an async wgmma (wgmma.wait_group `pending`)
+    PACK_P = "pack_p"                   # Hopper: P (fp32 accumulators) -> the P V wgmma's A fragments
 
 
 class Space(str, Enum):
@@ -91,6 +93,8 @@ class Op:
     scope: str = "block"               # loads and waits of K/V: "warp" when each warp moves only its key slice
     mma: str = ""                      # mma_qk / mma_pv: the tensor-core instruction, "mma.sync" | "wgmma"
     mma_shape: tuple[int, ...] = ()    # its (m, n, k)
+    lag: int = 0                       # tiles behind its loop's tile (Hopper's intra-overlap pipeline)
+    pending: int = 0                   # mma_wait: wgmma groups left in flight (in the loop's steady state)
     # loops only
     var: str = ""                      # the tile index: "q" | "kv" | "split"
     extent: str = ""                   # trip count, symbolic
@@ -103,6 +107,22 @@ class Op:
     bytes: int = 0                     # one tile of the result in its space (shape inference)
     stages: int = 0                    # pipeline depth of the buffer ring it uses (pipelining)
     buffer: str = ""                   # which ring slot, e.g. "j % 2" (pipelining)
+    tx_bytes: int = 0                  # arrive on a TMA full barrier: the bytes its copies complete (barriers)
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """One barrier of a warp-specialized kernel (the barriers pass): an mbarrier (per ring stage when
+    `stages` > 1) or a named barrier (`count` in threads)."""
+    name: str
+    kind: str                          # "mbarrier" | "named"
+    count: int                         # arrivals that complete one phase
+    tx_bytes: int                      # TMA transaction bytes that must land too (full barriers)
+    stages: int
+    arrive: tuple[str, ...]            # the ops that arrive on it
+    wait: tuple[str, ...]              # the ops that wait on it
+    arrive_role: str
+    wait_role: str
 
 
 @dataclass(frozen=True)
@@ -130,6 +150,7 @@ class ScheduleGraph:
         self.sizes: dict[str, int | None] = {}  # Br, Bc, d, dv, ... (shape inference)
         self.layout = None                      # every size of the kernel (legality: layout.py)
         self.roles: dict[str, dict] = {}        # role -> warps, threads, registers (warp roles)
+        self.barriers: dict[str, Barrier] = {}  # name -> Barrier (barriers pass; warp-specialized only)
         self.order: tuple[str, ...] | None = None   # emission order (emission order pass)
 
     # -- building
@@ -250,10 +271,14 @@ class _Builder:
     def load_q(self, loops: tuple[str, ...]) -> str:
         """Q tile -> shared memory; returns the node that makes it visible to the MMA."""
         g = self.g
+        if self.specialized:
+            g.add("wait_q_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline", barrier="q_empty",
+                                     text="wait q_empty (the previous q tile's consumers are done with Q)"))
         g.add("load_q", Op(OpKind.LOAD_Q, Space.SHARED, ("Br", "d"), loops, self.role(True), "tile",
                            "Q_i = Q[i*Br : (i+1)*Br] -> shared", hbm=(Access("Q", "read", "q", "d"),), via=self.via))
         if not self.specialized:
             return "load_q"
+        g.connect("wait_q_empty", "load_q", "q_empty", EdgeKind.SYNC)
         g.add("arrive_q_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
                                   barrier="q_full", text="arrive q_full (TMA transaction bytes of Q_i)"))
         g.add("wait_q_full", Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
@@ -283,12 +308,6 @@ class _Builder:
     def wait_for(self, t: str, loops: tuple[str, ...]) -> str:
         """The consumer's wait until the K or V tile (t = "k" | "v") or both ("kv") has landed."""
         g = self.g
-        if self.specialized:
-            name = f"wait_{t}_full"
-            g.add(name, Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
-                           barrier=f"{t}_full", text=f"wait {t}_full"))
-            g.connect(f"arrive_{t}_full", name, f"{t}_full", EdgeKind.SYNC)
-            return name
         name = f"wait_{t}"
         tiles = " and ".join(f"{x.upper()}_j" for x in t)
         whose = "the warp's slice of " if self.kv_scope == "warp" else ""
@@ -297,16 +316,6 @@ class _Builder:
         for x in t:
             g.connect(f"load_{x}", name, f"{x.upper()}_j", EdgeKind.SYNC)
         return name
-
-    def release(self, t: str, after: str, loops: tuple[str, ...], loop: str) -> None:
-        """Specialized only: the consumer frees the K/V slot for the producer's next load."""
-        if not self.specialized:
-            return
-        name = f"arrive_{t}_empty"
-        self.g.add(name, Op(OpKind.ARRIVE, loops=loops, role=Role.CONSUMER, key="pipeline",
-                            barrier=f"{t}_empty", text=f"arrive {t}_empty (slot free)"))
-        self.g.connect(after, name, "", EdgeKind.SYNC)
-        self.g.carry(loop, name, f"wait_{t}_empty", f"{t}_empty", EdgeKind.SYNC)
 
     def mma_instruction(self, n: int) -> dict:
         """The tensor-core instruction of the two GEMMs, from the spec: warpgroup wgmma m64nNk16
@@ -322,7 +331,10 @@ class _Builder:
         m, l, O are held per warp when warps split the keys (`groups` > 1; merged by combine_warps).
         `waits`: the nodes that make K_j and V_j visible, when the caller made them (else made here).
         `state`: FA1 only, the op that brings O, m, l in from HBM; it is made here, after the mask.
-        Returns the node that last produced each of O, m, l."""
+        Returns the node that last produced each of O, m, l. Hopper's consumer: graph_hopper.py."""
+        if self.specialized:
+            from .graph_hopper import consumer_tile_math
+            return consumer_tile_math(self, loops, q_ready)
         g, spec, role = self.g, self.spec, self.role(False)
         kv_loop = next(l for l in loops if g.op(l).var == "kv")
         p = spec.problem
@@ -333,7 +345,6 @@ class _Builder:
         g.connect(q_ready, "mma_qk", "Q_i")
         g.connect("load_k", "mma_qk", "K_j")
         g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
-        self.release("k", "mma_qk", loops, kv_loop)
         g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, "mask",
                          _MASK_TEXT[p.mask], variant=p.mask.value))
         g.connect("mma_qk", "mask", "S")
@@ -356,7 +367,6 @@ class _Builder:
         g.connect("online_softmax", "mma_pv", "P")
         g.connect("load_v", "mma_pv", "V_j")
         g.connect(wait_v, "mma_pv", "", EdgeKind.SYNC)
-        self.release("v", "mma_pv", loops, kv_loop)
         g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order",
                               "O = alpha*O + PV" + where, variant="unnormalized"))
         g.connect("mma_pv", "rescale_o", "PV")
@@ -428,6 +438,11 @@ def _build_q_outer(g: ScheduleGraph) -> None:
                       init=init, init_space=Space.REGISTERS)
     b.load_kv(kv_loops)
     produced = b.tile_math(kv_loops, q_ready)
+    if b.specialized:   # Q is free once every consumer's last Q K^T has read it
+        g.add("arrive_q_empty", Op(OpKind.ARRIVE, loops=loops, role=Role.CONSUMER, key="pipeline", barrier="q_empty",
+                                   text="arrive q_empty (Q read; after O's staging when O reuses Q's space)"))
+        g.connect("wait_s", "arrive_q_empty", "Q_i read", EdgeKind.SYNC)
+        g.carry("loop_q", "arrive_q_empty", "wait_q_empty", "q_empty", EdgeKind.SYNC)
     produced = b.combine(loops, produced)
     b.epilogue(loops, produced, split)
     if not split:
