@@ -15,7 +15,7 @@ the prologue and epilogue from the lags (lower_hopper.py).
 """
 from __future__ import annotations
 
-from .graph import Carry, EdgeKind, GraphError, Op, OpKind, Role, Space, _MASK_TEXT
+from .graph_ops import MASK_TEXT, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
 
 # Issue order of one trip (insertion order; the edges below justify it).
 _ORDER = ("wait_k_full", "turn_wait", "mma_qk", "turn_pass", "wait_s", "arrive_k_empty", "mask", "online_softmax",
@@ -50,7 +50,7 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
         "wait_s": op(OpKind.MMA_WAIT, key=ov if intra else "tile", variant="S", pending=1 if intra else 0,
                      text="wait for S_j" + (" only (P_{j-1} V_{j-1} stays in flight)" if intra else "")),
         "arrive_k_empty": op(OpKind.ARRIVE, key="pipeline", barrier="k_empty", text="arrive k_empty (K_j's slot free)"),
-        "mask": op(OpKind.MASK, space=Space.REGISTERS, shape=("Br", "Bc"), key="mask", text=_MASK_TEXT[p.mask],
+        "mask": op(OpKind.MASK, space=Space.REGISTERS, shape=("Br", "Bc"), key="mask", text=MASK_TEXT[p.mask],
                    variant=p.mask.value),
         "online_softmax": op(OpKind.ONLINE_SOFTMAX, space=Space.REGISTERS, shape=("Br", "Bc"), key="order",
                              variant="running", text="m_new = max(m, rowmax S); alpha = exp(m - m_new); "
