@@ -798,24 +798,24 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         const int tile = tile_begin, it = it_base, stage = it % C::STAGES;
         const u32 phase = (it / C::STAGES) & 1;
         const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-// [hopper_d128.tile:12] wait until K_j has landed (TMA, full barrier)
+// [hopper_d128.tile:12] wait k_full (K_j has landed)
         mbarrier_wait(k_full(bars, stage), phase);
 
-// [hopper_d128.tile:10] S = Q K_j^T (SS wgmma, issued)
+// [hopper_d128.tile:10] S = scale * Q_i K_j^T (SS wgmma, issued)
         issue_qk<C>(acc_s, q_rows, k_tile);
 
-// [hopper_d128.tile:10] wait for S_0
+// [hopper_d128.tile:13] wait for S_j only (P_{j-1} V_{j-1} stays in flight)
         wgmma_wait<0>();
         fence_accumulators(reinterpret_cast<float (&)[C::S_TILES * 4]>(acc_s));
 
-// [hopper_d128.tile:12] free K_j's stage for the producer (empty barrier)
+// [hopper_d128.tile:12] arrive k_empty (K_j's slot free)
         if (lane == 0) mbarrier_arrive(k_empty(bars, stage));
 
-// [hopper_d128.tile:5] mask keys outside the sequence / diagonal / window (only tiles that need it)
+// [hopper_d128.tile:5] S = -inf where key >= kv_len (ragged last tile)
         if (tile_needs_mask<C>(row0, 64, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
 
-// [hopper_d128.tile:10] m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P
+// [hopper_d128.tile:9] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
         softmax_update<C>(acc_s, row_max, row_sum, alpha);
         // Pin the softmax here: its exp2s are plain asm the compiler may otherwise sink below the
         // next wgmma wait, which would serialise it behind the P V in flight.
@@ -834,39 +834,39 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
         fence_fragments(p_frag);
 
-// [hopper_d128.tile:12] free V_{j-2}'s stage for the producer (empty barrier)
+// [hopper_d128.tile:12] arrive v_empty (V_{j-2}'s slot free)
         if (lane == 0 && local >= 2) mbarrier_arrive(v_empty(bars, (it - 2) % C::STAGES));   // a tile this item has
 
-// [hopper_d128.tile:10] P_{j-1} -> bf16/fp16 A fragments
+// [hopper_d128.tile:10] P_{j-1} -> bf16/fp16 A fragments of the P V wgmma
         pack_p<C>(p_frag, acc_s);
 
-// [hopper_d128.tile:12] wait until K_j has landed (TMA, full barrier)
+// [hopper_d128.tile:12] wait k_full (K_j has landed)
         mbarrier_wait(k_full(bars, stage), phase);
 
-// [hopper_d128.tile:10] S = Q K_j^T (SS wgmma, issued)
+// [hopper_d128.tile:10] S = scale * Q_i K_j^T (SS wgmma, issued)
         issue_qk<C>(acc_s, q_rows, k_tile);
 
-// [hopper_d128.tile:10] O *= alpha_{j-1} (skipped when no row's max moved)
+// [hopper_d128.tile:9] O *= alpha_{j-1} (skipped when no row's max moved)
         rescale_o<C>(acc_o, alpha);
 
-// [hopper_d128.tile:12] wait until V_{j-1} has landed (TMA, full barrier)
+// [hopper_d128.tile:12] wait v_full (V_{j-1} has landed)
         mbarrier_wait(v_full(bars, (it - 1) % C::STAGES), ((it - 1) / C::STAGES) & 1);
 
-// [{j-1}] O += P_{j-1} V_{j-1} (RS wgmma, P from registers, issued)
+// [hopper_d128.tile:10] O += P_{j-1} V_{j-1} (RS wgmma, P from registers, issued)
         issue_pv<C>(acc_o, p_frag, smem_base + C::V_OFFSET + ((it - 1) % C::STAGES) * C::V_STAGE_BYTES);
 
 // [hopper_d128.tile:13] wait for S_j only (P_{j-1} V_{j-1} stays in flight)
         wgmma_wait<1>();
         fence_accumulators(reinterpret_cast<float (&)[C::S_TILES * 4]>(acc_s));
 
-// [hopper_d128.tile:12] free K_j's stage for the producer (empty barrier)
+// [hopper_d128.tile:12] arrive k_empty (K_j's slot free)
         if (lane == 0) mbarrier_arrive(k_empty(bars, stage));
 
-// [hopper_d128.tile:5] mask keys outside the sequence / diagonal / window (only tiles that need it)
+// [hopper_d128.tile:5] S = -inf where key >= kv_len (ragged last tile)
         if (tile_needs_mask<C>(row0, 64, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
 
-// [hopper_d128.tile:10] m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P
+// [hopper_d128.tile:9] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
         softmax_update<C>(acc_s, row_max, row_sum, alpha);
         // Pin the softmax here: its exp2s are plain asm the compiler may otherwise sink below the
         // next wgmma wait, which would serialise it behind the P V in flight.
@@ -882,27 +882,27 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
         fence_fragments(p_frag);
 
-// [hopper_d128.tile:12] free V_{j-2}'s stage for the producer (empty barrier)
+// [hopper_d128.tile:12] arrive v_empty (V_{j-2}'s slot free)
         if (lane == 0 && local >= 2) mbarrier_arrive(v_empty(bars, (it - 2) % C::STAGES));   // a tile this item has
 
-// [hopper_d128.tile:10] P_{j-1} -> bf16/fp16 A fragments
+// [hopper_d128.tile:10] P_{j-1} -> bf16/fp16 A fragments of the P V wgmma
         pack_p<C>(p_frag, acc_s);
 
-// [hopper_d128.tile:10] O *= alpha (skipped when no row's max moved)
+// [hopper_d128.tile:9] O *= alpha_{j-1} (skipped when no row's max moved)
         rescale_o<C>(acc_o, alpha);
 
-// [hopper_d128.tile:12] wait until V_last has landed (TMA, full barrier)
+// [hopper_d128.tile:12] wait v_full (V_{j-1} has landed)
         mbarrier_wait(v_full(bars, (it - 1) % C::STAGES), ((it - 1) / C::STAGES) & 1);
 
-// [last] O += P_last V_last (RS wgmma, P from registers, issued)
+// [hopper_d128.tile:10] O += P_{j-1} V_{j-1} (RS wgmma, P from registers, issued)
         issue_pv<C>(acc_o, p_frag, smem_base + C::V_OFFSET + ((it - 1) % C::STAGES) * C::V_STAGE_BYTES);
 
-// [hopper_d128.tile:10] wait for the last P V
+// [hopper_d128.tile:13] wait for O += P_{j-2} V_{j-2} (issued last trip)
         wgmma_wait<0>();
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
         fence_fragments(p_frag);
 
-// [hopper_d128.tile:12] free V_last's stage for the producer (empty barrier)
+// [hopper_d128.tile:12] arrive v_empty (V_{j-2}'s slot free)
         if (lane == 0) mbarrier_arrive(v_empty(bars, (it - 1) % C::STAGES));
 
     }

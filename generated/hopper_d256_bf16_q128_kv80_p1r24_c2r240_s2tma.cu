@@ -798,24 +798,24 @@ hopper_d256_bf16_q128_kv80_p1r24_c2r240_s2tma(const __grid_constant__ TensorMap 
         const int local = tile - tile_begin, it = it_base + local, stage = it % C::STAGES;   // ops on an earlier tile name its distance
         const u32 phase = (it / C::STAGES) & 1;
         const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-// [hopper_d256.tile:11] wait until K_j has landed (TMA, full barrier)
+// [hopper_d256.tile:11] wait k_full (K_j has landed)
         mbarrier_wait(k_full(bars, stage), phase);
 
-// [hopper_d256.tile:9] S = Q K_j^T (SS wgmma, issued)
+// [hopper_d256.tile:9] S = scale * Q_i K_j^T (SS wgmma, issued)
         issue_qk<C>(acc_s, q_rows, k_tile);
 
 // [hopper_d256.tile:9] wait for S_j
         wgmma_wait<0>();
         fence_accumulators(reinterpret_cast<float (&)[C::S_TILES * 4]>(acc_s));
 
-// [hopper_d256.tile:11] free K_j's stage for the producer (empty barrier)
+// [hopper_d256.tile:11] arrive k_empty (K_j's slot free)
         if (lane == 0) mbarrier_arrive(k_empty(bars, stage));
 
-// [hopper_d256.tile:4] mask keys outside the sequence / diagonal / window (only tiles that need it)
+// [hopper_d256.tile:4] S = -inf where key >= kv_len (ragged last tile)
         if (tile_needs_mask<C>(row0, 64, tile * C::BC, C::BC, seq_kv, diag))
             apply_mask<C>(acc_s, q0 + warp_row, tile * C::BC, seq_kv, diag, lane);
 
-// [hopper_d256.tile:9] m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P
+// [hopper_d256.tile:8] m_new = max(m, rowmax S); alpha = exp(m - m_new); P = exp(S - m_new); l = alpha*l + rowsum P; m = m_new
         softmax_update<C>(acc_s, row_max, row_sum, alpha);
         // Pin the softmax here: its exp2s are plain asm the compiler may otherwise sink below the
         // next wgmma wait, which would serialise it behind the P V in flight.
@@ -823,16 +823,16 @@ hopper_d256_bf16_q128_kv80_p1r24_c2r240_s2tma(const __grid_constant__ TensorMap 
         fence_accumulators(reinterpret_cast<float (&)[2]>(alpha));
         fence_accumulators(reinterpret_cast<float (&)[2]>(row_sum));
 
-// [hopper_d256.tile:9] O *= alpha (skipped when no row's max moved)
+// [hopper_d256.tile:8] O *= alpha_j (skipped when no row's max moved)
         rescale_o<C>(acc_o, alpha);
 
-// [hopper_d256.tile:9] P -> bf16/fp16 A fragments
+// [hopper_d256.tile:9] P_j -> bf16/fp16 A fragments of the P V wgmma
         pack_p<C>(p_frag, acc_s);
 
-// [hopper_d256.tile:11] wait until V_j has landed (TMA, full barrier)
+// [hopper_d256.tile:11] wait v_full (V_j has landed)
         mbarrier_wait(v_full(bars, (it - 0) % C::STAGES), ((it - 0) / C::STAGES) & 1);
 
-// [j] O += P_j V_j (RS wgmma, P from registers, issued)
+// [hopper_d256.tile:9] O += P_j V_j (RS wgmma, P from registers, issued)
         issue_pv<C>(acc_o, p_frag, smem_base + C::V_OFFSET + ((it - 0) % C::STAGES) * C::V_STAGE_BYTES);
 
 // [hopper_d256.tile:9] wait for O += P_j V_j
@@ -840,7 +840,7 @@ hopper_d256_bf16_q128_kv80_p1r24_c2r240_s2tma(const __grid_constant__ TensorMap 
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
         fence_fragments(p_frag);
 
-// [hopper_d256.tile:11] free V_j's stage for the producer (empty barrier)
+// [hopper_d256.tile:11] arrive v_empty (V_j's slot free)
         if (lane == 0) mbarrier_arrive(v_empty(bars, (it - 0) % C::STAGES));
 
     }

@@ -147,7 +147,8 @@ def test_hopper_producer_and_consumer_meet_at_barriers():
     assert ("wait_k_full", "mma_qk") in syncs and ("wait_v_full", "mma_pv") in syncs
     # the consumer frees each slot for the producer's next trip: loop-carried, not a DAG edge
     released = {(c.src, c.dst) for c in g.carried if c.kind is EdgeKind.SYNC}
-    assert released == {("arrive_k_empty", "wait_k_empty"), ("arrive_v_empty", "wait_v_empty")}
+    assert released == {("arrive_k_empty", "wait_k_empty"), ("arrive_v_empty", "wait_v_empty"),
+                        ("arrive_q_empty", "wait_q_empty"), ("wait_pv", "pack_p")}
     assert not build_graph(fa2()).has(OpKind.ARRIVE)
 
 

@@ -58,14 +58,37 @@ def loop_nest(graph: ScheduleGraph) -> list[str]:
             text = op.text
             if op.kind in (OpKind.LOAD_K, OpKind.LOAD_V) and op.buffer:
                 text += f"[{op.buffer}] via {op.via}"
+            if op.kind is OpKind.MMA_WAIT:
+                text += f"   (wgmma.wait_group {op.pending})"
+            if op.tx_bytes:
+                text += f"   (+{op.tx_bytes} B)"
             if specialized and op.role is not Role.ALL:
-                text = f"{op.role.value}: {text}"
+                text = f"{op.role.value}{f' (tile j-{op.lag})' if op.lag else ''}: {text}"
             lines.append(_tagged(pad + text, source_tag(graph.spec, op.key)))
 
     walk(None, 0)
     if graph.has(OpKind.STORE_O_STATE):
         lines.append(_tagged("O = O_state; lse = m + log l   (from the state FA1 leaves in HBM)",
                              source_tag(graph.spec, "order")))
+    return lines
+
+
+def role_and_barrier_lines(graph: ScheduleGraph) -> list[str]:
+    """A warp-specialized kernel's roles (warpgroups, threads, setmaxnreg budget) and its barriers:
+    arrivals per phase, TMA transaction bytes, and the ops that arrive and wait."""
+    if not graph.barriers:
+        return []
+    lines = ["roles:"]
+    for role, info in graph.roles.items():
+        lines.append(f"  {role:<9} {info['warpgroups']} warpgroup(s), {info['threads']} threads, "
+                     f"setmaxnreg {info['registers']} registers per thread")
+    lines.append("barriers (count: arrivals per phase; tx: TMA bytes that must land too):")
+    lines.append(f"  {'name':<8} {'kind':<9} {'count':>5} {'tx bytes':>9}   arrive -> wait")
+    for b in graph.barriers.values():
+        copies = "per consumer" if b.kind == "named" else "per stage"
+        lines.append(f"  {b.name:<8} {b.kind:<9} {b.count:>5} {b.tx_bytes:>9}   "
+                     f"{', '.join(b.arrive)} ({b.arrive_role}) -> {', '.join(b.wait)} ({b.wait_role})"
+                     + (f"   [{b.stages} {copies}]" if b.stages > 1 else ""))
     return lines
 
 
@@ -151,6 +174,8 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     if spec.family is Family.FA2 and plan is not None:
         out += [_launch_order_line(spec, graph.layout, batch * heads, -(-nq // s.tile_q), limits), ""]
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
+    if graph.barriers:
+        out += role_and_barrier_lines(graph) + [""]
     out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
     out += generated_kernel_lines(plan, no_plan) + [""]
@@ -212,7 +237,8 @@ def to_dot(graph: ScheduleGraph) -> str:
                 lines.append(f"{pad}}}")
                 continue
             dims = "x".join(map(str, op.sizes))
-            label = "\\n".join(x for x in (name, f"{op.space.value} {dims}".strip(), op.buffer and f"slot {op.buffer}")
+            label = "\\n".join(x for x in (name, f"{op.space.value} {dims}".strip(), op.buffer and f"slot {op.buffer}",
+                                           op.lag and f"tile j-{op.lag}", op.tx_bytes and f"+{op.tx_bytes} B tx")
                                if x and x != "none")
             lines.append(f"{pad}{_dot_quote(name)} [label=\"{label}\", fillcolor={_ROLE_COLOR[op.role]}];")
 

@@ -17,106 +17,14 @@ pipeline buffers, roles, emission order) and later stages only read it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 
 import networkx as nx
 
-from .spec import AUTO, Axis, DType, Family, KernelSpec, Mask, Mma
-
-
-class OpKind(str, Enum):
-    LOOP = "loop"
-    LOAD_Q = "load_q"
-    LOAD_K = "load_k"
-    LOAD_V = "load_v"
-    MMA_QK = "mma_qk"
-    MASK = "mask"
-    ONLINE_SOFTMAX = "online_softmax"
-    MMA_PV = "mma_pv"
-    COMBINE_WARPS = "combine_warps"     # split-K warps: merge per-warp partials through shared memory
-    RESCALE_O = "rescale_o"
-    LOAD_O_STATE = "load_o_state"       # FA1: O, m, l read back from HBM every kv step
-    STORE_O_STATE = "store_o_state"     # FA1: O, m, l written to HBM every kv step
-    NORMALIZE_O = "normalize_o"
-    STORE_O = "store_o"
-    STORE_LSE = "store_lse"
-    MERGE_SPLITS = "merge_splits"
-    ARRIVE = "arrive"
-    WAIT = "wait"
-
-
-class Space(str, Enum):
-    HBM = "hbm"
-    SHARED = "shared"
-    REGISTERS = "registers"
-    NONE = "none"            # loops and barriers hold no data
-
-
-class Role(str, Enum):
-    ALL = "all"              # every warp of the block
-    PRODUCER = "producer"    # the load warpgroup of a warp-specialized kernel
-    CONSUMER = "consumer"    # the MMA/softmax warpgroups
-
-
-class EdgeKind(str, Enum):
-    DATA = "data"
-    SYNC = "sync"
-
-
-@dataclass(frozen=True)
-class Access:
-    """One HBM access of an op, per trip: `rows` rows of the current q or kv tile ("q" | "kv")
-    times `cols` ("d" | "dv" | "1"), repeated `times` ("1" | "splits")."""
-    tensor: str              # Q K V O lse | O_state m l (FA1) | O_part lse_part (split-KV)
-    mode: str                # "read" | "write"
-    rows: str
-    cols: str
-    times: str = "1"
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: OpKind
-    space: Space = Space.NONE          # where the op's result lives
-    shape: tuple[str, ...] = ()        # symbolic tile shape, e.g. ("Br", "d")
-    loops: tuple[str, ...] = ()        # enclosing loop nodes, outer -> inner
-    role: Role = Role.ALL
-    key: str = ""                      # the DSL setting whose span this op comes from
-    text: str = ""                     # one line of pseudo-code (explain, generated comments)
-    variant: str = ""                  # running | normalized | unnormalized | mask kind
-    hbm: tuple[Access, ...] = ()
-    via: str = ""                      # copy mechanism of a load: cp.async | tma
-    barrier: str = ""                  # arrive/wait: the barrier's name, e.g. "k_full"
-    scope: str = "block"               # loads and waits of K/V: "warp" when each warp moves only its key slice
-    mma: str = ""                      # mma_qk / mma_pv: the tensor-core instruction, "mma.sync" | "wgmma"
-    mma_shape: tuple[int, ...] = ()    # its (m, n, k)
-    # loops only
-    var: str = ""                      # the tile index: "q" | "kv" | "split"
-    extent: str = ""                   # trip count, symbolic
-    grid: bool = False                 # one thread block per trip (else a serial loop in a block)
-    kernel: str = ""                   # top-level loops: which kernel launch ("attention", "merge")
-    init: tuple[tuple[str, str], ...] = ()   # state set before the first trip: (name, value)
-    init_space: Space = Space.NONE
-    # filled by passes
-    sizes: tuple[int, ...] = ()        # `shape` in elements (shape inference)
-    bytes: int = 0                     # one tile of the result in its space (shape inference)
-    stages: int = 0                    # pipeline depth of the buffer ring it uses (pipelining)
-    buffer: str = ""                   # which ring slot, e.g. "j % 2" (pipelining)
-
-
-@dataclass(frozen=True)
-class Carry:
-    """A dependency from one trip of `loop` to a later trip (kept out of the DAG)."""
-    loop: str
-    src: str
-    dst: str
-    value: str
-    kind: EdgeKind = EdgeKind.DATA
-
-
-class GraphError(ValueError):
-    """A malformed graph: a name defined twice, an edge to an unknown node. A compiler bug."""
+from .graph_ops import MASK_TEXT as _MASK_TEXT
+from .graph_ops import Access, Barrier, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space  # noqa: F401  (re-exported)
+from .graph_hopper import consumer_tile_math
+from .spec import AUTO, Axis, DType, Family, KernelSpec, Mma
 
 
 class ScheduleGraph:
@@ -130,6 +38,7 @@ class ScheduleGraph:
         self.sizes: dict[str, int | None] = {}  # Br, Bc, d, dv, ... (shape inference)
         self.layout = None                      # every size of the kernel (legality: layout.py)
         self.roles: dict[str, dict] = {}        # role -> warps, threads, registers (warp roles)
+        self.barriers: dict[str, Barrier] = {}  # name -> Barrier (barriers pass; warp-specialized only)
         self.order: tuple[str, ...] | None = None   # emission order (emission order pass)
 
     # -- building
@@ -250,10 +159,14 @@ class _Builder:
     def load_q(self, loops: tuple[str, ...]) -> str:
         """Q tile -> shared memory; returns the node that makes it visible to the MMA."""
         g = self.g
+        if self.specialized:
+            g.add("wait_q_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline", barrier="q_empty",
+                                     text="wait q_empty (the previous q tile's consumers are done with Q)"))
         g.add("load_q", Op(OpKind.LOAD_Q, Space.SHARED, ("Br", "d"), loops, self.role(True), "tile",
                            "Q_i = Q[i*Br : (i+1)*Br] -> shared", hbm=(Access("Q", "read", "q", "d"),), via=self.via))
         if not self.specialized:
             return "load_q"
+        g.connect("wait_q_empty", "load_q", "q_empty", EdgeKind.SYNC)
         g.add("arrive_q_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
                                   barrier="q_full", text="arrive q_full (TMA transaction bytes of Q_i)"))
         g.add("wait_q_full", Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
@@ -283,12 +196,6 @@ class _Builder:
     def wait_for(self, t: str, loops: tuple[str, ...]) -> str:
         """The consumer's wait until the K or V tile (t = "k" | "v") or both ("kv") has landed."""
         g = self.g
-        if self.specialized:
-            name = f"wait_{t}_full"
-            g.add(name, Op(OpKind.WAIT, loops=loops, role=Role.CONSUMER, key="pipeline",
-                           barrier=f"{t}_full", text=f"wait {t}_full"))
-            g.connect(f"arrive_{t}_full", name, f"{t}_full", EdgeKind.SYNC)
-            return name
         name = f"wait_{t}"
         tiles = " and ".join(f"{x.upper()}_j" for x in t)
         whose = "the warp's slice of " if self.kv_scope == "warp" else ""
@@ -297,16 +204,6 @@ class _Builder:
         for x in t:
             g.connect(f"load_{x}", name, f"{x.upper()}_j", EdgeKind.SYNC)
         return name
-
-    def release(self, t: str, after: str, loops: tuple[str, ...], loop: str) -> None:
-        """Specialized only: the consumer frees the K/V slot for the producer's next load."""
-        if not self.specialized:
-            return
-        name = f"arrive_{t}_empty"
-        self.g.add(name, Op(OpKind.ARRIVE, loops=loops, role=Role.CONSUMER, key="pipeline",
-                            barrier=f"{t}_empty", text=f"arrive {t}_empty (slot free)"))
-        self.g.connect(after, name, "", EdgeKind.SYNC)
-        self.g.carry(loop, name, f"wait_{t}_empty", f"{t}_empty", EdgeKind.SYNC)
 
     def mma_instruction(self, n: int) -> dict:
         """The tensor-core instruction of the two GEMMs, from the spec: warpgroup wgmma m64nNk16
@@ -322,7 +219,9 @@ class _Builder:
         m, l, O are held per warp when warps split the keys (`groups` > 1; merged by combine_warps).
         `waits`: the nodes that make K_j and V_j visible, when the caller made them (else made here).
         `state`: FA1 only, the op that brings O, m, l in from HBM; it is made here, after the mask.
-        Returns the node that last produced each of O, m, l."""
+        Returns the node that last produced each of O, m, l. Hopper's consumer: graph_hopper.py."""
+        if self.specialized:
+            return consumer_tile_math(self, loops, q_ready)
         g, spec, role = self.g, self.spec, self.role(False)
         kv_loop = next(l for l in loops if g.op(l).var == "kv")
         p = spec.problem
@@ -333,7 +232,6 @@ class _Builder:
         g.connect(q_ready, "mma_qk", "Q_i")
         g.connect("load_k", "mma_qk", "K_j")
         g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
-        self.release("k", "mma_qk", loops, kv_loop)
         g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, "mask",
                          _MASK_TEXT[p.mask], variant=p.mask.value))
         g.connect("mma_qk", "mask", "S")
@@ -356,7 +254,6 @@ class _Builder:
         g.connect("online_softmax", "mma_pv", "P")
         g.connect("load_v", "mma_pv", "V_j")
         g.connect(wait_v, "mma_pv", "", EdgeKind.SYNC)
-        self.release("v", "mma_pv", loops, kv_loop)
         g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order",
                               "O = alpha*O + PV" + where, variant="unnormalized"))
         g.connect("mma_pv", "rescale_o", "PV")
@@ -400,11 +297,6 @@ class _Builder:
         g.connect("normalize_o", f"store_lse{suffix}", "lse")
 
 
-_MASK_TEXT = {
-    Mask.NONE: "S = -inf where key >= kv_len (ragged last tile)",
-    Mask.CAUSAL: "S = -inf where key > query + (kv_len - q_len) or key >= kv_len",
-    Mask.WINDOW: "S = -inf outside query + off - left <= key <= query + off + right, off = kv_len - q_len",
-}
 
 
 def _build_q_outer(g: ScheduleGraph) -> None:
@@ -428,6 +320,11 @@ def _build_q_outer(g: ScheduleGraph) -> None:
                       init=init, init_space=Space.REGISTERS)
     b.load_kv(kv_loops)
     produced = b.tile_math(kv_loops, q_ready)
+    if b.specialized:   # Q is free once every consumer's last Q K^T has read it
+        g.add("arrive_q_empty", Op(OpKind.ARRIVE, loops=loops, role=Role.CONSUMER, key="pipeline", barrier="q_empty",
+                                   text="arrive q_empty (Q read; after O's staging when O reuses Q's space)"))
+        g.connect("wait_s", "arrive_q_empty", "Q_i read", EdgeKind.SYNC)
+        g.carry("loop_q", "arrive_q_empty", "wait_q_empty", "q_empty", EdgeKind.SYNC)
     produced = b.combine(loops, produced)
     b.epilogue(loops, produced, split)
     if not split:

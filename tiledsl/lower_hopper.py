@@ -22,6 +22,8 @@ from .layout import layout_of
 from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, make_plan, mma_instruction, smem_constants,
                     softmax_constants)
 from .lower_wgmma import WgmmaAsm
+from .graph import OpKind, Role, ScheduleGraph
+from .passes import emission_order, run_passes
 from .spec import Family, KernelSpec
 
 PANEL_ROW_BYTES = 128     # a 64-column panel row of 16-bit values: one TMA box row, one swizzle row
@@ -37,58 +39,69 @@ class HopperPlan(KernelPlan):
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
 
 
-def consumer_ops(spec: KernelSpec) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ...], tuple[LoopOp, ...]]:
-    """(prologue, loop body, epilogue) of a consumer warpgroup, in issue order."""
-    s = spec.schedule
-    pipe, where_overlap = _where(spec, "pipeline"), _where(spec, "overlap")
-    tile = _where(spec, "tile")
+# Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
+_STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full", (OpKind.WAIT, "turn"): "turn_wait",
+         (OpKind.ARRIVE, "turn"): "turn_pass", (OpKind.ARRIVE, "k_empty"): "release_k", (OpKind.ARRIVE, "v_empty"): "release_v",
+         (OpKind.MMA_WAIT, "S"): "wait_qk", (OpKind.MMA_WAIT, "PV"): "wait_pv", (OpKind.MMA_QK, ""): "mma_qk",
+         (OpKind.MMA_PV, ""): "mma_pv", (OpKind.MASK, ""): "mask", (OpKind.ONLINE_SOFTMAX, ""): "softmax",
+         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p"}
+_WAITED = {"S": OpKind.MMA_QK, "PV": OpKind.MMA_PV}
 
-    def op(kind: str, what: str, where: str = tile, pending: int = 0) -> LoopOp:
-        return LoopOp(kind, where, what, pending=pending)
 
-    turn_wait = [op("turn_wait", "ping-pong: wait for this consumer's turn to issue GEMMs", where_overlap)] if s.pingpong else []
-    turn_pass = [op("turn_pass", "ping-pong: hand the turn to the next consumer", where_overlap)] if s.pingpong else []
-    wait_k = op("wait_k_full", "wait until K_j has landed (TMA, full barrier)", pipe)
-    qk = op("mma_qk", "S = Q K_j^T (SS wgmma, issued)")
-    release_k = op("release_k", "free K_j's stage for the producer (empty barrier)", pipe)
-    mask = op("mask", "mask keys outside the sequence / diagonal / window (only tiles that need it)", _where(spec, "mask"))
-    softmax = op("softmax", "m = max(m, rowmax S); P = exp(scale (S - m)); l = alpha l + rowsum P")
-    rescale = op("rescale_o", "O *= alpha (skipped when no row's max moved)")
-    pack = op("pack_p", "P -> bf16/fp16 A fragments")
+def consumer_ops(spec: KernelSpec, graph: ScheduleGraph) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ...], tuple[LoopOp, ...], int]:
+    """(prologue, loop body, epilogue, loop start) of a consumer warpgroup: the graph's consumer ops
+    of the kv loop in emission order, peeled by their lags. An op `lag` tiles behind runs in trip
+    tile + lag; the loop starts at tile 1 when any op lags (the prologue is tile 0's lag-0 ops), and
+    the epilogue runs the trips past the last tile, each op whose tile exists (`distance` counts back
+    from one past the last). In the loop's first trips the ops more than one tile behind reach before
+    the first tile: the template guards a release (`local >= distance`), and a wgmma wait with
+    nothing in flight returns at once. Ping-pong turns go with the trips that issue a GEMM."""
+    ops = [n for n in emission_order(graph) if graph.op(n).loops[-1:] == ("loop_kv",) and graph.op(n).role is Role.CONSUMER]
+    lags = {n: graph.op(n).lag for n in ops}
+    start = 1 if any(lags.values()) else 0
+    bad = [n for n in ops if lags[n] > start and graph.op(n).kind not in (OpKind.ARRIVE, OpKind.MMA_WAIT)]
+    assert not bad, f"ops that reach before the first tile in the loop's first trip: {bad}"
 
-    def v_ops(behind: int, tile: str) -> list[LoopOp]:
-        return [LoopOp("wait_v_full", pipe, f"wait until V_{tile} has landed (TMA, full barrier)", distance=behind),
-                LoopOp("mma_pv", tile, f"O += P_{tile} V_{tile} (RS wgmma, P from registers, issued)", distance=behind)]
+    def trip(keep) -> list[tuple[str, int]]:
+        """(op, distance) of one trip: the ops `keep(lag)` gives a distance, and turns if it issues a GEMM."""
+        turn = {n for n in ops if graph.op(n).barrier == "turn"}
+        kept = {n: keep(lags[n]) for n in ops if n not in turn and keep(lags[n]) is not None}
+        gemm = any(graph.op(n).kind in (OpKind.MMA_QK, OpKind.MMA_PV) for n in kept)
+        return [(n, kept.get(n, 0)) for n in ops if n in kept or (n in turn and gemm)]
 
-    def release_v(behind: int, tile: str) -> LoopOp:
-        return LoopOp("release_v", pipe, f"free V_{tile}'s stage for the producer (empty barrier)", distance=behind)
+    prologue = [s for t in range(start) for s in trip(lambda lag, t=t: lag if lag <= t else None)]
+    body = trip(lambda lag: lag)
+    epilogue = [s for e in range(max(lags.values())) for s in trip(lambda lag, e=e: lag - e if lag > e else None)]
+    steps = [tuple(_step(spec, graph, seq, i, context) for i in range(len(seq)))
+             for seq, context in ((prologue, []), (body, body), (epilogue, body))]
+    for (name, _), step in zip(body, steps[1]):
+        assert step.pending == graph.op(name).pending, f"{name}: the graph's wait_group {graph.op(name).pending}, issued {step.pending}"
+    return steps[0], steps[1], steps[2], start
 
-    if not s.intra_overlap:
-        body = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_j", pending=0), release_k, mask, softmax,
-                rescale, pack, *v_ops(0, "j"), op("wait_pv", "wait for O += P_j V_j", pending=0), release_v(0, "j")]
-        return (), tuple(body), ()
-    # Tile j's Q K^T and tile j-1's P V are issued together; the softmax of S_j runs while P V is on
-    # the tensor cores, and the wait for that P V comes only at the top of the next trip: ptxas
-    # schedules a wgmma wait as early as its basic block allows, so the loop's back edge is what
-    # keeps it behind the softmax. O is rescaled by alpha_{j-1} while S_j is being computed.
-    top = [op("wait_pv", "wait for O += P_{j-2} V_{j-2} (issued last trip)", where_overlap, pending=0),
-           release_v(2, "{j-2}"), op("pack_p", "P_{j-1} -> bf16/fp16 A fragments")]
-    prologue = [wait_k, *turn_wait, qk, *turn_pass, op("wait_qk", "wait for S_0", pending=0), release_k, mask, softmax]
-    body = [*top, wait_k, *turn_wait, qk, op("rescale_o", "O *= alpha_{j-1} (skipped when no row's max moved)"),
-            *v_ops(1, "{j-1}"), *turn_pass,
-            op("wait_qk", "wait for S_j only (P_{j-1} V_{j-1} stays in flight)", where_overlap, pending=1), release_k, mask,
-            softmax]
-    epilogue = [*top, *turn_wait, rescale, *v_ops(1, "last"), *turn_pass, op("wait_pv", "wait for the last P V", pending=0),
-                release_v(1, "last")]
-    return tuple(prologue), tuple(body), tuple(epilogue)
+
+def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i: int, before: list) -> LoopOp:
+    """The CUDA step of seq[i]; a wgmma wait leaves in flight the GEMMs issued after the one it waits
+    for (looked for back through `before`, the trips that ran earlier)."""
+    name, distance = seq[i]
+    op = graph.op(name)
+    kind = _STEP[(op.kind, op.barrier or (op.variant if op.kind is OpKind.MMA_WAIT else ""))]
+    pending = 0
+    if op.kind is OpKind.MMA_WAIT:
+        for earlier, _ in reversed(before + seq[:i]):
+            if graph.op(earlier).kind is _WAITED[op.variant]:
+                break
+            pending += graph.op(earlier).kind in (OpKind.MMA_QK, OpKind.MMA_PV)
+    return LoopOp(kind, _where(spec, op.key), op.text, pending=pending, distance=distance, node=name)
 
 
 def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
     lay = layout_of(spec, H200)   # every size and every resource rule of the family
+    graph = run_passes(spec, H200)
+    bars = graph.barriers
     consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
-    q, k, v, o, bars = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
+    q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
     panel_q, panel_kv = s.tile_q * PANEL_ROW_BYTES, s.tile_kv * PANEL_ROW_BYTES
     o_in_q = o.reuses == "Q"
     consts = [
@@ -97,7 +110,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("CONSUMERS", "int", consumers, "consumer warpgroups, 64 query rows each"),
-        Constant("EMPTY_ARRIVALS", "int", empty_arrivals or 4 * consumers, "arrivals that free Q or a stage: one per consumer warp"),
+        Constant("EMPTY_ARRIVALS", "int", empty_arrivals or bars["k_empty"].count, "arrivals that free Q or a stage: one per consumer warp"),
         Constant("THREADS", "int", threads, "producer + consumer warpgroups"),
         Constant("PRODUCER_REGS", "int", s.producer_regs, "setmaxnreg.dec: the producer only issues copies"),
         Constant("CONSUMER_REGS", "int", s.consumer_regs, "setmaxnreg.inc: accumulators of S, O and P"),
@@ -108,15 +121,15 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         Constant("STAGES", "int", s.stages, "K/V ring stages"),
         Constant("Q_OFFSET", "u32", q.offset),
         Constant("Q_PANEL_BYTES", "u32", panel_q, "64 columns of every Q row: one TMA box"),
-        Constant("Q_BYTES", "u32", q.bytes, "transaction bytes of Q's full barrier"),
+        Constant("Q_BYTES", "u32", bars["q_full"].tx_bytes, "transaction bytes of Q's full barrier"),
         Constant("K_OFFSET", "u32", k.offset),
         Constant("K_PANEL_BYTES", "u32", panel_kv),
-        Constant("K_STAGE_BYTES", "u32", k.stage_bytes, "one K tile: transaction bytes of its full barrier"),
+        Constant("K_STAGE_BYTES", "u32", bars["k_full"].tx_bytes, "one K tile: transaction bytes of its full barrier"),
         Constant("V_OFFSET", "u32", v.offset),
         Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
-        Constant("V_STAGE_BYTES", "u32", v.stage_bytes, "one V tile: transaction bytes of its full barrier"),
+        Constant("V_STAGE_BYTES", "u32", bars["v_full"].tx_bytes, "one V tile: transaction bytes of its full barrier"),
         Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
-        Constant("BAR_OFFSET", "u32", bars.offset, "mbarriers"),
+        Constant("BAR_OFFSET", "u32", mbarriers.offset, "mbarriers"),
         Constant("Q_FULL_BAR", "int", 0),
         Constant("Q_EMPTY_BAR", "int", 1),
         Constant("K_FULL_BAR", "int", 2),
@@ -125,11 +138,12 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         Constant("V_EMPTY_BAR", "int", 2 + 3 * s.stages),
         *smem_constants(lay),
         Constant("TURN_BAR", "int", 1, "ping-pong: named barrier of consumer c is TURN_BAR + c"),
-        Constant("TURN_THREADS", "int", 2 * WARPGROUP_THREADS, "a consumer waits, the one before it arrives"),
+        Constant("TURN_THREADS", "int", bars["turn"].count if "turn" in bars else 2 * WARPGROUP_THREADS,
+                 "a consumer waits, the one before it arrives"),
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
     ]
-    prologue, body, epilogue = consumer_ops(spec)
+    prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(_where(spec, "mask"), "the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)"),
@@ -145,5 +159,5 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3), wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
-                     loop_start=1 if s.intra_overlap else 0, prologue=prologue, epilogue=epilogue)
+                     loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 

@@ -10,6 +10,8 @@ manager orders passes by those facts, runs each, then checks its promise with th
     roles    WarpRoles        warps, threads and register budget of each role
     legal    Legality         the kernel's Layout (layout.py): sizes, MMA shapes, resources vs the GPU
     order    EmissionOrder    a deterministic topological order, loop bodies contiguous
+    barriers Barriers         warp-specialized kernels: each barrier's arrivals, TMA transaction bytes, who
+                              arrives and who waits (the full barriers' bytes from the layout)
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import math
 import networkx as nx
 
 from .device_limits import H200, DeviceLimits
-from .graph import EdgeKind, OpKind, Role, ScheduleGraph, Space, build_graph, kv_groups
+from .graph import Barrier, EdgeKind, OpKind, Role, ScheduleGraph, Space, build_graph, kv_groups
 from .layout import cp_async_pending, layout_of
 from .spec import AUTO, DTYPE_BYTES, Family, KernelSpec
 
@@ -181,6 +183,46 @@ class EmissionOrder(Pass):
             _promise(contiguous, self, f"{loop} body not contiguous")
 
 
+class Barriers(Pass):
+    """The barriers of a warp-specialized kernel, read off its arrive and wait ops: a TMA full barrier
+    completes on the producer's one arrive.expect_tx plus the bytes of the tile its copies load (the
+    layout's), an empty barrier on one arrival per consumer warp, a ping-pong turn (a named barrier
+    per consumer) when the waiting consumer's and the passing consumer's threads have arrived."""
+    name = "barriers"
+    requires = frozenset({"roles", "legal"})
+    ensures = frozenset({"barriers"})
+    TILE = {"q": "Q", "k": "K", "v": "V"}
+
+    def run(self, graph, limits):
+        ops = [n for n in graph.names() if graph.op(n).kind in (OpKind.ARRIVE, OpKind.WAIT) and graph.op(n).role is not Role.ALL]
+        if not ops:
+            return
+        consumer = graph.roles["consumer"]
+        warpgroup_threads = consumer["threads"] // consumer["warpgroups"]
+        lay = graph.layout
+        for name in sorted({graph.op(n).barrier for n in ops}, key=lambda b: min(graph.seq(n) for n in ops if graph.op(n).barrier == b)):
+            arrive = tuple(n for n in ops if graph.op(n).barrier == name and graph.op(n).kind is OpKind.ARRIVE)
+            wait = tuple(n for n in ops if graph.op(n).barrier == name and graph.op(n).kind is OpKind.WAIT)
+            tensor, _, state = name.partition("_")
+            tx, stages = 0, 1 if tensor == "q" else graph.sizes["stages"]
+            if name == "turn":
+                kind, count, stages = "named", 2 * warpgroup_threads, consumer["warpgroups"]
+            elif state == "full":
+                buffer = lay.buffer(self.TILE[tensor])
+                kind, count, tx = "mbarrier", 1, buffer.bytes if tensor == "q" else buffer.stage_bytes
+                for n in arrive:
+                    graph.update(n, tx_bytes=tx)
+            else:
+                kind, count = "mbarrier", consumer["threads"] // 32
+            roles = [{graph.op(n).role.value for n in side} for side in (arrive, wait)]
+            graph.barriers[name] = Barrier(name, kind, count, tx, stages, arrive, wait, *("/".join(sorted(r)) for r in roles))
+
+    def verify(self, graph):
+        for b in graph.barriers.values():
+            _promise(bool(b.arrive) and bool(b.wait), self, f"barrier {b.name} lacks an arrive or a wait")
+            _promise(b.tx_bytes > 0 or not b.name.endswith("_full"), self, f"{b.name} completes no bytes")
+
+
 def _scope_order(graph: ScheduleGraph, loop: str | None) -> list[str]:
     depth = 0 if loop is None else len(graph.op(loop).loops) + 1
 
@@ -205,7 +247,7 @@ def _scope_order(graph: ScheduleGraph, loop: str | None) -> list[str]:
     return order
 
 
-DEFAULT_PASSES = (ShapeInference, Pipelining, WarpRoles, Legality, EmissionOrder)
+DEFAULT_PASSES = (ShapeInference, Pipelining, WarpRoles, Legality, EmissionOrder, Barriers)
 
 
 class PassManager:
@@ -242,7 +284,7 @@ class PassManager:
 def run_passes(spec: KernelSpec, limits: DeviceLimits = H200, check_legality: bool = True) -> ScheduleGraph:
     """Build `spec`'s graph and run every pass. Legality can be left out (the float64 reference
     executes any tiling, legal on a GPU or not)."""
-    passes = [p for p in DEFAULT_PASSES if check_legality or p is not Legality]
+    passes = [p for p in DEFAULT_PASSES if check_legality or "legal" not in p.requires | p.ensures]
     return PassManager(passes).run(build_graph(spec), limits)
 
 

@@ -159,7 +159,9 @@ class _Executor:
 
     # -- loops
     def scope(self, loop, at, env):
-        for name in self.g.children(loop):
+        # An op `lag` tiles behind its loop's tile (Hopper's intra overlap) only runs later on the
+        # GPU; it computes the same on its own tile, so each trip runs the tile's ops lag by lag.
+        for name in sorted(self.g.children(loop), key=lambda n: self.g.op(n).lag):
             op = self.g.op(name)
             if op.kind is OpKind.LOOP:
                 self.init(op, at, env)
@@ -221,6 +223,10 @@ class _Executor:
         """Barriers order the GPU's warps; one NumPy thread needs none."""
 
     wait = arrive
+    mma_wait = arrive   # an async wgmma is waited for; here it has finished already
+
+    def pack_p(self, op, at, env):
+        """P -> the P V wgmma's 16-bit A fragments: the executor keeps P in float64."""
 
     def load_o_state(self, op, at, env):
         """FA1: the q tile's state from HBM; O is kept normalised there, so it is multiplied back by l."""
@@ -267,10 +273,15 @@ class _Executor:
     def mma_pv(self, op, at, env):
         for state, cols in self._states(env):
             state["PV"] = state["P"] @ env["V"][:, :, cols]
+            if op.variant == "accumulate":   # Hopper: the wgmma adds onto O, rescaled before it
+                state["O"] = state["O"] + state["PV"]
 
     def rescale_o(self, op, at, env):
         for state, _ in self._states(env):
-            state["O"] = state["alpha"][..., None] * state["O"] + state["PV"]
+            if op.variant == "before_pv":
+                state["O"] = state["alpha"][..., None] * state["O"]
+            else:
+                state["O"] = state["alpha"][..., None] * state["O"] + state["PV"]
 
     def combine_warps(self, op, at, env):
         warps = env.pop("warps", None)
