@@ -27,6 +27,10 @@ from .spec import AUTO, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
 DECODE_MAX_QUERIES = 16   # q_len up to this goes to the decode family (one 16-row MMA tile of queries)
+# Head dims the decode kernel has been validated for on the GPU (tests/test_gpu_decode.py); its
+# d=16 rendering returned wrong O on the H200 (tests/test_gpu_api.py, 2026-11-30), so few-query
+# calls with other head dims run on the prefill family until decode is checked for them.
+DECODE_HEAD_DIMS = (64, 128)
 # The shape candidates are ranked on: long enough that tails and launch costs don't decide.
 REPRESENTATIVE_SEQLEN = 4096
 REPRESENTATIVE_BATCH_HEADS = (4, 16)
@@ -97,7 +101,7 @@ def pick(arch: str, problem: Problem, q_len: int | None = None) -> KernelSpec:
             f"attention: head dim {d}" + (f" / v {dv}" if dv != d else "") + " is not supported: the fa2 and decode "
             f"templates step head dims by 16 (mma m16n8k16); supported head dims: "
             f"{', '.join(map(str, supported))}")
-    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and problem.head_dim_qk in DECODE_HEAD_DIMS:
         decode = _pick_decode(problem, q_len)
         if decode is not None:
             return decode
