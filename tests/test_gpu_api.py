@@ -137,7 +137,7 @@ def test_return_lse_false_returns_o_alone():
     assert torch.is_tensor(out) and torch.equal(out, again)
 
 
-@pytest.mark.parametrize("case", [PREFILL[5], DECODE[3]], ids=["prefill", "decode"])
+@pytest.mark.parametrize("case", [PREFILL[5], DECODE[7]], ids=["prefill", "decode"])
 def test_kv_lens_including_zero(case):
     q, k, v = _inputs(case, batch=3)
     lens = torch.tensor([0, case["kv_len"], 3], device="cuda", dtype=torch.int32)
@@ -149,7 +149,7 @@ def test_kv_lens_including_zero(case):
 
 # ---- the caller's stream ------------------------------------------------------------------------------------
 
-STREAM_CASES = [PREFILL[7], PREFILL[5], DECODE[3]]   # hopper (table, d128), fa2 (d96), decode (split kv)
+STREAM_CASES = [PREFILL[7], PREFILL[5], DECODE[7]]   # hopper (table, d128), fa2 (d96), decode (d128, split kv)
 STREAM_IDS = ["hopper", "fa2", "decode"]
 
 
