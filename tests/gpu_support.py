@@ -6,6 +6,15 @@ import functools
 import pytest
 
 TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3
+# name -> (mask, window left, window right): the masks the prefill GPU tests sweep
+MASKS = {"none": ("none", 0, 0), "causal": ("causal", 0, 0), "window": ("window", 100, 20)}
+
+
+def check(errors):
+    """(O error, LSE error) within the tolerances."""
+    err_o, err_lse = errors
+    assert err_o < TOLERANCE_O, f"O relative error {err_o}"
+    assert err_lse < TOLERANCE_LSE, f"LSE error {err_lse}"
 
 
 def gpu_available() -> bool:

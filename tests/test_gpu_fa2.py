@@ -11,24 +11,18 @@ import pytest
 
 from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
 
-from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu, run_case
+from .gpu_support import MASKS, check, requires_gpu, run_case
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 SCHEDULES = {64: Schedule(tile_q=128, tile_kv=64, warps=4), 96: Schedule(tile_q=128, tile_kv=64, warps=8),
              128: Schedule(tile_q=128, tile_kv=128, warps=8), 256: Schedule(tile_q=64, tile_kv=64, warps=4)}
-MASKS = {"none": (Mask.NONE, 0, 0), "causal": (Mask.CAUSAL, 0, 0), "window": (Mask.WINDOW, 100, 20)}
 
 
 def fa2(d, mask="none", dtype=DType.BF16, schedule=None):
     kind, left, right = MASKS[mask]
+    kind = Mask(kind)
     return KernelSpec(f"fa2_d{d}", Problem(d, d, dtype, kind, left, right), schedule or SCHEDULES[d])
-
-
-def check(errors):
-    err_o, err_lse = errors
-    assert err_o < TOLERANCE_O, f"O relative error {err_o}"
-    assert err_lse < TOLERANCE_LSE, f"LSE error {err_lse}"
 
 
 @pytest.mark.parametrize("mask", list(MASKS))

@@ -14,11 +14,10 @@ import pytest
 
 from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
-from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, kernel_for, requires_gpu, run_case
+from .gpu_support import MASKS, check, kernel_for, requires_gpu, run_case
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-MASKS = {"none": (Mask.NONE, 0, 0), "causal": (Mask.CAUSAL, 0, 0), "window": (Mask.WINDOW, 100, 20)}
 
 
 def schedule(consumers=2, tile_kv=128, stages=2, pingpong=False, intra=True):
@@ -33,13 +32,8 @@ SCHEDULES = {64: schedule(3), 128: schedule(2), 256: schedule(2, tile_kv=64)}
 
 def hopper(d, mask="none", dtype=DType.BF16, sched=None):
     kind, left, right = MASKS[mask]
+    kind = Mask(kind)
     return KernelSpec(f"hopper_d{d}", Problem(d, d, dtype, kind, left, right), sched or SCHEDULES[d])
-
-
-def check(errors):
-    err_o, err_lse = errors
-    assert err_o < TOLERANCE_O, f"O relative error {err_o}"
-    assert err_lse < TOLERANCE_LSE, f"LSE error {err_lse}"
 
 
 def run(spec, persistent=None, **shape):

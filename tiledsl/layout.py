@@ -212,11 +212,7 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
     _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
              f"head dim qk {p.head_dim_qk} / v {p.head_dim_v}: fa2 needs multiples of 16 (mma m16n8k16)",
              "use a head dim that is a multiple of 16")
-    _require(s.tile_q % s.warps == 0 and rows_per_warp % 16 == 0 and rows_per_warp > 0, spec, "warps",
-             f"{s.warps} warps along q give {s.tile_q / s.warps:g} rows each; fa2 needs a multiple of 16",
-             f"use tile q = {16 * s.warps} or a multiple")
-    _require(s.tile_kv % 16 == 0, spec, "tile", f"tile kv = {s.tile_kv} is not a multiple of 16 (mma m16n8k16)",
-             "use tile kv = 32, 64 or 128")
+    _split_q_rules(spec, "fa2", " (mma m16n8k16)")
     m_tiles, threads = rows_per_warp // 16, s.warps * 32
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
@@ -247,6 +243,16 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
         min_blocks_per_sm = 2 if estimate <= 128 - 8 and 2 * end <= limits.max_shared_per_block else 1
     return _finish(spec, "fa2", limits, buffers, end, registers, threads, min_blocks_per_sm, stages=s.stages,
                    rows_per_warp=rows_per_warp, keys_per_warp=s.tile_kv, q_in_registers=q_in_registers)
+
+
+def _split_q_rules(spec: KernelSpec, family: str, why: str = "") -> None:
+    """Warps along q (fa1 split-Q, fa2): whole 16-row mma tiles per warp, kv tiles in 16-key steps."""
+    s = spec.schedule
+    _require(s.tile_q % s.warps == 0 and s.tile_q // s.warps % 16 == 0 and s.tile_q >= s.warps, spec, "warps",
+             f"{s.warps} warps along q give {s.tile_q / s.warps:g} rows each; {family} needs a multiple of 16",
+             f"use tile q = {16 * s.warps} or a multiple")
+    _require(s.tile_kv % 16 == 0, spec, "tile", f"tile kv = {s.tile_kv} is not a multiple of 16{why}",
+             "use tile kv = 32, 64 or 128")
 
 
 # ---- fa2 on wgmma -------------------------------------------------------------------------------
@@ -370,11 +376,7 @@ def _fa1(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
                  f"split-K passes of {rows_per_warp} rows must be a multiple of 16 that divides tile q = {s.tile_q}")
     else:
         rows_per_warp, keys_per_warp = s.tile_q // s.warps, s.tile_kv
-        _require(s.tile_q % s.warps == 0 and rows_per_warp % 16 == 0, spec, "warps",
-                 f"{s.warps} warps along q give {s.tile_q / s.warps:g} rows each; fa1 needs a multiple of 16",
-                 f"use tile q = {16 * s.warps} or a multiple")
-        _require(s.tile_kv % 16 == 0, spec, "tile", f"tile kv = {s.tile_kv} is not a multiple of 16",
-                 "use tile kv = 32, 64 or 128")
+        _split_q_rules(spec, "fa1")
     m_tiles, threads = rows_per_warp // 16, s.warps * 32
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
