@@ -52,7 +52,7 @@ def run(code: str, cache: str) -> dict:
 def main() -> int:
     out = sys.argv[1]
     rows = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import tiledsl"], check=True, env=env)
     python_only = time.perf_counter() - t
