@@ -1,15 +1,18 @@
 """Lowering of the Hopper warp-specialized family (FA3-style): KernelSpec -> HopperPlan for
 templates/hopper.cu.j2.
 
-Warpgroup 0 is the producer: one thread issues TMA copies (Q once; K and V per ring stage) that
-complete on each stage's full barrier. Warpgroups 1..C are consumers, 64 query rows each: S = Q Kᵀ
+Warpgroup 0 is the producer: one thread issues TMA copies (Q per work item; K and V per ring
+stage) that complete on full barriers. Warpgroups 1..C are consumers, 64 query rows each: S = Q Kᵀ
 as an SS wgmma, O += P V as an RS wgmma with P in registers, online softmax in registers; a
-consumer frees a stage by arriving on its empty barrier. Two schedule switches reorder the
-consumer's loop:
+consumer frees a stage (and Q) by arriving on its empty barrier. Every size comes from the layout
+pass; the consumer's loop is the scheduler graph's emission order (graph_hopper.py). Two schedule
+switches reorder it:
 
 * `overlap intra`: the loop issues tile j's Q Kᵀ and tile j-1's P V together and waits for the
   first with `wgmma.wait_group 1`, so tile j's softmax runs while P V of j-1 is on the tensor
-  cores; the O rescale waits for that P V (wait_group 0).
+  cores; that P V is waited for at the top of the next trip (ptxas hoists a wgmma wait to the top
+  of its basic block: the back edge keeps it behind the softmax), and O is rescaled by alpha_{j-1}
+  while Q K_jᵀ runs.
 * `overlap pingpong`: consumers take turns issuing their GEMMs (named barriers passed round a
   ring), so one's softmax runs while the tensor cores work on another's GEMMs.
 """
