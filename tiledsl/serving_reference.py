@@ -57,18 +57,20 @@ def attend(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0, window_r
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     group = heads // kv_heads
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # (nk, heads, ...)
+    k = np.repeat(k, group, axis=1).transpose(1, 2, 0)   # (heads, d, nk)
+    v = np.repeat(v, group, axis=1).transpose(1, 0, 2)   # (heads, nk, dv)
+    q = q.transpose(1, 0, 2)                             # (heads, nq, d)
     o, lse = np.zeros((nq, heads, v.shape[2])), np.full((nq, heads), -np.inf)
     for r0 in range(0, nq if nk else 0, QUERY_CHUNK):
         rows = np.arange(r0, min(r0 + QUERY_CHUNK, nq))
-        scores = np.einsum("qhd,khd->hqk", q[rows], k) * scale
+        scores = (q[:, rows] @ k) * scale              # (heads, rows, nk)
         scores[:, ~_visible(rows, nk, nq, mask, window_left, window_right)] = -np.inf
         top = scores.max(axis=-1)
         top = np.where(np.isfinite(top), top, 0.0)     # a row that sees nothing: exp(-inf) = 0, no NaN
         weights = np.exp(scores - top[..., None])
         total = weights.sum(axis=-1)                   # (heads, rows)
         seen = total > 0
-        acc = np.einsum("hqk,khe->hqe", weights, v)
+        acc = weights @ v
         o[rows] = np.where(seen[..., None], acc / np.where(seen, total, 1.0)[..., None], 0.0).transpose(1, 0, 2)
         lse[rows] = np.where(seen, top + np.log(np.where(seen, total, 1.0)), -np.inf).T
     return o, lse
