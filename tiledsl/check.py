@@ -22,12 +22,14 @@ from . import ast
 from .errors import SpecError
 from .layout import layout_of
 from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
-                   Problem, Schedule, Span)
+                   Problem, Schedule, SeqLayout, Span)
 
 EXAMPLES = {
     "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
     "mask": "mask = causal   (none | causal | window(left = 256, right = 0))",
     "scale": "scale = 0.125", "queries": "queries = 1",
+    "kv_cache": "kv_cache = paged(page = 16)   (or: contiguous, the default)",
+    "layout": "layout = varlen   (or: batched, the default)",
     "order": "order q, kv   (or: kv, q)", "tile": "tile q = 128, kv = 64", "warps": "warps 4 along q",
     "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
@@ -229,6 +231,11 @@ class _Checker:
         if "queries" in nodes:
             fields["queries_per_seq"] = self.integer(self.setting_number(nodes["queries"]), "queries",
                                                      lambda v: 1 <= v <= 16, "an integer in 1..16")
+        if "kv_cache" in nodes:
+            fields["kv_page_size"] = self.kv_cache(nodes["kv_cache"].value)
+        if "layout" in nodes:
+            fields["seq_layout"] = self.word(self.setting_word(nodes["layout"]), "layout",
+                                             {layout.value: layout for layout in SeqLayout})
         return Problem(**fields)
 
     def setting_number(self, setting: ast.Setting) -> ast.Number:
@@ -263,6 +270,27 @@ class _Checker:
                 self.fail(f"window size '{side}' given twice", arg.name.span, "write left and right once each")
             sizes[side] = self.integer(arg.value, f"window {side}", lambda v: v >= 0, "an integer >= 0")
         return {"mask": mask, "window_left": sizes.get("left", 0), "window_right": sizes.get("right", 0)}
+
+    def kv_cache(self, value) -> int | None:
+        """`contiguous` (None) or `paged(page = N)`: N keys per page, a power of two in 1..256, so a
+        key's page and slot are a shift and a mask, and a kv tile (a multiple of 16 keys) holds
+        whole pages or lies inside one."""
+        if isinstance(value, ast.Number):
+            self.fail(f"kv_cache takes a name, got {value.source()}", value.span, EXAMPLES["kv_cache"])
+        name = value.name if isinstance(value, ast.Call) else value
+        kind = self.word(name, "kv_cache", {"contiguous": "contiguous", "paged": "paged"})
+        if kind == "contiguous":
+            if isinstance(value, ast.Call):
+                self.fail("kv_cache 'contiguous' takes no arguments; only paged(...) has a page size", value.span,
+                          "write `kv_cache = contiguous`, or `kv_cache = paged(page = 16)`")
+            return None
+        if not isinstance(value, ast.Call) or not value.args:
+            self.fail("a paged kv_cache needs its page size", value.span, "write e.g. `kv_cache = paged(page = 16)`")
+        if len(value.args) > 1:
+            self.fail("paged(...) takes one argument, page", value.args[1].span, "write e.g. `kv_cache = paged(page = 16)`")
+        self.word(value.args[0].name, "paged argument", {"page": "page"})
+        return self.integer(value.args[0].value, "kv_cache page size",
+                            lambda v: 1 <= v <= 256 and v & (v - 1) == 0, "a power of two in 1..256")
 
     # -- schedule statements: each returns {Schedule field: (values, is_choice)} --
     def order(self, node: ast.Order) -> dict:
@@ -370,6 +398,9 @@ def _rule_family_features(spec: KernelSpec, written: set):
     if fam is Family.HOPPER and p.queries_per_seq is not None:
         return ("queries", "queries (decode) and warpgroups (hopper) exclude each other: the hopper family has no "
                 "decode path", "remove `warpgroups` for a decode kernel, or `queries` for a hopper kernel")
+    if p.seq_layout is SeqLayout.VARLEN and fam is Family.DECODE:
+        return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
+                "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
     if s.split_kv != 1 and fam is not Family.DECODE:
         return ("split", f"split kv = {s.split_kv} is only for the decode family; this kernel is {fam.value}",
                 "split-KV needs `queries = N` (decode); for prefill remove `split`")

@@ -12,7 +12,7 @@ from enum import Enum
 
 from .check import SpecSpace
 from .cli_common import concrete_specs, read_items
-from .spec import Family, KernelSpec, LoopOrder, Mask, Mma
+from .spec import Family, KernelSpec, LoopOrder, Mask, Mma, SeqLayout
 
 MAX_REJECTIONS_SHOWN = 50   # a big space's rejections go to --json; the text stays readable
 
@@ -48,6 +48,10 @@ def _problem_shown(spec: KernelSpec) -> dict:
     shown["softmax_scale"] = p.softmax_scale if p.softmax_scale is not None else f"1/sqrt({p.head_dim_qk})"
     if p.queries_per_seq is not None:
         shown["queries_per_seq"] = p.queries_per_seq
+    if p.kv_page_size is not None:
+        shown["kv_page_size"] = p.kv_page_size
+    if p.seq_layout is not SeqLayout.BATCHED:
+        shown["seq_layout"] = p.seq_layout.value
     return shown
 
 

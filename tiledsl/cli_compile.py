@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .families import WITH_TEMPLATE, lower   # here: `tiledsl --help` need not load networkx and Jinja2
+    from .families import lower, missing_template   # here: `tiledsl --help` need not load networkx and Jinja2
     from .render import render, write_if_changed
 
     emits = [e.strip() for e in args.emit.split(",") if e.strip()]
@@ -40,8 +40,8 @@ def run(args) -> int:
     out = writable_folder("-o", args.output)
     status, no_sass = 0, False
     for spec in specs:
-        if args.skip_unsupported and spec.family not in WITH_TEMPLATE:
-            print(f"{spec.kernel_name}: skipped (the {spec.family.value} family has no CUDA template yet)")
+        if args.skip_unsupported and missing_template(spec):
+            print(f"{spec.kernel_name}: skipped ({missing_template(spec)})")
             continue
         try:
             source = render(lower(spec))

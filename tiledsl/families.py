@@ -22,7 +22,7 @@ from .runtime import Kernel
 from .runtime_decode import DecodeKernel
 from .runtime_fa1 import Fa1Kernel
 from .runtime_hopper import HopperKernel
-from .spec import Family, KernelSpec, Mma
+from .spec import Family, KernelSpec, Mma, SeqLayout
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,31 @@ FAMILIES = (
 WITH_TEMPLATE = tuple(dict.fromkeys(row.family for row in FAMILIES))
 
 
+def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
+    """(key, what) when the spec asks for a serving layout that no template implements yet."""
+    if spec.problem.kv_page_size is not None:
+        return "kv_cache", "paged KV"
+    if spec.problem.seq_layout is SeqLayout.VARLEN:
+        return "layout", "layout = varlen"
+    return None
+
+
+def missing_template(spec: KernelSpec) -> str:
+    """Why no template builds `spec` ("" when one does): what `compile --skip-unsupported` skips."""
+    if spec.family not in WITH_TEMPLATE:
+        return f"the {spec.family.value} family has no CUDA template yet"
+    refusal = _serving_refusal(spec)
+    return f"{refusal[1]} has no CUDA template yet for the {spec.family.value} family" if refusal else ""
+
+
 def row_for(spec: KernelSpec) -> Row:
-    """The spec's row; a family (or MMA variant) without a template is a SpecError naming it."""
+    """The spec's row; a family (or MMA variant) without a template is a SpecError naming it, and
+    so is a serving layout (paged KV, varlen) that the family's template can't read yet: the
+    checker, explain and the float64 reference take those, the kernels come later."""
+    refusal = _serving_refusal(spec)
+    if refusal:
+        raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text, "`tiledsl explain` and tiledsl.serving_reference take it; "
+                        f"remove `{refusal[0]}` to build a kernel")
     for row in FAMILIES:
         if row.family is spec.family and row.mma in (None, spec.schedule.mma):
             return row

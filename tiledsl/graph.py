@@ -175,18 +175,35 @@ class _Builder:
         g.connect("arrive_q_full", "wait_q_full", "q_full", EdgeKind.SYNC)
         return "wait_q_full"
 
+    def page_lookup(self, loops: tuple[str, ...]) -> str | None:
+        """Paged KV: the kv tile's page indices from the block table (None when K/V are contiguous).
+        Both loads read them: the tile's keys live in pages_j[key / page], at slot key % page."""
+        page = self.spec.problem.kv_page_size
+        if page is None:
+            return None
+        self.g.add("page_lookup", Op(OpKind.PAGE_LOOKUP, Space.REGISTERS, ("pages",), loops, self.role(True), "kv_cache",
+                                     f"pages_j = block_table[b, j*Bc/{page} : (j+1)*Bc/{page}]   ({page} keys a page; "
+                                     "only the pages kv_len needs)",
+                                     hbm=(Access("block_table", "read", "pages", "1"),)))
+        return "page_lookup"
+
     def load_kv(self, loops: tuple[str, ...]) -> None:
-        """K and V tiles -> shared memory (with the producer's barriers when specialized)."""
+        """K and V tiles -> shared memory (with the producer's barriers when specialized), gathered
+        through the block table when the KV cache is paged."""
         g = self.g
+        pages = self.page_lookup(loops)
         slice_text = f"   (each warp its own Bc/{self.groups} keys)" if self.kv_scope == "warp" else ""
         for t, kind, dim in (("k", OpKind.LOAD_K, "d"), ("v", OpKind.LOAD_V, "dv")):
             name = f"load_{t}"
             if self.specialized:
                 g.add(f"wait_{t}_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline",
                                             barrier=f"{t}_empty", text=f"wait {t}_empty (slot free)"))
+            rows = f"{t.upper()}_cache[pages_j[key / page], key % page]" if pages else f"{t.upper()}[j*Bc : (j+1)*Bc]"
             g.add(name, Op(kind, Space.SHARED, ("Bc", dim), loops, self.role(True), "pipeline",
-                           f"{t.upper()}_j = {t.upper()}[j*Bc : (j+1)*Bc] -> shared{slice_text}",
+                           f"{t.upper()}_j = {rows} -> shared{slice_text}",
                            hbm=(Access(t.upper(), "read", "kv", dim),), via=self.via, scope=self.kv_scope))
+            if pages:
+                g.connect(pages, name, "pages_j")
             if self.specialized:
                 g.add(f"arrive_{t}_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
                                              barrier=f"{t}_full", text=f"arrive {t}_full (TMA transaction bytes)"))

@@ -29,6 +29,7 @@ class OpKind(str, Enum):
     WAIT = "wait"
     MMA_WAIT = "mma_wait"               # Hopper: wait for an async wgmma (wgmma.wait_group `pending`)
     PACK_P = "pack_p"                   # Hopper: P (fp32 accumulators) -> the P V wgmma's A fragments
+    PAGE_LOOKUP = "page_lookup"         # paged KV: the kv tile's block-table entries -> page indices
 
 
 class Space(str, Enum):

@@ -58,6 +58,8 @@ class ShapeInference(Pass):
                             "warps": s.warps, "kv_groups": kv_groups(spec), "stages": s.stages,
                             "splits": None if s.split_kv == AUTO else int(s.split_kv),
                             "elem_bytes": DTYPE_BYTES[p.dtype]})
+        if p.kv_page_size is not None:   # a kv tile starts on a page boundary: whole pages, or inside one
+            graph.sizes.update(page=p.kv_page_size, pages=max(1, s.tile_kv // p.kv_page_size))
         for name in graph.names():
             op = graph.op(name)
             if op.kind is OpKind.LOOP or not op.shape:

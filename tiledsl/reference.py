@@ -225,6 +225,9 @@ class _Executor:
     wait = arrive
     mma_wait = arrive   # an async wgmma is waited for; here it has finished already
 
+    def page_lookup(self, op, at, env):
+        """Paged KV: the executor takes K and V already gathered (serving_reference.gather_pages)."""
+
     def pack_p(self, op, at, env):
         """P -> the P V wgmma's 16-bit A fragments: the executor keeps P in float64."""
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
 # The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
-PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries")
+PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout")
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
 
 
@@ -75,6 +75,12 @@ class Mask(Enum):
     WINDOW = "window"      # i + off - left <= j <= i + off + right, off = kv_len - q_len
 
 
+class SeqLayout(Enum):
+    """How a batch's sequences lie in HBM."""
+    BATCHED = "batched"    # (batch, seq, heads, d): every sequence padded to one length
+    VARLEN = "varlen"      # packed (total tokens, heads, d) with cu_seqlens_q / cu_seqlens_k offsets
+
+
 class LoopOrder(Enum):
     Q_OUTER = "q, kv"      # FA2
     KV_OUTER = "kv, q"     # FA1
@@ -110,10 +116,18 @@ class Problem:
     window_right: int = 0           # only with Mask.WINDOW: keys visible after the diagonal
     softmax_scale: float | None = None   # None: 1/sqrt(head_dim_qk)
     queries_per_seq: int | None = None   # decode: queries per sequence (1..16); None: prefill
+    # Serving layouts. They enter config, hash and kernel name only when set (SERVING_DEFAULTS), so
+    # every kernel written before them keeps its name, hash and generated file.
+    kv_page_size: int | None = None      # paged KV cache: keys per page (a power of two, 1..256); None: contiguous
+    seq_layout: SeqLayout = SeqLayout.BATCHED
 
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim_qk)
+
+
+# Problem fields left out of config() (and so of the hash) while they hold these defaults.
+SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED}
 
 
 @dataclass(frozen=True)
@@ -167,8 +181,10 @@ class KernelSpec:
 
     def config(self) -> dict:
         """The full config as JSON-ready plain data (enums by value)."""
+        problem = {k: v for k, v in asdict(self.problem).items()
+                   if not (k in SERVING_DEFAULTS and v == SERVING_DEFAULTS[k])}
         return {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
-                "problem": _plain(asdict(self.problem)), "schedule": _plain(asdict(self.schedule))}
+                "problem": _plain(problem), "schedule": _plain(asdict(self.schedule))}
 
     @property
     def config_hash(self) -> str:
@@ -221,6 +237,10 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append(f"scale{_number(p.softmax_scale)}")
     if p.queries_per_seq is not None:
         parts.append(f"nq{p.queries_per_seq}")
+    if p.kv_page_size is not None:
+        parts.append(f"paged{p.kv_page_size}")
+    if p.seq_layout is SeqLayout.VARLEN:
+        parts.append("varlen")
     parts += [f"q{s.tile_q}", f"kv{s.tile_kv}"]
     if fam is Family.HOPPER:
         parts += [f"p{s.producer_warpgroups}r{s.producer_regs}", f"c{s.consumer_warpgroups}r{s.consumer_regs}"]

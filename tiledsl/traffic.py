@@ -12,7 +12,9 @@ Closed forms per head, in elements, Nq queries, Nk keys, no mask (ragged tiles i
     FA1          Nk (d + dv) + ceil(Nk/Bc) Nq (d + 2 dv + 4)      (= 2Nd + N/Bc (3Nd + 4N))
     FA2          Nq (d + dv + 1) + ceil(Nq/Br) Nk (d + dv)        (= 2Nd + 2N^2 d/Br + N)
     split-KV     S Nq d + ceil(Nq/Br) Nk (d + dv) + 2 S Nq (dv + 1) + Nq (dv + 1)
-Element sizes: Q, K, V, O in the spec's dtype; FA1's O state, split partials, m, l and lse in
+Paged KV adds the block table: every (q tile, kv tile) step reads the kv tile's page indices,
+ceil(Nq/Br) Nk/page int32 per head when pages hold whole tiles' worth of keys or less.
+Element sizes: Q, K, V, O in the spec's dtype; block-table entries int32; FA1's O state, split partials, m, l and lse in
 fp32 (accumulator precision: rounding them to 16 bits at every step would compound).
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .spec import AUTO, DTYPE_BYTES
 from .splits import choose_splits, split_ranges
 
 FP32_TENSORS = frozenset({"O_state", "O_part", "m", "l", "lse", "lse_part"})
+INT32_TENSORS = frozenset({"block_table"})   # paged KV: page indices, read by every block per kv tile
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     q0, q1 = _tiles(seqlen_q, z["Br"])
     k0, k1 = _tiles(seqlen_kv, z["Bc"])
     rows = {"q": q1 - q0, "kv": k1 - k0}
+    if p.kv_page_size is not None:   # block-table entries per kv tile: the pages its keys touch
+        rows["pages"] = -(-k1 // p.kv_page_size) - k0 // p.kv_page_size
     seen = tiles_visible(q0, q1, k0, k1, seqlen_q, seqlen_kv, p.mask, p.window_left, p.window_right)
     splits, reason = None, ""
     if has_split_loop(spec):
@@ -104,10 +109,10 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     def row_sum(loop_vars: set[str], tile: str) -> int:
         """Sum of the current `tile`'s rows over every trip the op runs."""
         if {"q", "kv"} <= loop_vars:      # (q tile, kv tile) pairs some query sees
-            weight = rows["q"][:, None] if tile == "q" else rows["kv"][None, :]
+            weight = rows["q"][:, None] if tile == "q" else rows[tile][None, :]
             return int((seen * weight).sum())
         if loop_vars == {"kv"}:           # FA1's outer loop: kv tiles some query sees
-            return int((rows["kv"] * seen.any(axis=0)).sum())
+            return int((rows[tile] * seen.any(axis=0)).sum())
         if loop_vars in ({"q"}, {"q", "split"}) and tile == "q":
             return int(rows["q"].sum()) * (splits if "split" in loop_vars else 1)
         raise ValueError(f"no trip count for rows of {tile} inside loops {sorted(loop_vars)}")
@@ -120,7 +125,7 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
             count = row_sum(set(graph.loop_vars(name)), access.rows) * cols[access.cols]
             count *= splits if access.times == "splits" else 1
             count *= batch * heads
-            size = 4 if access.tensor in FP32_TENSORS else elem
+            size = 4 if access.tensor in FP32_TENSORS or access.tensor in INT32_TENSORS else elem
             ops.append(OpTraffic(name, access.tensor, access.mode, count, count * size))
     executed = int((seen * rows["q"][:, None] * rows["kv"][None, :]).sum())
     std = standard_elements(seqlen_q, seqlen_kv, d, dv) * batch * heads
