@@ -93,4 +93,10 @@ def rule_backward(spec, written: set):
 
 
 def backward_schedule(values: dict[str, Any]) -> BackwardSchedule:
+    """The written values plus defaults: BackwardSchedule's, except that q outer swaps the tiles
+    (its 8 warps split the q tile, 16 rows each)."""
+    values = dict(values)
+    if values.get("order") is LoopOrder.Q_OUTER:
+        values.setdefault("tile_q", BackwardSchedule.tile_kv)
+        values.setdefault("tile_kv", BackwardSchedule.tile_q)
     return BackwardSchedule(**values)
