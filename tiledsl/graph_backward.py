@@ -111,7 +111,7 @@ class _Backward:
             g.carry("loop_q", out[t], out[t], t)
         if not separate:
             how = ("atomicAdd, in any order" if b.dq is DqAccumulate.ATOMIC
-                   else "in kv tile order: block j waits for block j-1's turn (deterministic)")
+                   else "in kv tile order, block j after block j-1: deterministic")
             self.op("accumulate_dq", OpKind.ACCUMULATE, q, DQ, f"dQ_accum[i*Br : (i+1)*Br] += dQ_i   (fp32, {how})",
                     Space.HBM, deps=(out["dQ"],), variant=b.dq.value, hbm=(Access("dQ_accum", "write", "q", "d"),))
         for t, cols in (("dK", "d"), ("dV", "dv")):
