@@ -219,6 +219,17 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Dq:
+    """`dq accumulate atomic` in `backward { }`."""
+    key: Word
+    mode: Slot
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        return f"dq accumulate {_slot(self.mode)}"
+
+
+@dataclass(frozen=True)
 class UnknownStatement:
     """A schedule statement whose first word is no keyword; the checker names the nearest one.
     Only the key is kept: nothing after it can be trusted."""
@@ -229,7 +240,7 @@ class UnknownStatement:
         return self.key.text
 
 
-Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, UnknownStatement]
+Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, Dq, UnknownStatement]
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -245,9 +256,20 @@ class ScheduleBlock:
 
 
 @dataclass(frozen=True)
+class BackwardBlock:
+    """`backward { ... }`: the backward pass's schedule, beside the forward's."""
+    statements: tuple            # of Statement, in source order
+    span: Span | None = _span()
+
+    def source(self, indent: str = "    ") -> str:
+        body = "".join(f"{indent}    {s.source()}\n" for s in self.statements)
+        return f"backward {{\n{body}{indent}}}"
+
+
+@dataclass(frozen=True)
 class Attention:
     name: Word
-    items: tuple                 # Setting and ScheduleBlock, in source order
+    items: tuple                 # Setting, ScheduleBlock and BackwardBlock, in source order
     span: Span | None = _span()
 
     def source(self) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from . import ast
+from . import check_backward
 from .errors import SpecError
 from .layout import layout_of
 from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
@@ -35,6 +36,7 @@ EXAMPLES = {
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
     "mma": "mma wgmma   (or: mma.sync, the default)",
     "schedule": "schedule {", "attention": "attention NAME {",
+    "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
 }
 WARP_COUNTS = (1, 2, 4, 8, 16)
 MMA_ROWS = 16                   # mma.sync m16n8k16: a warp's share of a tile is a multiple of 16 rows
@@ -70,6 +72,7 @@ class SpecSpace:
     source_text: str = field(default="", compare=False, repr=False)
     spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
     span: Span | None = field(default=None, compare=False, repr=False)
+    backward: bool = False        # the block has `backward { }` (its fields: "backward.<field>")
 
     @property
     def size(self) -> int:
@@ -81,8 +84,10 @@ class SpecSpace:
 
     def spec(self, config: dict) -> KernelSpec:
         """The KernelSpec of one config; a SpecError when the config is illegal."""
-        spec = KernelSpec(self.name, self.problem, _schedule(self.problem, {**dict(self.fixed), **config}),
-                          self.source_file, self.source_text, self.spans, self.span)
+        forward, backward = check_backward.split_config({**dict(self.fixed), **config})
+        spec = KernelSpec(self.name, self.problem, _schedule(self.problem, forward),
+                          self.source_file, self.source_text, self.spans, self.span,
+                          check_backward.backward_schedule(backward) if self.backward else None)
         validate(spec)
         return spec
 
@@ -146,7 +151,9 @@ class _Checker:
 
         def add(key: str, key_span: Span, node) -> None:
             if key in seen:
-                self.fail(f"duplicate key '{key}' (first set on line {seen[key].line})", key_span,
+                inner = key.startswith(check_backward.PREFIX)
+                shown = f"'{key.removeprefix(check_backward.PREFIX)}'" + (" in backward" if inner else "")
+                self.fail(f"duplicate key {shown} (first set on line {seen[key].line})", key_span,
                           "write each key once per attention block")
             seen[key] = key_span
             entries.append((key, node))
@@ -159,6 +166,13 @@ class _Checker:
                     if isinstance(statement, ast.UnknownStatement):
                         self.unknown(statement.key, in_schedule=True)
                     add(statement.key.text, statement.key.span, statement)
+            elif isinstance(item, ast.BackwardBlock):
+                start = item.span
+                add("backward", Span(start.file, start.line, start.column, start.line, start.column + 8), item)
+                for statement in item.statements:
+                    if isinstance(statement, ast.UnknownStatement) or statement.key.text not in check_backward.BACKWARD_KEYS:
+                        check_backward.unknown_statement(self, statement.key, PROBLEM_KEYS, did_you_mean)
+                    add(check_backward.PREFIX + statement.key.text, statement.key.span, statement)
             else:
                 if item.key.text not in PROBLEM_KEYS:
                     self.unknown(item.key, in_schedule=False)
@@ -175,9 +189,13 @@ class _Checker:
                         choices[name] = vals
                     else:
                         fixed[name] = vals[0]
+        for key, node in entries:
+            if key.startswith(check_backward.PREFIX):
+                for name, (vals, is_choice) in check_backward.statement_fields(self, node).items():
+                    (choices if is_choice else fixed)[check_backward.PREFIX + name] = vals if is_choice else vals[0]
         spans = tuple((key, node.span) for key, node in entries if key != "schedule")
         space = SpecSpace(att.name.text, problem, tuple(fixed.items()), tuple(choices.items()), file, self.text,
-                          spans, att.span)
+                          spans, att.span, "backward" in nodes)
         if not choices:
             return space.spec({})
         if space.size > MAX_SPACE_CONFIGS:   # refused before expanding: 10^6 configs took minutes
@@ -193,6 +211,9 @@ class _Checker:
         word = key.text
         if in_schedule and word in PROBLEM_KEYS:
             self.fail(f"'{word}' is a problem setting; write it before `schedule {{`", key.span, EXAMPLES[word])
+        if word == "dq":
+            self.fail("'dq' is a backward statement; put it inside `backward { ... }`", key.span,
+                      EXAMPLES["dq"])
         if not in_schedule and word in SCHEDULE_KEYS:
             self.fail(f"'{word}' is a schedule statement; put it inside `schedule {{ ... }}`", key.span,
                       EXAMPLES[word])
@@ -489,7 +510,7 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
     return None
 
 
-_RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit)
+_RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, check_backward.rule_backward)
 
 
 def validate(spec: KernelSpec) -> None:

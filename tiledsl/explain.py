@@ -180,7 +180,21 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
     out += generated_kernel_lines(plan, no_plan) + [""]
     out += traffic_lines(graph, t, limits)
+    out += backward_lines(spec)
     return "\n".join(out) + "\n"
+
+
+def backward_lines(spec: KernelSpec) -> list[str]:
+    """The backward schedule's loop nest and ops (no kernel yet: the float64 reference runs it)."""
+    if spec.backward is None:
+        return []
+    from .graph_backward import build_backward_graph
+    from .spec import backward_name_parts
+    b, graph = spec.backward, build_backward_graph(spec)
+    return ["", f"backward ({'_'.join(backward_name_parts(b))}): order {b.order.value}, tiles Br={b.tile_q} "
+            f"Bc={b.tile_kv}, {b.warps} warps, {b.stages} stages, {b.mma.value}; P recomputed from O and LSE",
+            "backward loop nest:"] + ["  " + line for line in loop_nest(graph)] + [
+            "", "backward ops in emission order:"] + ["  " + line for line in op_table(graph)]
 
 
 def _lowered(spec: KernelSpec):

@@ -30,6 +30,20 @@ class OpKind(str, Enum):
     MMA_WAIT = "mma_wait"               # Hopper: wait for an async wgmma (wgmma.wait_group `pending`)
     PACK_P = "pack_p"                   # Hopper: P (fp32 accumulators) -> the P V wgmma's A fragments
     PAGE_LOOKUP = "page_lookup"         # paged KV: the kv tile's block-table entries -> page indices
+    # the backward (graph_backward.py): P recomputed from S and LSE, never stored
+    LOAD_O = "load_o"                   # preprocess: the forward's O tile
+    LOAD_DO = "load_do"                 # dO tile
+    ROWSUM_D = "rowsum_d"               # D = rowsum(dO * O)
+    LOAD_LSE_D = "load_lse_d"           # LSE and D of the q tile
+    RECOMPUTE_P = "recompute_p"         # P = exp(S - LSE)
+    MMA_DV = "mma_dv"                   # dV += P^T dO
+    MMA_DP = "mma_dp"                   # dP = dO V^T
+    SOFTMAX_GRAD = "softmax_grad"       # dS = P * (dP - D)
+    MMA_DK = "mma_dk"                   # dK += scale * dS^T Q
+    MMA_DQ = "mma_dq"                   # dQ += scale * dS K
+    ACCUMULATE = "accumulate"           # add a block's partial into an fp32 HBM workspace (atomic | ordered)
+    STORE_GRAD = "store_grad"           # D, dQ, dK or dV -> HBM (dK, dV summed over a GQA group)
+    CONVERT_GRAD = "convert_grad"       # fp32 workspace -> the gradient in the output's dtype
 
 
 class Space(str, Enum):

@@ -20,7 +20,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from . import ast
 from .check import EXAMPLES, PROBLEM_KEYS, SCHEDULE_KEYS, SpecSpace, check_module, did_you_mean
 from .errors import SpecError
-from .spec import KernelSpec, Span
+from .spec import BACKWARD_KEYS, KernelSpec, Span
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,6 +121,12 @@ class _ToAst(Transformer):
     def split(self, meta, children):
         return ast.Split(self._key(meta, "split"), children[0], self._span(meta))
 
+    def dq(self, meta, children):
+        return ast.Dq(self._key(meta, "dq"), children[0], self._span(meta))
+
+    def backward(self, meta, children):
+        return ast.BackwardBlock(tuple(children), self._span(meta))
+
     def unknown_statement(self, meta, children):
         return ast.UnknownStatement(self._word(children[0]), self._span(meta))
 
@@ -140,8 +146,9 @@ class _ToAst(Transformer):
 _TERMINAL_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "a new line", "$END": "the end of the file"}
 # Terminal sets that mean "a statement goes here": named as a whole rather than listed.
 _STATEMENT_STARTS = [
+    ({"DQ", "ORDER"}, "a backward statement (" + ", ".join(BACKWARD_KEYS) + ") or '}'"),
     ({"ORDER", "TILE", "WARPS"}, "a schedule statement (" + ", ".join(SCHEDULE_KEYS) + ") or '}'"),
-    ({"SCHEDULE"}, "a setting `key = value`, `schedule {` or '}'"),
+    ({"SCHEDULE"}, "a setting `key = value`, `schedule {`, `backward {` or '}'"),
     ({"ATTENTION"}, "`attention NAME {`"),
 ]
 

@@ -16,6 +16,8 @@ from enum import Enum
 # The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout")
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
+# Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
+BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,13 @@ class Mma(Enum):
     WGMMA = "wgmma"        # Hopper warpgroup-level m64nNk16, operands read from shared memory
 
 
+class DqAccumulate(Enum):
+    """How the kv-outer backward sums each kv tile's share of dQ across blocks."""
+    ATOMIC = "atomic"          # fp32 atomics into a workspace, in whatever order blocks finish
+    SEPARATE = "separate"      # a second, q-outer pass recomputes dS and sums dQ on chip
+    ORDERED = "ordered"        # the workspace adds in kv tile order: deterministic
+
+
 AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
 
 
@@ -151,6 +160,19 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class BackwardSchedule:
+    """How to compute dQ, dK, dV by recomputation from O and LSE (`backward { }`). Defaults are
+    FA2's backward: kv outer with dK, dV on chip, dQ summed by fp32 atomics."""
+    order: LoopOrder = LoopOrder.KV_OUTER
+    tile_q: int = 64
+    tile_kv: int = 128
+    warps: int = 8
+    stages: int = 2
+    mma: Mma = Mma.SYNC
+    dq: DqAccumulate = DqAccumulate.ATOMIC   # kv outer only: q outer keeps dQ on chip
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     name: str                       # the name after `attention` in the DSL
     problem: Problem
@@ -160,6 +182,7 @@ class KernelSpec:
     # (key, Span) pairs, e.g. ("tile", Span(...)): where each setting was written.
     spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
     span: Span | None = field(default=None, compare=False, repr=False)   # the whole block
+    backward: BackwardSchedule | None = None   # None: no `backward { }` block (forward only)
 
     @property
     def family(self) -> Family:
@@ -172,24 +195,31 @@ class KernelSpec:
     def span_of(self, key: str) -> Span | None:
         """The span of the setting `key` (e.g. "tile", "warps"), else the whole block's (a
         setting left at its default); a key the DSL doesn't have is a KeyError."""
-        if key not in PROBLEM_KEYS + SCHEDULE_KEYS:
+        backward = ("backward",) + tuple(f"backward.{k}" for k in BACKWARD_KEYS)
+        if key not in PROBLEM_KEYS + SCHEDULE_KEYS + backward:
             raise KeyError(f"{key!r} is not a spec setting; settings: {', '.join(PROBLEM_KEYS + SCHEDULE_KEYS)}")
         for k, s in self.spans:
             if k == key:
                 return s
+        if key.startswith("backward."):   # a backward default: point at the backward block
+            return self.span_of("backward")
         return self.span
 
     def config(self) -> dict:
         """The full config as JSON-ready plain data (enums by value)."""
         problem = {k: v for k, v in asdict(self.problem).items()
                    if not (k in SERVING_DEFAULTS and v == SERVING_DEFAULTS[k])}
-        return {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
-                "problem": _plain(problem), "schedule": _plain(asdict(self.schedule))}
+        config = {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
+                  "problem": _plain(problem), "schedule": _plain(asdict(self.schedule))}
+        if self.backward is not None:   # absent otherwise: forward-only hashes stay as they were
+            config["backward"] = _plain(asdict(self.backward))
+        return config
 
     @property
     def config_hash(self) -> str:
         """sha256 of the config: the same config always gives the same hash."""
-        blob = json.dumps({"problem": self.config()["problem"], "schedule": self.config()["schedule"]},
+        config = self.config()
+        blob = json.dumps({key: config[key] for key in ("problem", "schedule", "backward") if key in config},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -255,7 +285,20 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append("wgmma")
     if s.split_kv != 1:
         parts.append(f"split{s.split_kv}")
+    if spec.backward is not None:
+        parts += backward_name_parts(spec.backward)
     return "_".join(parts)
+
+
+def backward_name_parts(b: BackwardSchedule) -> list[str]:
+    """The backward schedule's part of a kernel name, e.g. bwd_kvq_q64_kv128_w8_s2_atomic."""
+    parts = ["bwd", "kvq" if b.order is LoopOrder.KV_OUTER else "qkv", f"q{b.tile_q}", f"kv{b.tile_kv}",
+             f"w{b.warps}", f"s{b.stages}"]
+    if b.mma is Mma.WGMMA:
+        parts.append("wgmma")
+    if b.order is LoopOrder.KV_OUTER:
+        parts.append(b.dq.value)
+    return parts
 
 
 def spec_fields() -> list[str]:
