@@ -641,6 +641,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     const u32 smem_base = shared_address(smem);
     const u32 q_tile = smem_base + C::Q_OFFSET;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp_row = 0;   // warps split the keys: each multiplies all the packed rows
 
     const int split = blockIdx.x, batch = blockIdx.z;
     const int kv_head = blockIdx.y / row_tiles, row0 = (blockIdx.y % row_tiles) * C::ROWS;
@@ -716,8 +717,9 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         cp_async_wait<1>();
         __syncwarp();
 
-    // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
-        mma_qk<W>(acc_s, q_regs, q_tile, k_tile, 0, lane);
+        // [decode_d128.tile:9] S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)
+        mma_qk<W>(acc_s, q_regs, q_tile, k_tile, warp_row, lane);
+
         // [decode_d128.tile:11] the warp is done with its slice of K_j
         __syncwarp();
 
@@ -731,17 +733,20 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         }
         else cp_async_commit();
 
-    // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window
+        // [decode_d128.tile:3] mask keys past the sequence / after the query's diagonal / outside the window
         if (tile_needs_mask<C>(0, q_len, key0, C::KEYS_PER_WARP, seq_kv, diag))
             mask_packed_rows(acc_s, row0, q_len, key0, seq_kv, diag, lane);
-    // [decode_d128.tile:8] m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O (per warp)
+
+        // [decode_d128.tile:8] m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O (per warp)
         online_softmax<W>(acc_s, row_max, row_sum, acc_o);
+
         // [decode_d128.tile:11] wait for the warp's slice of V_j (K_{j+1} may still be in flight)
         cp_async_wait<1>();
         __syncwarp();
 
-    // [decode_d128.tile:9] O += P V_j (P from registers, V via ldmatrix.trans)
+        // [decode_d128.tile:9] O += P V_j (P from registers, V via ldmatrix.trans)
         mma_pv<W>(acc_o, acc_s, v_tile, lane);
+
         // [decode_d128.tile:11] the warp is done with its slice of V_j
         __syncwarp();
 

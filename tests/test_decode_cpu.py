@@ -143,6 +143,18 @@ def test_rendering_is_deterministic_and_names_the_spec():
     assert "combine_warp_states<C>" in a
 
 
+def test_loop_body_is_spelled_by_the_shared_macro():
+    """decode's kv loop goes through macros.j2's loop_op: the warp-view traits and the packed-rows
+    mask come from plan fields, and decode.cu.j2 dispatches no op kinds of its own."""
+    plan = lower(spec(mask=Mask.CAUSAL, queries=4))
+    assert (plan.mma_traits, plan.mask_rows) == ("W", "packed")
+    body = render(plan).split("for (int tile = tile_begin;")[1]
+    for call in ("mma_qk<W>(", "online_softmax<W>(", "mma_pv<W>(", "mask_packed_rows(acc_s, row0, q_len, key0"):
+        assert call in body, call
+    assert "apply_mask<" not in body and "<C>(acc_s" not in body
+    assert "op.kind" not in (ROOT / "templates" / "decode.cu.j2").read_text()
+
+
 def test_generated_file_is_current():
     s = bundled()
     path = ROOT / "generated" / f"{s.kernel_name}.cu"

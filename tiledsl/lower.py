@@ -79,6 +79,8 @@ class KernelPlan:
     wgmma_pv: object = None   # wgmma only: lower_wgmma.WgmmaAsm of O += P V (its n = head dim of v)
     kv_load_scope: str = "block"   # "warp": each warp loads (and waits for) only its key slice of a kv tile
     kv_groups_per_tile: int = 2    # cp.async groups per K/V tile: 2 (K, then V: QK^T starts before V lands) | 1
+    mma_traits: str = "C"          # the constants struct attention.cuh's MMA / softmax helpers take ("W": one warp's key slice)
+    mask_rows: str = "tile"        # "tile": rows are the block's query rows | "packed": decode's (head, query) rows
 
 
     @property

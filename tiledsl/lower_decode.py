@@ -166,7 +166,8 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         name += "__wait_first"
     return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, lay.register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope)
+                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope,
+                     mma_traits="W", mask_rows="packed")
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:
