@@ -523,23 +523,20 @@ __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_
     }
 }
 
-// The kv tiles [lo, hi) that query rows q0 .. q0+rows-1 can see (bottom-right aligned masks).
+// The kv tiles [begin, end) one q tile of the q loop can see: macros.j2's kv_range. A function, not
+// spelled in place: inside the kv loop nvcc allocates the inlined code's registers differently.
 template <class C>
-__device__ __forceinline__ void visible_keys(int q0, int rows, int seq_kv, int diag, int& lo, int& hi) {
-    lo = 0;
-    hi = seq_kv;
-    if constexpr (C::MASK == MASK_CAUSAL) hi = min(hi, q0 + rows + diag);
+__device__ __forceinline__ void visible_tiles(int q0, int rows_valid, int seq_kv, int diag, int& begin, int& end) {
+    int kv_lo = 0, kv_hi = seq_kv;
+    if constexpr (C::MASK == MASK_CAUSAL) kv_hi = min(kv_hi, q0 + rows_valid + diag);
     if constexpr (C::MASK == MASK_WINDOW) {
-        hi = min(hi, q0 + rows + diag + C::WINDOW_RIGHT);
-        lo = max(lo, q0 + diag - C::WINDOW_LEFT);
+        kv_hi = min(kv_hi, q0 + rows_valid + diag + C::WINDOW_RIGHT);
+        kv_lo = max(kv_lo, q0 + diag - C::WINDOW_LEFT);
     }
-}
-template <class C>
-__device__ __forceinline__ void visible_tiles(int q0, int rows, int seq_kv, int diag, int& begin, int& end) {
-    int lo, hi;
-    visible_keys<C>(q0, rows, seq_kv, diag, lo, hi);
-    begin = lo / C::BC;
-    end = hi > lo ? (hi + C::BC - 1) / C::BC : begin;
+    const int tile_begin = kv_lo / C::BC;
+    const int tile_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : tile_begin;
+    begin = tile_begin;
+    end = tile_end;
 }
 
 // Q_i into shared memory with plain 16-byte loads: cp.async groups track K/V only, so waiting for
@@ -706,8 +703,14 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
     float* lse_rows = lse + state_row0;
 
     // [fa1_d64.tile:19] the kv tiles each q tile can see; tiles no q tile sees are never loaded
-    int kv_begin, kv_end;
-    visible_tiles<C>(0, q_len, seq_kv, diag, kv_begin, kv_end);
+    int kv_lo = 0, kv_hi = seq_kv;
+    if constexpr (C::MASK == MASK_CAUSAL) kv_hi = min(kv_hi, 0 + q_len + diag);
+    if constexpr (C::MASK == MASK_WINDOW) {
+        kv_hi = min(kv_hi, 0 + q_len + diag + C::WINDOW_RIGHT);
+        kv_lo = max(kv_lo, 0 + diag - C::WINDOW_LEFT);
+    }
+    const int kv_begin = kv_lo / C::BC;
+    const int kv_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : kv_begin;
 
     // [fa1_d64.tile:19] q tiles that see no key at all: O = 0, LSE = -inf
     for (int q_block = 0; q_block < q_tiles; ++q_block) {

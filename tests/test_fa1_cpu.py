@@ -113,6 +113,20 @@ def test_rendered_source(spec):
     assert "{{ " not in source and "{% " not in source, "no unrendered Jinja"
 
 
+def test_visible_range_is_the_shared_kv_range():
+    """FA1's visible kv tiles come from macros.j2's kv_range: all q tiles' range (q0 0, q_len rows)
+    spelled in place, one q tile's (rows_valid rows) as visible_tiles' body."""
+    plan = lower(fa1(64, "q", Mask.WINDOW, left=100, right=3))
+    source = render(plan)
+    assert (plan.kv_range.q0, plan.kv_range.rows, plan.kv_range_q_tile.rows) == ("0", "q_len", "rows_valid")
+    assert "kv_hi = min(kv_hi, 0 + q_len + diag + C::WINDOW_RIGHT);" in source
+    assert "const int kv_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : kv_begin;" in source
+    helper = source.split("void visible_tiles(")[1].split("\n}")[0]
+    assert "kv_hi = min(kv_hi, q0 + rows_valid + diag + C::WINDOW_RIGHT);" in helper
+    assert "kv_lo = max(kv_lo, q0 + diag - C::WINDOW_LEFT);" in helper
+    assert "visible_keys" not in source
+
+
 def test_bundled_spec_names_its_lines():
     source = render(lower(load_specs(str(BUNDLED))[0]))
     for line in (7, 9, 10, 11, 12):   # mask, order, tile, warps, pipeline of fa1_d64

@@ -50,6 +50,16 @@ class LoopOp:
 
 
 @dataclass(frozen=True)
+class KvRange:
+    """Query rows q0 .. q0 + rows - 1 whose visible kv tiles [begin, end) macros.j2's kv_range
+    declares (CUDA expressions and names). The default: a block's own query tile."""
+    q0: str = "q0"
+    rows: str = "C::BR"
+    begin: str = "tile_begin"
+    end: str = "tile_end"
+
+
+@dataclass(frozen=True)
 class Launch:
     threads: int
     smem_bytes: int
@@ -81,6 +91,7 @@ class KernelPlan:
     kv_groups_per_tile: int = 2    # cp.async groups per K/V tile: 2 (K, then V: QK^T starts before V lands) | 1
     mma_traits: str = "C"          # the constants struct attention.cuh's MMA / softmax helpers take ("W": one warp's key slice)
     mask_rows: str = "tile"        # "tile": rows are the block's query rows | "packed": decode's (head, query) rows
+    kv_range: KvRange = KvRange()  # the rows whose kv tiles the kernel walks (kv_range region)
 
 
     @property

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .device_limits import H200
 from .graph import Op, OpKind
 from .layout import FA1_COMBINE_PAD_FLOATS, Buffer, cp_async_pending, layout_of  # noqa: F401
-from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, graph_loop_body, kv_buffer_constants,
+from .lower import (Constant, KernelPlan, KvRange, Launch, LoopOp, Region, _require, _where, graph_loop_body, kv_buffer_constants,
                     make_plan, smem_constants, softmax_constants, tile_row_bytes, tile_row_constants)
 from .passes import run_passes
 from .spec import Axis, DType, Family, KernelSpec
@@ -37,6 +37,7 @@ class Fa1Plan(KernelPlan):
     kv_step: tuple[LoopOp, ...] = ()
     pass_body: tuple[LoopOp, ...] = ()
     split_k: bool = False
+    kv_range_q_tile: KvRange = KvRange(rows="rows_valid")   # one q tile of the q loop (visible_tiles)
 
     @property
     def loop_bodies(self):
@@ -155,4 +156,4 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     return make_plan(spec, Family.FA1, consts, regions, per_tile,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm, lay.register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,
-                     kv_groups_per_tile=1)
+                     kv_groups_per_tile=1, kv_range=KvRange(q0="0", rows="q_len", begin="kv_begin", end="kv_end"))
