@@ -218,14 +218,7 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
     buffers = _qkv_buffers(spec, s.tile_q, s.tile_kv, s.stages, qk_row, v_row, SMEM_ALIGN)
     end = _end(buffers)
-    # O is staged through Q's rows when the layouts match (each warp reuses only its own rows).
-    if (v_row, v_swizzle) == (qk_row, qk_swizzle):
-        buffers.append(Buffer("O staging", 0, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
-                              formula="in Q's rows after the kv loop", reuses="Q"))
-    else:
-        buffers.append(Buffer("O staging", end, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
-                              formula=_row_formula("Br", "dv", p.head_dim_v)))
-        end = align(end + s.tile_q * v_row)
+    end = _stage_o(spec, buffers, end)
 
     acc_o, acc_s = m_tiles * p.head_dim_v // 2, m_tiles * s.tile_kv // 2
     q_regs, k_frag = m_tiles * p.head_dim_qk // 4, s.tile_kv // 4
@@ -243,6 +236,21 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
         min_blocks_per_sm = 2 if estimate <= 128 - 8 and 2 * end <= limits.max_shared_per_block else 1
     return _finish(spec, "fa2", limits, buffers, end, registers, threads, min_blocks_per_sm, stages=s.stages,
                    rows_per_warp=rows_per_warp, keys_per_warp=s.tile_kv, q_in_registers=q_in_registers)
+
+
+def _stage_o(spec: KernelSpec, buffers: list[Buffer], end: int) -> int:
+    """mma.sync kernels stage the final O for coalesced stores: in Q's rows when the row layouts
+    match (each warp reuses only its own rows), else after `end`. Returns the new end."""
+    p, s = spec.problem, spec.schedule
+    qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
+    v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
+    if (v_row, v_swizzle) == (qk_row, qk_swizzle):
+        buffers.append(Buffer("O staging", 0, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
+                              formula="in Q's rows after the kv loop", reuses="Q"))
+        return end
+    buffers.append(Buffer("O staging", end, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
+                          formula=_row_formula("Br", "dv", p.head_dim_v)))
+    return align(end + s.tile_q * v_row)
 
 
 def _split_q_rules(spec: KernelSpec, family: str, why: str = "") -> None:
@@ -392,14 +400,8 @@ def _fa1(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
                               formula=f"4*rows*(dv+{FA1_COMBINE_PAD_FLOATS}+warps+2) = 4*{rows_per_warp}*"
                               f"({combine_row}+{s.warps}+2)"))
         end = align(end + combine_bytes)
-    elif (v_row, v_swizzle) == (qk_row, qk_swizzle):
-        # The final O is staged through Q's rows when the layouts match (each warp its own rows).
-        buffers.append(Buffer("O staging", 0, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
-                              formula="in Q's rows", reuses="Q"))
     else:
-        buffers.append(Buffer("O staging", end, s.tile_q * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
-                              formula=_row_formula("Br", "dv", p.head_dim_v)))
-        end = align(end + s.tile_q * v_row)
+        end = _stage_o(spec, buffers, end)
     # O and S accumulators, one k-slice of Q fragments, a K fragment pair.
     registers = [Registers("O accumulator", m_tiles * p.head_dim_v // 2, f"M_TILES*dv/2 = {m_tiles}*{p.head_dim_v}/2", True),
                  Registers("S/P accumulator", m_tiles * keys_per_warp // 2, f"M_TILES*keys/2 = {m_tiles}*{keys_per_warp}/2",
