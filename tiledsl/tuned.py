@@ -116,7 +116,7 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
     visible before / after the bottom-right aligned diagonal); it excludes causal. `kv_lens`
     (int32, one per batch entry, in [0, seqlen_kv]) limits each sequence's keys. fp16 or bf16;
-    head dims that are multiples of 16 up to 256 (autoschedule.supported_head_dims). Runs on the
+    head dims that are multiples of 8 up to 256 (autoschedule.supported_head_dims). Runs on the
     caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
     graph once an eager call of the same shape has compiled the kernel."""
     from .errors import RuntimeInputError
