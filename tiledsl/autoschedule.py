@@ -24,10 +24,9 @@ import itertools
 from .errors import RuntimeInputError, SpecError
 from .layout import layout_of
 from .nvcc import Resources
-from .spec import AUTO, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule
+from .spec import AUTO, DECODE_MAX_QUERIES, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule  # noqa: F401
 
 MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
-DECODE_MAX_QUERIES = 16   # q_len up to this goes to the decode family (one 16-row MMA tile of queries)
 # Head dims the decode kernel serves correctly for every query count and GQA group on the GPU
 # (tests/test_gpu_decode.py, tests/test_gpu_api.py). On the H200 its d=16 rendering (1 query) and
 # its d=64 one with 4 queries per sequence and GQA group 4 returned wrong O (2026-11-30), so

@@ -109,6 +109,32 @@ def kernel_for(spec: KernelSpec):
     return kernel
 
 
+_resolved: dict[tuple, tuple] = {}
+
+
+def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+            window: tuple[int, int] | None = None, scale: float | None = None, q_len: int | None = None):
+    """(the loaded kernel for this call, whether the tuned table had it): from this process's memo,
+    else the warm record on disk (warm.py: no front end, no NVRTC), else tuned_spec + compile, whose
+    result is recorded for the next process. Prefill lengths share one lookup."""
+    from . import warm
+    from .spec import DECODE_MAX_QUERIES
+    decode_q = q_len if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES else None
+    lookup = (dtype.value, head_dim, mask.value, head_dim_v or head_dim, window, scale, decode_q)
+    hit = _resolved.get((arch, lookup))
+    if hit is None:
+        hit = warm.load(arch, lookup)
+        if hit is None:
+            spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, decode_q)
+            hit = kernel_for(spec), found
+            warm.save(arch, lookup, *hit)
+        else:
+            hit[0].function()   # load the module now, not under a later graph capture
+            _kernels.setdefault(hit[0].spec, hit[0])
+        _resolved[(arch, lookup)] = hit
+    return hit
+
+
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
@@ -134,9 +160,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
     arch = device_arch()
-    spec, found = tuned_spec(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
-                             None if scale is None else float(scale), qv.shape[2])
-    if not found and spec.family is not Family.DECODE:
-        _hint_once((arch.rstrip("a"), spec.problem), arch, spec)
-    out, lse = kernel_for(spec)(q, k, v, kv_lens=kv_lens)
+    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
+                            None if scale is None else float(scale), qv.shape[2])
+    if not found and kernel.spec.family is not Family.DECODE:
+        _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
+    out, lse = kernel(q, k, v, kv_lens=kv_lens)
     return (out, lse) if return_lse else out
