@@ -11,6 +11,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from .block_order import order_groups
@@ -18,7 +19,6 @@ from .device_limits import DeviceLimits, current_limits, resident_blocks
 from .errors import LaunchError, RuntimeInputError
 from .spec import DType, KernelSpec
 from .tensors import TensorView, view
-from .warm import PlanRecord
 
 if TYPE_CHECKING:
     from .lower import KernelPlan
@@ -75,6 +75,12 @@ def cached_cubin(source: str, name: str, arch: str) -> Path:
     return path
 
 
+class PlanRecord(SimpleNamespace):
+    """A KernelPlan's fields read back from the warm cache (warm.py; nested dataclasses as
+    PlanRecords): what the kernel classes read at launch (launch geometry, constants). A Kernel built
+    on one is given its source and cubin by warm.load: there is no plan to render."""
+
+
 @dataclass
 class Shapes:
     batch: int
@@ -92,8 +98,6 @@ class Kernel:
     def __init__(self, spec: KernelSpec, plan: KernelPlan):
         self.spec = spec
         self.plan = plan
-        # A warm.PlanRecord (a plan's fields, read back from the warm cache) comes with its source and
-        # cubin (warm.load sets both): rendering it would need the real plan.
         if not isinstance(plan, PlanRecord):
             from .render import render
             self.source = render(self.plan)

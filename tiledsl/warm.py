@@ -18,15 +18,11 @@ import hashlib
 import os
 import pickle
 from pathlib import Path
-from types import SimpleNamespace
+
+from .runtime import PlanRecord, cache_dir
 
 RECORD_DIR = "warm"
 FORMAT = 1   # bump when the record's layout changes
-
-
-class PlanRecord(SimpleNamespace):
-    """A KernelPlan's fields read back from the warm cache (nested dataclasses as PlanRecords):
-    what the kernel classes read at launch (launch geometry, constants), nothing to render from."""
 
 
 def plan_record(value):
@@ -66,7 +62,6 @@ def _cupy_version() -> str:
 
 
 def record_path(arch: str, lookup: tuple) -> Path:
-    from .runtime import cache_dir
     key = hashlib.sha256(repr((FORMAT, fingerprint(), arch, lookup)).encode()).hexdigest()
     return cache_dir() / RECORD_DIR / f"{key[:32]}.pickle"
 
