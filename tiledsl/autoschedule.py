@@ -27,11 +27,11 @@ from .nvcc import Resources
 from .spec import AUTO, DECODE_MAX_QUERIES, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule  # noqa: F401
 
 MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
-# Head dims the decode kernel serves correctly for every query count and GQA group on the GPU
-# (tests/test_gpu_decode.py, tests/test_gpu_api.py). On the H200 its d=16 rendering (1 query) and
-# its d=64 one with 4 queries per sequence and GQA group 4 returned wrong O (2026-11-30), so
-# few-query calls with other head dims run on the prefill family until decode is fixed for them.
-DECODE_HEAD_DIMS = (128,)
+# Head dims the decode kernel serves for every query count and GQA group on the GPU
+# (tests/test_gpu_decode.py's sweep, tests/test_gpu_paged.py). Until 2026-12 only 128: the merge
+# let lanes past the head dim leave its column loop early, so with head dims not a multiple of
+# 128 their shuffles of the next row met the others' (wrong O at d=16 and d=64 on the H200).
+DECODE_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 16))
 # The shape candidates are ranked on: long enough that tails and launch costs don't decide.
 REPRESENTATIVE_SEQLEN = 4096
 REPRESENTATIVE_BATCH_HEADS = (4, 16)

@@ -20,6 +20,7 @@ from .lower_wgmma import lower_fa2_wgmma
 from .parse import load_specs
 from .runtime import Kernel
 from .runtime_decode import DecodeKernel
+from .runtime_paged import PagedDecodeKernel
 from .runtime_fa1 import Fa1Kernel
 from .runtime_hopper import HopperKernel
 from .spec import Family, KernelSpec, Mma, SeqLayout
@@ -32,13 +33,14 @@ class Row:
     lowering: Callable[..., KernelPlan]      # (spec, **overrides) -> plan
     template: str                            # under templates/
     kernel_class: type[Kernel]               # launches the compiled kernel
+    paged_class: type[Kernel] | None = None  # launches it on a paged KV cache (None: the template reads no block table)
 
 
 FAMILIES = (
     Row(Family.FA2, Mma.SYNC, lower_fa2, "fa2.cu.j2", Kernel),
     Row(Family.FA2, Mma.WGMMA, lower_fa2_wgmma, "fa2_wgmma.cu.j2", Kernel),
     Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
-    Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel),   # split kernel + merge, workspace
+    Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel, PagedDecodeKernel),   # split kernel + merge, workspace
     Row(Family.HOPPER, None, lower_hopper, "hopper.cu.j2", HopperKernel),   # TMA tensor maps, persistent launch
 )
 
@@ -48,7 +50,8 @@ WITH_TEMPLATE = tuple(dict.fromkeys(row.family for row in FAMILIES))
 
 def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     """(key, what) when the spec asks for a serving layout that no template implements yet."""
-    if spec.problem.kv_page_size is not None:
+    if spec.problem.kv_page_size is not None and not any(row.family is spec.family and row.paged_class
+                                                         for row in FAMILIES):
         return "kv_cache", "paged KV"
     if spec.problem.seq_layout is SeqLayout.VARLEN:
         return "layout", "layout = varlen"
@@ -102,4 +105,6 @@ def compile(spec_or_path, name: str | None = None, **overrides) -> Kernel:  # no
             names = ", ".join(s.name for s in load_specs(spec_or_path))
             raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
         spec = specs[0]
-    return row_for(spec).kernel_class(spec, lower(spec, **overrides))
+    row = row_for(spec)
+    kernel_class = row.paged_class if spec.problem.kv_page_size is not None else row.kernel_class
+    return kernel_class(spec, lower(spec, **overrides))

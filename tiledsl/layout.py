@@ -469,6 +469,25 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
                    rows_per_warp=s.tile_q, keys_per_warp=keys_per_warp, q_in_registers=q_in_registers)
 
 
+DECODE_PAGE_ROWS_MIN = 16   # a page this long fills a warp's cp.async pass at any head dim (16 rows x 2+ chunks)
+
+
+def decode_page_walk(page_size: int | None, keys_per_warp: int) -> str:
+    """How a decode warp finds its key slice (keys_per_warp keys starting at a multiple of
+    keys_per_warp) in a paged KV cache: "" contiguous cache; "slice" when the page size is a
+    multiple of the slice, so every slice lies in one page (one block-table read per slice, then
+    the rows are contiguous); "pages" when pages of at least DECODE_PAGE_ROWS_MIN keys tile the
+    slice (one read per page, its rows contiguous); "rows" otherwise (small pages, or pages that
+    straddle slices: each key row reads its own block-table entry, once per tile)."""
+    if page_size is None:
+        return ""
+    if page_size % keys_per_warp == 0:
+        return "slice"
+    if page_size >= DECODE_PAGE_ROWS_MIN and keys_per_warp % page_size == 0:
+        return "pages"
+    return "rows"
+
+
 # ---- the graph's model: families and dtypes without a template ------------------------------------
 
 def _graph_model(spec: KernelSpec, limits: DeviceLimits) -> Layout:

@@ -14,15 +14,31 @@ Sizes come from layout.py (its _decode); the template only names them.
 from __future__ import annotations
 
 from .device_limits import H200, resident_blocks
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .graph import Op, build_graph
-from .layout import DECODE_COMBINE_PAD_FLOATS, cp_async_pending, layout_of
+from .layout import DECODE_COMBINE_PAD_FLOATS, cp_async_pending, decode_page_walk, layout_of
 from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, graph_loop_body,
                     kv_buffer_constants, make_plan, smem_constants, softmax_constants, tile_row_bytes, tile_row_constants)
 from .passes import run_passes
 from .spec import DType, Family, KernelSpec
 
+
+@dataclass(frozen=True)
+class DecodePlan(KernelPlan):
+    kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" | "pages" | "rows"
+
+
+def paged_constants(page_size: int, walk: str) -> list[Constant]:
+    """The page arithmetic of a paged cache: key t lies in page block_table[b, t >> PAGE_SHIFT]
+    at slot t & PAGE_MASK (page sizes are powers of two)."""
+    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
+            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
+            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
+            Constant("PAGE_PER_SLICE", "bool", walk == "slice",
+                     "a warp's key slice lies in one page: one block-table read per slice"),
+            Constant("PAGES_TILE_SLICE", "bool", walk == "pages",
+                     "whole pages tile a warp's key slice: one block-table read per page")]
 
 
 def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
@@ -76,6 +92,8 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True)
             return [step] + _refill("v", _where(spec, "pipeline")) if stages == 1 else [step]
         if kind == "rescale_o":
             return []   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        if kind == "page_lookup":
+            return []   # folded into the loads: each warp reads the entries of its own key slice
         raise AssertionError(f"decode lowering has no CUDA for graph op {name} ({kind})")
 
     return graph_loop_body(graph, "loop_kv", lower_op)
@@ -139,6 +157,9 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
     ]
+    walk = decode_page_walk(p.kv_page_size, keys_per_warp)
+    if walk:
+        consts += paged_constants(p.kv_page_size, walk)
     tile_where, pipe_where = _where(spec, "tile"), _where(spec, "pipeline")
     regions = {
         "kv_range": Region(_where(spec, "split"), "this split's kv tiles: an even share of the sequence's tiles "
@@ -154,6 +175,10 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
         "merge": Region(_where(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
                         "O = sum exp(lse_i - lse) O_i"),
     }
+    if walk:
+        regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
+                                      f"block table ({p.kv_page_size} keys a page, " + (
+                                          {"slice": "one entry per warp slice)", "pages": "one entry per page)", "rows": "one entry per key row)"}[walk]))
     notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile, each warp loading its own slice; "
              + (f"{stages} stages: {bytes_in_flight} B of K/V in flight per block while one tile is computed"
                 if stages > 1 else f"one K and one V buffer, each refilled as soon as it is read: about "
@@ -167,7 +192,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, lay.register_estimate,
                      kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope,
-                     mma_traits="W", mask_rows="packed")
+                     mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk)
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:

@@ -84,9 +84,11 @@ class DecodeKernel(Kernel):
                kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
         self.bind_views(q, k, v, o, lse, kv_lens, shapes, stream)()
 
-    def bind_views(self, q, k, v, o, lse, kv_lens, shapes: Shapes, stream=None):
+    def bind_views(self, q, k, v, o, lse, kv_lens, shapes: Shapes, stream=None, table=None):
         """A no-argument function that launches this decode on these (checked) views: the split
-        count, workspace and argument tuples are computed once (benchmarks time only launches)."""
+        count, workspace and argument tuples are computed once (benchmarks time only launches).
+        `table` is a paged kernel's block table (runtime_paged.py); its k, v views then hold
+        (page, kv head, slot) strides."""
         import numpy as np
         cupy = _cupy()
         fn = self.function()
@@ -109,13 +111,14 @@ class DecodeKernel(Kernel):
         args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
                 np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(counters_ptr),
                 np.uintp(kv_lens.pointer if kv_lens else 0),
+                *((np.uintp(table.pointer), i64(table.strides[0])) if table is not None else ()),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),
                 *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
                 *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
         threads, smem = plan.launch.threads, plan.launch.smem_bytes
         device = q.device_id
-        keep = (q, k, v, o, lse, kv_lens, o_part, lse_part, counters)   # the views own the memory for the closure
+        keep = (q, k, v, o, lse, kv_lens, table, o_part, lse_part, counters)   # the views own the memory for the closure
 
         def run():
             _ = keep

@@ -1,0 +1,66 @@
+"""The paged decode kernel without a GPU: how a warp walks the block table (layout.decode_page_walk),
+the plan's page constants, the rendered kernel's block-table parameters only when paged, and the
+serving API's spec choice and refusals."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tiledsl.autoschedule import DECODE_HEAD_DIMS
+from tiledsl.errors import RuntimeInputError
+from tiledsl.families import compile as compile_kernel, lower
+from tiledsl.layout import decode_page_walk
+from tiledsl.lower_decode import constant
+from tiledsl.parse import load_specs
+from tiledsl.render import render
+from tiledsl.serving import paged_spec
+from tiledsl.spec import DType, Mask
+
+BUNDLED = load_specs("specs/decode_d128.tile")[0]   # kv 128, 4 warps: 32-key warp slices
+
+
+def paged(page: int):
+    return replace(BUNDLED, problem=replace(BUNDLED.problem, kv_page_size=page))
+
+
+@pytest.mark.parametrize("page, walk", [(1, "rows"), (8, "rows"), (16, "pages"), (32, "slice"), (64, "slice"), (256, "slice")])
+def test_page_walk_and_constants(page, walk):
+    assert decode_page_walk(page, 32) == walk
+    plan = lower(paged(page))
+    assert plan.kv_pages == walk
+    assert constant(plan, "PAGE_SIZE") == page and 1 << constant(plan, "PAGE_SHIFT") == page
+    assert constant(plan, "PAGE_MASK") == page - 1 and constant(plan, "PAGE_PER_SLICE") == (walk == "slice")
+    assert constant(plan, "PAGES_TILE_SLICE") == (walk == "pages")
+    source = render(plan)
+    assert "const int* __restrict__ block_table, i64 table_stride" in source
+    assert "void load_paged_slice(" in source and source.count("load_paged_slice<") == 4   # prologue, refills: K, V
+
+
+def test_slices_that_straddle_pages_walk_rows():
+    assert decode_page_walk(64, 48) == "rows" and decode_page_walk(96 * 2, 48) == "slice"
+    assert decode_page_walk(16, 48) == "pages" and decode_page_walk(32, 48) == "rows"
+    assert decode_page_walk(None, 32) == ""
+
+
+def test_contiguous_decode_reads_no_block_table():
+    plan = lower(BUNDLED)
+    assert plan.kv_pages == "" and "block_table" not in render(plan)
+    assert not any(c.name.startswith("PAGE") for c in plan.constants)
+
+
+def test_paged_kernel_class_and_name():
+    kernel = compile_kernel(paged(16))
+    assert type(kernel).__name__ == "PagedDecodeKernel" and "_paged16_" in kernel.name
+    assert type(compile_kernel(BUNDLED)).__name__ == "DecodeKernel"
+
+
+def test_serving_spec_follows_the_decode_pick():
+    spec = paged_spec(DType.FP16, 64, 64, Mask.CAUSAL, 16, 4)
+    assert spec.family.value == "decode" and spec.problem.kv_page_size == 16 and spec.problem.queries_per_seq == 4
+    assert spec.problem.dtype is DType.FP16 and spec.problem.mask is Mask.CAUSAL
+    assert set(range(16, 257, 16)) == set(DECODE_HEAD_DIMS)
+    with pytest.raises(RuntimeInputError, match="head dim 72 is not served"):
+        paged_spec(DType.BF16, 72, 72, Mask.NONE, 16, 1)
+    with pytest.raises(RuntimeInputError, match="equal for k and v"):
+        paged_spec(DType.BF16, 128, 64, Mask.NONE, 16, 1)

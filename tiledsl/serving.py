@@ -1,0 +1,70 @@
+"""The serving API: attention over a paged KV cache, as vLLM / FlashInfer hold it.
+
+    o = tiledsl.paged_attention(q, k_cache, v_cache, block_table, kv_lens)
+
+q (batch, queries, heads, d); k_cache / v_cache (pages, page size, kv heads, d / dv), the page
+size a power of two 1..256; block_table int32 (batch, max pages per sequence); kv_lens int32
+(batch,). Key t of sequence b lies in page block_table[b, t // page size] at slot t % page size.
+Masks are aligned bottom-right per sequence: query i of q_len sees key j iff j <= kv_len - q_len + i
+(causal), or j in [kv_len - q_len + i - left, ... + right] (window). Up to DECODE_MAX_QUERIES
+queries per sequence run on the decode family's paged kernel; longer ones (chunked prefill) on
+tiledsl.serving_prefill.paged_prefill. Launches go to the caller's stream (runtime.caller_stream).
+"""
+from __future__ import annotations
+
+from .errors import RuntimeInputError
+from .spec import DType, KernelSpec, Mask, Problem
+
+
+def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int, q_len: int,
+               window: tuple[int, int] | None = None, scale: float | None = None) -> KernelSpec:
+    """The decode spec a paged call of `q_len` queries runs: the schedule autoschedule picks for
+    the contiguous decode, reading K/V through the block table."""
+    from .autoschedule import DECODE_HEAD_DIMS, _pick_decode
+    if head_dim not in DECODE_HEAD_DIMS or head_dim_v != head_dim:
+        raise RuntimeInputError(f"paged_attention: head dim {head_dim}" + (f" / v {head_dim_v}" if head_dim_v != head_dim
+                                else "") + f" is not served by the paged decode kernel; head dims: "
+                                f"{', '.join(map(str, DECODE_HEAD_DIMS))} (equal for k and v)")
+    problem = Problem(head_dim, head_dim_v, dtype, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=scale, kv_page_size=page_size)
+    spec = _pick_decode(problem, q_len)
+    if spec is None:
+        raise RuntimeInputError(f"paged_attention: no legal decode schedule for head dim {head_dim}, "
+                                f"{dtype.value}, {q_len} queries")
+    return spec
+
+
+def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
+                    window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False):
+    """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
+    log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and
+    kv_lens are checked on the host first (serving_checks.check_paged): bad ones are refused."""
+    from .autoschedule import DECODE_MAX_QUERIES
+    from .tensors import view
+    from .tuned import kernel_for
+    if causal and window is not None:
+        raise ValueError("paged_attention: pass causal=True or window=(left, right), not both "
+                         "(a causal window is window=(left, 0))")
+    qv, kv, vv = view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache")
+    if qv.dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"paged_attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
+    if len(qv.shape) != 4 or len(kv.shape) != 4 or len(vv.shape) != 4:
+        raise RuntimeInputError(f"paged_attention: q must be (batch, queries, heads, d) and the caches (pages, page "
+                                f"size, kv heads, d); got shapes {qv.shape}, {kv.shape}, {vv.shape}")
+    q_len = qv.shape[1]
+    if q_len > DECODE_MAX_QUERIES:
+        from .serving_prefill import paged_prefill   # chunked prefill: the fa2 family
+        return paged_prefill(q, k_cache, v_cache, block_table, kv_lens, causal=causal, window=window, scale=scale,
+                             return_lse=return_lse)
+    if q_len == 0:
+        raise RuntimeInputError("paged_attention: q has no queries (q.shape[1] == 0)")
+    page_size = kv.shape[1]
+    if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
+        raise RuntimeInputError(f"paged_attention: the page size (k_cache.shape[1]) must be a power of two in "
+                                f"1..256, got {page_size}")
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    window = tuple(int(w) for w in window) if window is not None else None
+    spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, page_size, q_len, window,
+                      None if scale is None else float(scale))
+    out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens)
+    return (out, lse.transpose(1, 2) if hasattr(lse, "transpose") else lse) if return_lse else out
