@@ -249,3 +249,17 @@ def test_cuda_graph_capture_of_forward_and_backward():
         replayed = [g.clone() for g in captured]
         step()
         assert all(torch.equal(a, x.grad) for a, x in zip(replayed, (q, k, v)))
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+
+def test_short_training_run_matches_sdpa():
+    """bench/train_check.py shortened to 10 steps: the tiledsl loss curve within the bound of SDPA's."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "train_check.py"
+    spec = importlib.util.spec_from_file_location("train_check", path)
+    train_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_check)
+    result = train_check.run(10)
+    assert result["passed"], {k: result[k] for k in ("max_abs_difference", "floor_sdpa_vs_math", "bound", "curves")}
