@@ -13,7 +13,7 @@ caller's current stream. The LSE is returned as a constant (marked non-different
 that uses it gets no gradient through it, rather than a wrong one.
 
 `import tiledsl` does not import torch; this module imports it when torch is installed and
-registers the ops then (tuned.attention imports this module on its first torch call, and under
+registers the ops then (api.attention imports this module on its first torch call, and under
 torch.compile that import runs for real, not traced). Without torch the pure helpers below still
 import, for the CPU tests. No `from __future__ import annotations` here: torch.library reads the
 ops' schema from their annotations, which must be real types.
@@ -46,7 +46,7 @@ def encode_scale(scale):
 
 def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None, return_lse=False,
                     deterministic=False):
-    """tuned.attention's body for torch tensors: the forward custom op (torch.compile traces this
+    """api.attention's body for torch tensors: the forward custom op (torch.compile traces this
     function, so it holds only what dynamo can trace)."""
     import torch
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
