@@ -33,11 +33,12 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from tiledsl.backward import BackwardKernel, backward_spec
     from tiledsl.lower_backward import lower_backward
-    from tiledsl.spec import BackwardSchedule, DType, KernelSpec, LoopOrder, Mask
+    from tiledsl.spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--seqlen", type=int, nargs="+", default=[4096])
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--commit", default="")
     args = ap.parse_args()
     variants = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2)],
                 128: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 1)]}
@@ -64,8 +65,7 @@ def main() -> int:
                 for det in (False, True):
                     for tq, tk, w, s in variants[d][: (4 if not det else 1)]:
                         b = BackwardSchedule(LoopOrder.KV_OUTER, tq, tk, w, s,
-                                             dq=__import__("tiledsl.spec", fromlist=["x"]).DqAccumulate.SEPARATE if det
-                                             else base.backward.dq)
+                                             dq=DqAccumulate.SEPARATE if det else base.backward.dq)
                         spec = KernelSpec(base.name, base.problem, base.schedule, backward=b)
                         name = f"q{tq}_kv{tk}_w{w}_s{s}" + ("_separate" if det else "_atomic")
                         try:
@@ -79,7 +79,8 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 del out, qg, kg, vg
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "commit": commit,
               "command": "python bench/backward_bench.py " + " ".join(sys.argv[1:]), "rows": rows}
     with open(args.out, "w") as f:
