@@ -24,8 +24,10 @@ from .render import render
 from .spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask, Problem, Schedule
 from .tensors import view
 
-# (head dim) -> (tile q, tile kv, warps, stages). From H200 runs (bench/results/*-backward*.json).
-BACKWARD_TUNED: dict[int, tuple[int, int, int, int]] = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2)}
+# (head dim) -> (tile q, tile kv, warps, stages), bf16 at 4k on H200, dq atomic (bench/results/2026-11-30-backward-1.json):
+# d64 q128/kv128/w8 230 / 207 TFLOP/s none / causal (0.91x / 0.96x SDPA flash backward); d128 q64/kv128/w8
+# 240 / 210 (0.88x / 0.87x). fp16 has the same shapes. Other head dims take the first fallback that fits.
+BACKWARD_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
 _FALLBACK_TILES = ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 1))
 MAX_GRID_Y = 65535
 
