@@ -46,7 +46,8 @@ def test_forward_name_and_hash_unchanged_without_backward():
 
 
 def test_search_space():
-    (space,) = parse_text(kernel("tile q = 64, kv in {64, 128}; warps 4; dq accumulate in {atomic, separate, ordered}"))
+    # tile q = 32: kv = 128 over 4 warps (2 mma tiles each) fits the backward kernel's registers with it
+    (space,) = parse_text(kernel("tile q = 32, kv in {64, 128}; warps 4; dq accumulate in {atomic, separate, ordered}"))
     legal, rejected = space.expand()
     assert len(legal) == 6 and not rejected
     assert {s.backward.tile_kv for s in legal} == {64, 128} and {s.schedule.tile_kv for s in legal} == {64}

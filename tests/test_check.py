@@ -14,7 +14,8 @@ from tiledsl.spec import Family, KernelSpec
 # Not imported from conftest: tests/ may or may not be a package.
 SPEC_FILES = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.tile"))
 
-FAMILY_BY_FILE = {"fa1": Family.FA1, "fa2": Family.FA2, "hopper": Family.HOPPER, "decode": Family.DECODE}
+FAMILY_BY_FILE = {"fa1": Family.FA1, "fa2": Family.FA2, "hopper": Family.HOPPER, "decode": Family.DECODE,
+                  "backward": Family.FA2}   # backward_*.tile: an fa2 forward with its backward (issue 14)
 
 
 def block(settings: str = "", schedule: str | None = None, name: str = "k") -> str:

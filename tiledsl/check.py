@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from . import ast
 from . import check_backward
 from .errors import SpecError
-from .layout import layout_of
+from .layout import backward_has_template, backward_layout, layout_of
 from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
                    Problem, Schedule, SeqLayout, Span)
 
@@ -523,6 +523,8 @@ def validate(spec: KernelSpec) -> None:
             key, message, hint = broken
             raise SpecError(message, spec.span_of(key), spec.source_text, hint)
     layout_of(spec)
+    if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
+        backward_layout(spec)
 
 
 def check_module(module: ast.Module, text: str) -> list[KernelSpec | SpecSpace]:

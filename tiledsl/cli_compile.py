@@ -61,12 +61,43 @@ def run(args) -> int:
             status = 2
             continue
         print(f"{name}: " + "  ".join(line))
+        if spec.backward is not None:
+            status, no_sass = _emit_backward(spec, emits, out, status, no_sass)
     if no_sass:
         print("note: --emit sass: cuobjdump is not on PATH; no SASS written (the other outputs were)", file=sys.stderr)
     return status
 
 
-def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str]) -> bool:
+def _emit_backward(spec, emits: list[str], out: Path, status: int, no_sass: bool) -> tuple[int, bool]:
+    """The backward module of a spec with a `backward { }` block (tiledsl/lower_backward.py), beside its
+    forward kernel; a backward the template does not build yet is noted, not an error."""
+    from .layout import backward_has_template
+    from .lower_backward import backward_kernel_name, lower_backward
+    from .render import render, write_if_changed
+    name = backward_kernel_name(spec)
+    why = backward_has_template(spec)
+    if why:
+        print(f"{name}: skipped ({why})")
+        return status, no_sass
+    try:
+        plan = lower_backward(spec)
+    except SpecError as err:
+        print(err.render(), file=sys.stderr)
+        return 2, no_sass
+    source, line = render(plan), []
+    if "cuda" in emits:
+        changed = write_if_changed(out / f"{name}.cu", source)
+        line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
+    try:
+        no_sass = _emit_nvcc(source, name, emits, out, line, plan.kernel_names["main"]) or no_sass
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2, no_sass
+    print(f"{name}: " + "  ".join(line))
+    return status, no_sass
+
+
+def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str], function: str = "") -> bool:
     """Runs nvcc for the requested outputs; True when SASS was asked for but cuobjdump is absent."""
     no_sass = False
     if "ptx" in emits:
@@ -74,7 +105,7 @@ def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[s
         line.append(f"ptx: {out / (name + '.ptx')}")
     if {"cubin", "resources", "sass"} & set(emits):
         cubin, report = nvcc.compile_to(source, name, "cubin", out)
-        res = nvcc.parse_ptxas(report).get(name, nvcc.Resources(0, report=report))
+        res = nvcc.parse_ptxas(report).get(function or name, nvcc.Resources(0, report=report))
         if "cubin" in emits:
             line.append(f"cubin: {cubin}")
         if "resources" in emits:

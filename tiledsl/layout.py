@@ -556,6 +556,112 @@ def _mma_divisibility(spec: KernelSpec) -> None:
              "(the k step of the P V MMA)", f"use tile kv = a multiple of {k * (s.warps if s.warp_axis is Axis.KV else 1)}")
 
 
+# ---- the backward (issue 14): kv outer on mma.sync ------------------------------------------------
+
+BACKWARD_PRE_ROWS = 64         # preprocess / convert: q rows per block
+BACKWARD_PRE_THREADS = 256
+BACKWARD_DQ_TILE_KV = 64       # `dq accumulate separate`: keys per kv tile of the q-outer dQ kernel
+BACKWARD_MAX_DIM = 256         # preprocess: a warp's lanes take 2 columns per 64 (u32 loads)
+
+
+@dataclass(frozen=True)
+class BackwardLayout:
+    """The backward module's sizes: the main kernel's Layout plus its dQ split and, for
+    `dq accumulate separate`, the q-outer dQ kernel's buffers."""
+    main: Layout
+    kv_m_tiles: int            # 16-row mma tiles of the kv tile per warp
+    dq_m_tiles: int            # dQ_i = dS K_j: 16-row tiles per warp
+    dq_row_groups: int         # warps along dQ_i's rows (the rest split its columns)
+    dq_cols: int               # dQ_i columns per warp
+    dq_kernel: tuple[Buffer, ...] = ()
+    dq_kernel_smem: int = 0
+    dq_kernel_threads: int = 0
+
+
+def backward_has_template(spec: KernelSpec) -> str:
+    """Why the backward template can't build `spec`'s backward ("" when it can): the mma.sync kv-outer
+    kernel with dq atomic or separate, fp16/bf16."""
+    b, p = spec.backward, spec.problem
+    if b is None:
+        return "the spec has no `backward { }` block"
+    if p.dtype not in TEMPLATE_DTYPES:
+        return f"the backward template computes in fp16 or bf16, not {p.dtype.value}"
+    if b.order is not LoopOrder.KV_OUTER:
+        return "the backward template is kv outer (`order kv, q`)"
+    if b.mma is not Mma.SYNC:
+        return "the backward template runs on mma.sync"
+    if b.dq.value == "ordered":
+        return "`dq accumulate ordered` has no template yet (`separate` is deterministic)"
+    return ""
+
+
+def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLayout:
+    """Shared memory, registers and warps of the backward kernels (templates/backward.cu.j2); SpecError
+    at the backward block's line when they do not fit."""
+    b, p = spec.backward, spec.problem
+    d, dv, Br, Bc, S = p.head_dim_qk, p.head_dim_v, b.tile_q, b.tile_kv, b.stages
+    tile_key = "backward.tile" if spec.span_of("backward.tile") else "backward"
+    _require(d % 16 == 0 and dv % 16 == 0 and max(d, dv) <= BACKWARD_MAX_DIM, spec, "head_dim",
+             f"head dim qk {d} / v {dv}: the backward needs multiples of 16 up to {BACKWARD_MAX_DIM}")
+    _require(Br % 16 == 0 and Bc % (16 * b.warps) == 0, spec, tile_key,
+             f"tile q = {Br}, kv = {Bc} with {b.warps} warps: tile q must be a multiple of 16 and each warp "
+             "a multiple of 16 kv rows", f"use tile kv = {16 * b.warps}")
+    kv_m_tiles, threads = Bc // (16 * b.warps), 32 * b.warps
+    row_tiles = Br // 16
+    if b.warps % row_tiles == 0:
+        dq_m_tiles, dq_row_groups, dq_cols = 1, row_tiles, d // (b.warps // row_tiles)
+    elif row_tiles % b.warps == 0:
+        dq_m_tiles, dq_row_groups, dq_cols = row_tiles // b.warps, b.warps, d
+    else:
+        dq_m_tiles = dq_row_groups = dq_cols = 0
+    atomic = b.dq.value == "atomic"
+    if atomic:
+        _require(dq_cols and dq_cols % 16 == 0 and dq_cols * (d // max(dq_cols, 1)) == d, spec, tile_key,
+                 f"dQ_i ({Br} x {d}) does not split into 16-column blocks over {b.warps} warps",
+                 "use warps that divide tile q / 16, or a multiple of it that divides head_dim / 16")
+    qk_row, qk_sw = tile_row_bytes(d)
+    v_row, v_sw = tile_row_bytes(dv)
+    ds_row, ds_sw = tile_row_bytes(Br)
+    buffers, end = [], 0
+
+    def add(name, nbytes, stages=1, layout="", formula=""):
+        nonlocal end
+        buffers.append(Buffer(name, end, nbytes * stages, SMEM_ALIGN, stages, nbytes if stages > 1 else 0, layout, formula))
+        end = align(end + nbytes * stages)
+    add("K", Bc * qk_row, 1, _row_text(d), _row_formula("Bc", "d", d) + " (kept for the whole q loop)")
+    add("V", Bc * v_row, 1, _row_text(dv), _row_formula("Bc", "dv", dv) + " (kept for the whole q loop)")
+    add("Q", Br * qk_row, S, _row_text(d), f"{S}x " + _row_formula("Br", "d", d))
+    add("dO", Br * v_row, S, _row_text(dv), f"{S}x " + _row_formula("Br", "dv", dv))
+    add("LSE", Br * 4, S, "fp32", f"{S}x Br*4")
+    add("D", Br * 4, S, "fp32", f"{S}x Br*4")
+    if atomic:
+        add("dS^T", Bc * ds_row, 1, _row_text(Br), _row_formula("Bc", "Br", Br) + " (A operand of dQ_i = dS K_j)")
+    acc = [Registers("dK accumulator", kv_m_tiles * d // 2, f"KV_M_TILES*d/2 = {kv_m_tiles}*{d}/2", True),
+           Registers("dV accumulator", kv_m_tiles * dv // 2, f"KV_M_TILES*dv/2 = {kv_m_tiles}*{dv}/2", True),
+           Registers("S^T/P^T", kv_m_tiles * Br // 2, f"KV_M_TILES*Br/2 = {kv_m_tiles}*{Br}/2", True),
+           Registers("dP^T/dS^T", kv_m_tiles * Br // 2, f"KV_M_TILES*Br/2 = {kv_m_tiles}*{Br}/2", True),
+           Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
+    estimate = sum(r.amount for r in acc)
+    _require(estimate <= _register_limit(threads, limits), spec, tile_key,
+             f"registers: ~{estimate} per thread estimated (" + " + ".join(f"{r.name} {r.amount}" for r in acc)
+             + f") > {_register_limit(threads, limits)} available", "use a smaller tile q, or more warps")
+    main = _finish(spec, "backward", limits, buffers, end, acc, threads, 1, stages=S, rows_per_warp=16 * kv_m_tiles)
+    dq_buffers, dq_end, dq_threads = [], 0, 0
+    if not atomic:
+        Bk = BACKWARD_DQ_TILE_KV
+        dq_threads = 32 * row_tiles
+        for name, nbytes, stages in (("Q", Br * qk_row, 1), ("dO", Br * v_row, 1), ("K", Bk * qk_row, S),
+                                     ("V", Bk * v_row, S)):
+            dq_buffers.append(Buffer(name, dq_end, nbytes * stages, SMEM_ALIGN, stages, nbytes if stages > 1 else 0))
+            dq_end = align(dq_end + nbytes * stages)
+        _require(dq_end <= limits.max_shared_per_block, spec, tile_key,
+                 f"shared memory of the dQ kernel: {dq_end} bytes > {limits.max_shared_per_block}", "use a smaller tile q")
+        dq_regs = d // 2 + Bk + REGISTER_OVERHEAD   # dQ, S and dP accumulators of 16 rows
+        _require(dq_regs <= limits.max_registers_per_thread, spec, tile_key,
+                 f"registers of the dQ kernel: ~{dq_regs} per thread > {limits.max_registers_per_thread}")
+    return BackwardLayout(main, kv_m_tiles, dq_m_tiles, dq_row_groups, dq_cols, tuple(dq_buffers), dq_end, dq_threads)
+
+
 LAYOUTS = {
     (Family.FA2, Mma.SYNC): _fa2,
     (Family.FA2, Mma.WGMMA): _fa2_wgmma,

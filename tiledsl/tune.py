@@ -75,7 +75,13 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
         lines.append(f"        overlap  {', '.join(flags)}")
     if s.split_kv != 1:
         lines.append(f"        split    kv = {s.split_kv}")
-    lines += ["    }", "}"]
+    lines.append("    }")
+    b = spec.backward
+    if b is not None:   # every backward setting written out, as the schedule's
+        lines += ["    backward {", f"        order    {b.order.value}", f"        tile     q = {b.tile_q}, kv = {b.tile_kv}",
+                  f"        warps    {b.warps}", f"        pipeline {b.stages} stage{'s' if b.stages != 1 else ''}",
+                  f"        mma      {b.mma.value}", f"        dq accumulate {b.dq.value}", "    }"]
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 

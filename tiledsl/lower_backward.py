@@ -1,0 +1,166 @@
+"""Lowering of the backward (issue 14): a spec's `backward { }` schedule -> the plan of
+templates/backward.cu.j2 (preprocess, kv-outer main kernel, and convert or the q-outer dQ kernel).
+
+Sizes come from layout.backward_layout; the main kernel's q-loop body is the backward graph's
+(graph_backward.py) ops in emission order, one LoopOp each (`stage_ds`, the dS^T store the dQ MMA
+reads, is placed before mma_dq)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .device_limits import H200
+from .errors import SpecError
+from .graph_backward import build_backward_graph
+from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
+                     backward_layout, tile_row_bytes)
+from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, graph_loop_body, make_plan,
+                    smem_constants, softmax_constants, tile_row_constants)
+from .spec import DqAccumulate, Family, KernelSpec
+
+TEMPLATE = "backward.cu.j2"
+# Graph ops of the q loop that the template's `issue` (the Q_i, dO_i, LSE_i, D_i ring) covers.
+_LOADS = {"load_q", "load_do", "load_lse_d"}
+_TEXT = {
+    "mma_qk": "S^T = K_j Q_i^T (transposed: P^T is then the A operand of dV)",
+    "mask": "mask keys outside the sequence / diagonal / window and rows past q_len (only tiles that need it)",
+    "recompute_p": "P^T = exp(scale S^T - LSE_i); 0 where LSE = -inf",
+    "mma_dv": "dV += P^T dO_i",
+    "mma_dp": "dP^T = V_j dO_i^T",
+    "softmax_grad": "dS^T = P^T * (dP^T - D_i)",
+    "mma_dk": "dK += dS^T Q_i   (scale at the store)",
+    "stage_ds": "dS^T -> shared memory for dQ_i = dS K_j",
+    "mma_dq": "dQ_i = dS K_j (this warp's rows and columns)",
+    "accumulate": "dQ_accum += dQ_i (red.global.add.v2.f32; scale at the convert)",
+}
+
+
+@dataclass(frozen=True)
+class BackwardPlan(KernelPlan):
+    kernel_names: dict = field(default_factory=dict)   # preprocess, main, convert | dq
+    dq_mode: str = "atomic"                             # atomic | separate
+    pre_rows: int = BACKWARD_PRE_ROWS
+    pre_threads: int = BACKWARD_PRE_THREADS
+    tile_kv: int = 0
+    dq_launch: Launch | None = None                     # separate: the q-outer dQ kernel's launch
+
+    @property
+    def loop_bodies(self):
+        return (("loop_q", self.loop_body),)
+
+
+def backward_kernel_name(spec: KernelSpec) -> str:
+    """The backward module's name: the spec's kernel name (which names its backward schedule) + _backward."""
+    return spec.kernel_name + "_backward"
+
+
+def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
+    def lower_op(name, op):
+        kind = op.kind.value
+        if kind in _LOADS:
+            return []
+        where = _where(spec, op.key or "backward")
+        if kind == "mma_dq":
+            return [LoopOp("stage_ds", where, _TEXT["stage_ds"]), LoopOp("mma_dq", where, _TEXT["mma_dq"])]
+        if kind == "accumulate":
+            return [LoopOp("accumulate_dq", where, _TEXT["accumulate"])]
+        if kind in _TEXT:
+            return [LoopOp(kind, where, _TEXT[kind])]
+        raise AssertionError(f"backward lowering has no CUDA for graph op {name} ({kind})")
+
+    body = graph_loop_body(build_backward_graph(spec), "loop_q", lower_op)
+    kinds = [op.kind for op in body]
+    assert not atomic or kinds.index("accumulate_dq") == kinds.index("mma_dq") + 1, kinds   # one CUDA scope
+    return body
+
+
+def lower_backward(spec: KernelSpec) -> BackwardPlan:
+    """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it."""
+    why = backward_has_template(spec)
+    if why:
+        key = "backward.order" if "kv outer" in why else "backward.mma" if "mma.sync" in why else \
+            "backward.dq" if "dq" in why else "dtype" if "fp16" in why else "backward"
+        raise SpecError(why, spec.span_of(key), spec.source_text, "`tiledsl explain` and tiledsl.reference_backward "
+                        "take it; the template builds `order kv, q`, mma.sync, dq atomic or separate")
+    p, b = spec.problem, spec.backward
+    lay = backward_layout(spec, H200)
+    main = lay.main
+    atomic = b.dq is DqAccumulate.ATOMIC
+    qk_row, qk_sw = tile_row_bytes(p.head_dim_qk)
+    v_row, v_sw = tile_row_bytes(p.head_dim_v)
+    ds_row, ds_sw = tile_row_bytes(b.tile_q)
+    buf = {x.name: x for x in main.buffers}
+    consts = [
+        Constant("BR", "int", b.tile_q, "query rows per q tile (backward tile q)"),
+        Constant("BC", "int", b.tile_kv, "keys per block (backward tile kv)"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("WARPS", "int", b.warps, "warps, split along kv"),
+        Constant("THREADS", "int", main.threads),
+        Constant("KV_ROWS_PER_WARP", "int", 16 * lay.kv_m_tiles),
+        Constant("KV_M_TILES", "int", lay.kv_m_tiles, "16-row mma tiles of the kv tile per warp"),
+        *tile_row_constants(qk_row, qk_sw, v_row, v_sw),
+        Constant("DS_ROW_BYTES", "int", ds_row, "shared-memory row of dS^T"),
+        Constant("DS_SWIZZLE", "bool", ds_sw),
+        Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
+        Constant("K_OFFSET", "u32", buf["K"].offset),
+        Constant("V_OFFSET", "u32", buf["V"].offset),
+        Constant("Q_OFFSET", "u32", buf["Q"].offset),
+        Constant("Q_STAGE_BYTES", "u32", buf["Q"].bytes // b.stages),
+        Constant("DO_OFFSET", "u32", buf["dO"].offset),
+        Constant("DO_STAGE_BYTES", "u32", buf["dO"].bytes // b.stages),
+        Constant("LSE_OFFSET", "u32", buf["LSE"].offset),
+        Constant("DROW_OFFSET", "u32", buf["D"].offset),
+        Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
+        Constant("DS_OFFSET", "u32", buf["dS^T"].offset if atomic else 0),
+        *smem_constants(main),
+        Constant("DQ_M_TILES", "int", lay.dq_m_tiles, "dQ_i = dS K_j: 16-row tiles per warp"),
+        Constant("DQ_ROW_GROUPS", "int", lay.dq_row_groups, "warps along dQ_i's rows"),
+        Constant("DQ_COLS", "int", lay.dq_cols, "dQ_i columns per warp"),
+        Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
+        Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
+        *softmax_constants(p),
+    ]
+    names = {"preprocess": f"{backward_kernel_name(spec)}_preprocess", "main": f"{backward_kernel_name(spec)}_main"}
+    dq_launch = None
+    if atomic:
+        names["convert"] = f"{backward_kernel_name(spec)}_convert"
+    else:
+        names["dq"] = f"{backward_kernel_name(spec)}_dq"
+        dq = {x.name: x for x in lay.dq_kernel}
+        consts += [
+            Constant("DQK_BC", "int", BACKWARD_DQ_TILE_KV, "dQ kernel: keys per kv tile"),
+            Constant("DQK_THREADS", "int", lay.dq_kernel_threads, "dQ kernel: 16 query rows per warp"),
+            Constant("DQ_THREADS", "int", lay.dq_kernel_threads),
+            Constant("DQK_Q_OFFSET", "u32", dq["Q"].offset),
+            Constant("DQK_DO_OFFSET", "u32", dq["dO"].offset),
+            Constant("DQK_K_OFFSET", "u32", dq["K"].offset),
+            Constant("DQK_K_STAGE_BYTES", "u32", dq["K"].bytes // b.stages),
+            Constant("DQK_V_OFFSET", "u32", dq["V"].offset),
+            Constant("DQK_V_STAGE_BYTES", "u32", dq["V"].bytes // b.stages),
+            Constant("DQK_SMEM_BYTES", "u32", lay.dq_kernel_smem),
+        ]
+        dq_launch = Launch(threads=lay.dq_kernel_threads, smem_bytes=lay.dq_kernel_smem, tile_q=b.tile_q)
+    w = lambda key: _where(spec, key)   # noqa: E731
+    regions = {
+        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum (atomic dQ)"),
+        "main": Region(w("backward.order"), "kv outer: one block per (kv tile, batch * kv head), dK and dV on chip"),
+        "q_range": Region(w("mask"), "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
+        "load_kv": Region(w("backward.pipeline"), f"K_j, V_j ({b.tile_kv} rows) -> shared memory, kept for the whole q loop"),
+        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
+        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
+        "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+        "dq": Region(w("backward.dq"), f"dq accumulate separate: one block per q tile, {BACKWARD_DQ_TILE_KV}-key tiles, "
+                     "dQ on chip"),
+    }
+    return _make(spec, consts, regions, _loop_body(spec, atomic), main, names, atomic, dq_launch, b.tile_kv)
+
+
+def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv) -> BackwardPlan:
+    from dataclasses import replace
+    plan = make_plan(spec, Family.FA2, consts, regions, body,
+                     Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=spec.backward.tile_q),
+                     main.min_blocks_per_sm, main.register_estimate, kernel_name=backward_kernel_name(spec),
+                     plan_class=BackwardPlan, kernel_names=names, dq_mode="atomic" if atomic else "separate",
+                     tile_kv=tile_kv, dq_launch=dq_launch)
+    return replace(plan, template=TEMPLATE)
