@@ -13,7 +13,7 @@ from .version import __version__
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {"load_specs": "parse", "parse_file": "parse", "parse_text": "parse", "SpecSpace": "check",
-         "attention": "tuned", "Kernel": "runtime", "compile": "families"}   # tiledsl.compile(spec) is the documented API
+         "attention": "tuned", "varlen_attention": "varlen", "Kernel": "runtime", "compile": "families"}   # tiledsl.compile(spec) is the documented API
 
 
 def __getattr__(name: str):
@@ -30,5 +30,5 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
-           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "compile", "load_specs", "parse_file", "parse_text",
+           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "varlen_attention", "compile", "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

@@ -22,6 +22,7 @@ from .runtime import Kernel
 from .runtime_decode import DecodeKernel
 from .runtime_fa1 import Fa1Kernel
 from .runtime_hopper import HopperKernel
+from .runtime_varlen import VarlenHopperKernel
 from .spec import Family, KernelSpec, Mma, SeqLayout
 
 
@@ -32,6 +33,7 @@ class Row:
     lowering: Callable[..., KernelPlan]      # (spec, **overrides) -> plan
     template: str                            # under templates/
     kernel_class: type[Kernel]               # launches the compiled kernel
+    seq_layout: SeqLayout = SeqLayout.BATCHED   # the sequence layout the template reads
 
 
 FAMILIES = (
@@ -40,6 +42,7 @@ FAMILIES = (
     Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
     Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel),   # split kernel + merge, workspace
     Row(Family.HOPPER, None, lower_hopper, "hopper.cu.j2", HopperKernel),   # TMA tensor maps, persistent launch
+    Row(Family.HOPPER, None, lower_hopper, "hopper_varlen.cu.j2", VarlenHopperKernel, SeqLayout.VARLEN),   # packed sequences
 )
 
 # Families with at least one template, in table order (what `compile --skip-unsupported` keeps).
@@ -50,8 +53,9 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     """(key, what) when the spec asks for a serving layout that no template implements yet."""
     if spec.problem.kv_page_size is not None:
         return "kv_cache", "paged KV"
-    if spec.problem.seq_layout is SeqLayout.VARLEN:
-        return "layout", "layout = varlen"
+    layout = spec.problem.seq_layout
+    if layout is not SeqLayout.BATCHED and not any(row.family is spec.family and row.seq_layout is layout for row in FAMILIES):
+        return "layout", f"layout = {layout.value}"
     return None
 
 
@@ -72,7 +76,7 @@ def row_for(spec: KernelSpec) -> Row:
         raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text, "`tiledsl explain` and tiledsl.serving_reference take it; "
                         f"remove `{refusal[0]}` to build a kernel")
     for row in FAMILIES:
-        if row.family is spec.family and row.mma in (None, spec.schedule.mma):
+        if row.family is spec.family and row.mma in (None, spec.schedule.mma) and row.seq_layout is spec.problem.seq_layout:
             return row
     built = ", ".join(f.value for f in WITH_TEMPLATE)
     if spec.family in WITH_TEMPLATE:
