@@ -42,6 +42,24 @@ def check_against_sdpa(out, q, k, v, cu, causal: bool) -> float:
     return worst
 
 
+def warmup(dims) -> int:
+    import concurrent.futures
+    from tiledsl.runtime import device_arch
+    from tiledsl.spec import DType, Mask
+    from tiledsl.tuned import kernel_for, tuned_spec
+    from tiledsl.varlen import varlen_spec
+    arch, specs = device_arch(), []
+    for d in dims:
+        for dtype in (DType.BF16, DType.FP16):
+            for mask, window in ((Mask.NONE, None), (Mask.CAUSAL, None), (Mask.WINDOW, (100, 20))):
+                specs.append(varlen_spec(arch, dtype, d, mask, d, window))
+        specs += [tuned_spec(arch, DType.BF16, d, mask)[0] for mask in (Mask.NONE, Mask.CAUSAL)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(kernel_for, specs))
+    print(f"compiled {len(specs)} kernels", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -49,7 +67,11 @@ def main() -> int:
     ap.add_argument("--total", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--warmup", action="store_true", help="only compile, in parallel, the kernels this bench and "
+                    "tests/test_gpu_varlen.py launch (NVRTC's disk cache keeps them for later processes)")
     args = ap.parse_args()
+    if args.warmup:
+        return warmup(args.dims)
     import numpy as np
     import torch
 
