@@ -100,6 +100,8 @@ def main() -> int:
             failed |= not ok
             print(f"d{d} causal={causal}: worst per-sequence error vs SDPA flash {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
             ms = time_ms(lambda: kernel(q, k, v, cu, cu), rep_ms=args.rep_ms)
+            launch = kernel.prepare_varlen(q, k, v, cu, cu)[2]   # the launch alone: no host sync, no checks
+            kernel_ms = time_ms(lambda: kernel.launch_function(kernel.function(), *launch), rep_ms=args.rep_ms)
             # the same schedule (batched layout) on a uniform batch of equal total tokens
             batched = kernel_for(tuned_spec(device_arch(), DType.BF16, d, mask)[0])
             uq, uk, uv = (torch.randn(len(lengths), heads, uniform, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -108,6 +110,8 @@ def main() -> int:
             ucu = torch.arange(0, len(lengths) + 1, device="cuda", dtype=torch.int32) * uniform
             pq, pk, pv = (x.transpose(1, 2).reshape(-1, heads, d) for x in (uq, uk, uv))
             uniform_varlen_ms = time_ms(lambda: kernel(pq, pk, pv, ucu, ucu), rep_ms=args.rep_ms)
+            launch_u = kernel.prepare_varlen(pq, pk, pv, ucu, ucu)[2]
+            uniform_varlen_kernel_ms = time_ms(lambda: kernel.launch_function(kernel.function(), *launch_u), rep_ms=args.rep_ms)
             # SDPA on the zero-padded batch (batch, heads, longest, d); real tokens' FLOPs
             padded = [torch.zeros(len(lengths), heads, longest, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             for b, n in enumerate(lengths):
@@ -116,20 +120,24 @@ def main() -> int:
             sdpa = sdpa_peers(*padded, causal, args.rep_ms)
             peers = {"uniform_batched_tflops": uniform_flops / uniform_ms / 1e9,
                      "uniform_varlen_tflops": uniform_flops / uniform_varlen_ms / 1e9,
+                     "uniform_varlen_launch_only_tflops": uniform_flops / uniform_varlen_kernel_ms / 1e9,
                      **{f"{name}_padded_tflops": flops / t / 1e9 for name, t in sdpa.items() if isinstance(t, float)},
                      **{f"{name}_padded": t for name, t in sdpa.items() if not isinstance(t, float) and t is not None}}
             tflops = flops / ms / 1e9
             row = {"kernel": spec.kernel_name, "family": spec.family.value, "dtype": "bf16", "head_dim": d,
                    "seqlen": f"varlen {len(lengths)} seqs, {total} tokens (256..8192, seed {args.seed})",
                    "lengths": lengths, "heads": heads, "causal": causal, "ms": ms, "tflops": tflops,
+                   "launch_only_ms": kernel_ms, "launch_only_tflops": flops / kernel_ms / 1e9,
                    "check_error_vs_sdpa_flash": err, "uniform": f"{len(lengths)} x {uniform}", "peers": peers,
                    "vs_uniform_batched": tflops / peers["uniform_batched_tflops"],
+                   "launch_only_vs_uniform_batched": flops / kernel_ms / 1e9 / peers["uniform_batched_tflops"],
                    **{f"vs_{name}_padded": tflops / peers[f"{name}_padded_tflops"] for name in ("sdpa_flash", "sdpa_cudnn")
                       if f"{name}_padded_tflops" in peers}}
             rows.append(row)
-            print(f"d{d} {'causal' if causal else 'none  '} varlen {tflops:6.1f} TFLOP/s | uniform batched "
+            print(f"d{d} {'causal' if causal else 'none  '} varlen {tflops:6.1f} TFLOP/s (launch only "
+                  f"{row['launch_only_tflops']:6.1f}, x{row['launch_only_vs_uniform_batched']:.3f}) | uniform batched "
                   f"{peers['uniform_batched_tflops']:6.1f} (x{row['vs_uniform_batched']:.3f}) uniform varlen "
-                  f"{peers['uniform_varlen_tflops']:6.1f} | padded SDPA flash {peers.get('sdpa_flash_padded_tflops', 0):6.1f} "
+                  f"{peers['uniform_varlen_tflops']:6.1f} (launch only {peers['uniform_varlen_launch_only_tflops']:6.1f}) | padded SDPA flash {peers.get('sdpa_flash_padded_tflops', 0):6.1f} "
                   f"cuDNN {peers.get('sdpa_cudnn_padded_tflops', 0):6.1f}", flush=True)
             del padded
     record(args.out, "python bench/varlen_bench.py " + " ".join(sys.argv[2:]), rows)

@@ -39,15 +39,17 @@ def visible_keys(q0: int, rows: int, seq_q: int, seq_kv: int, mask: Mask, left: 
 
 
 def work_list(q_lens, k_lens, tile_q: int, mask: Mask, left: int = 0, right: int = 0):
-    """(sequence, query tile) int32 pairs (n, 2), the most keys first (ties: sequence order, then
-    the later tile first); sequences without queries give none."""
+    """(sequence, query tile) int32 pairs (n, 2): the costliest sequences first (keys seen by all
+    their tiles), each one's tiles together, those that see the most keys first. A sequence at a
+    time keeps few heads' K and V in L2 (the blocks in flight share them), and the short sequences
+    fill the tail; sequences without queries give none."""
     import numpy as np
     entries = []
     for b, (nq, nk) in enumerate(zip(q_lens.tolist(), k_lens.tolist())):
-        for t in range(-(-nq // tile_q)):
-            entries.append((-visible_keys(t * tile_q, tile_q, nq, nk, mask, left, right), b, -t))
+        costs = [visible_keys(t * tile_q, tile_q, nq, nk, mask, left, right) for t in range(-(-nq // tile_q))]
+        entries += [(-sum(costs), b, -cost, -t) for t, cost in enumerate(costs)]
     entries.sort()
-    return np.array([(b, -t) for _, b, t in entries], dtype=np.int32).reshape(-1, 2)
+    return np.array([(b, -t) for _, b, _, t in entries], dtype=np.int32).reshape(-1, 2)
 
 
 def packed_view(t: TensorView) -> TensorView:
@@ -121,6 +123,14 @@ class VarlenHopperKernel(HopperKernel):
         return hit
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None):
+        out, lse, launch = self.prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+        if launch is not None:
+            self.launch_function(self.function(), *launch)
+        return out, lse
+
+    def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None):
+        """Checks, outputs and work list: (out, lse, (grid, args, device, stream) of the launch, or
+        None when there is nothing to compute). The benchmark replays the launch alone."""
         import numpy as np
         p = self.spec.problem
         qv, kw, vv = view(q, "q"), view(k, "k"), view(v, "v")
@@ -138,11 +148,11 @@ class VarlenHopperKernel(HopperKernel):
         ov = view(out, "out")
         stream = caller_stream(q)
         if total_q == 0 or heads == 0:
-            return out, lse
+            return out, lse, None
         work, items, most_tiles = self._work_list(q, cu_q, cu_k, q_lens, k_lens, stream)
         items *= heads
         if items == 0:
-            return out, lse
+            return out, lse, None
         tile_q, tile_kv = self.plan.launch.tile_q, self.spec.schedule.tile_kv
         qp, kp, vp = packed_view(qv), packed_view(kw), packed_view(vv)
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
@@ -156,8 +166,7 @@ class VarlenHopperKernel(HopperKernel):
         if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
             persistent = p.mask is Mask.NONE or most_tiles <= PERSISTENT_MASKED_TILES
         blocks = min(items, self.slots(qv.device_id)) if persistent else items
-        self.launch_function(self.function(), (blocks, 1, 1), args, qv.device_id, stream)
-        return out, lse
+        return out, lse, ((blocks, 1, 1), args, qv.device_id, stream)
 
     def _outputs(self, q, total_q: int, heads: int, out, lse):
         """O (total_q, heads, dv) in q's dtype and LSE fp32 (heads, total_q), allocated or checked."""
