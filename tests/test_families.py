@@ -23,7 +23,7 @@ def _spec(name: str):
 
 
 def test_every_row_names_a_template_that_exists_and_one_row_per_variant():
-    keys = [(row.family, row.mma) for row in FAMILIES]
+    keys = [(row.family, row.mma, row.seq_layout) for row in FAMILIES]   # a variant: family, mma, sequence layout
     assert len(keys) == len(set(keys))
     for row in FAMILIES:
         assert (TEMPLATE_DIR / row.template).is_file(), row.template

@@ -13,7 +13,8 @@ from .version import __version__
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {"load_specs": "parse", "parse_file": "parse", "parse_text": "parse", "SpecSpace": "check",
-         "attention": "api", "Kernel": "runtime", "compile": "families", "paged_attention": "serving"}   # tiledsl.compile(spec) is the documented API
+         "attention": "api", "Kernel": "runtime", "compile": "families", "paged_attention": "serving",
+         "varlen_attention": "varlen"}   # tiledsl.compile(spec) is the documented API
 
 
 def __getattr__(name: str):
@@ -30,5 +31,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
-           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "paged_attention", "compile", "load_specs", "parse_file", "parse_text",
+           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "paged_attention", "varlen_attention", "compile",
+           "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

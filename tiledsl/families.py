@@ -23,6 +23,7 @@ from .runtime_decode import DecodeKernel
 from .runtime_paged import PagedDecodeKernel
 from .runtime_fa1 import Fa1Kernel
 from .runtime_hopper import HopperKernel
+from .runtime_varlen import VarlenHopperKernel
 from .spec import Family, KernelSpec, Mma, SeqLayout
 
 
@@ -34,6 +35,7 @@ class Row:
     template: str                            # under templates/
     kernel_class: type[Kernel]               # launches the compiled kernel
     paged_class: type[Kernel] | None = None  # launches it on a paged KV cache (None: the template reads no block table)
+    seq_layout: SeqLayout = SeqLayout.BATCHED   # the sequence layout the template reads
 
 
 FAMILIES = (
@@ -42,6 +44,7 @@ FAMILIES = (
     Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
     Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel, PagedDecodeKernel),   # split kernel + merge, workspace
     Row(Family.HOPPER, None, lower_hopper, "hopper.cu.j2", HopperKernel),   # TMA tensor maps, persistent launch
+    Row(Family.HOPPER, None, lower_hopper, "hopper_varlen.cu.j2", VarlenHopperKernel, seq_layout=SeqLayout.VARLEN),   # packed sequences
 )
 
 # Families with at least one template, in table order (what `compile --skip-unsupported` keeps).
@@ -53,8 +56,9 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     if spec.problem.kv_page_size is not None and not any(row.family is spec.family and row.paged_class
                                                          for row in FAMILIES):
         return "kv_cache", "paged KV"
-    if spec.problem.seq_layout is SeqLayout.VARLEN:
-        return "layout", "layout = varlen"
+    layout = spec.problem.seq_layout
+    if layout is not SeqLayout.BATCHED and not any(row.family is spec.family and row.seq_layout is layout for row in FAMILIES):
+        return "layout", f"layout = {layout.value}"
     return None
 
 
@@ -75,7 +79,7 @@ def row_for(spec: KernelSpec) -> Row:
         raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text, "`tiledsl explain` and tiledsl.serving_reference take it; "
                         f"remove `{refusal[0]}` to build a kernel")
     for row in FAMILIES:
-        if row.family is spec.family and row.mma in (None, spec.schedule.mma):
+        if row.family is spec.family and row.mma in (None, spec.schedule.mma) and row.seq_layout is spec.problem.seq_layout:
             return row
     built = ", ".join(f.value for f in WITH_TEMPLATE)
     if spec.family in WITH_TEMPLATE:

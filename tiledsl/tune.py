@@ -31,7 +31,7 @@ from .families import compile as compile_kernel, lower
 from .nvcc import Resources
 from .passes import run_passes
 from .render import render
-from .spec import Family, KernelSpec, Mask, Mma
+from .spec import Family, KernelSpec, Mask, Mma, SeqLayout
 from .tensors import torch_dtype
 from .traffic import hbm_traffic
 from .tune_model import Prediction, Shape
@@ -61,6 +61,10 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
         lines.append(f"    scale    = {p.softmax_scale!r}")
     if p.queries_per_seq is not None:
         lines.append(f"    queries  = {p.queries_per_seq}")
+    if p.kv_page_size is not None:   # serving layouts: written only when set, as the DSL reads them
+        lines.append(f"    kv_cache = paged(page = {p.kv_page_size})")
+    if p.seq_layout is not SeqLayout.BATCHED:
+        lines.append(f"    layout   = {p.seq_layout.value}")
     lines += ["    schedule {", f"        order    {s.order.value}", f"        tile     q = {s.tile_q}, kv = {s.tile_kv}"]
     if spec.family is Family.HOPPER:
         lines.append(f"        warpgroups producer {s.producer_warpgroups} regs {s.producer_regs}, "
