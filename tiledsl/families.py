@@ -54,7 +54,7 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     if spec.problem.kv_page_size is not None and not any(
             row.family is spec.family and row.mma in (None, spec.schedule.mma) and row.paged_class for row in FAMILIES):
         paged = [row.mma.value for row in FAMILIES if row.family is spec.family and row.paged_class and row.mma]
-        return "kv_cache", "paged KV" + (f" on mma {spec.schedule.mma.value} (mma {' or '.join(paged)} reads it)"
+        return "kv_cache", "paged KV" + (f" on {spec.schedule.mma.value} ({' or '.join(paged)} reads it)"
                                          if paged else "")
     if spec.problem.seq_layout is SeqLayout.VARLEN:
         return "layout", "layout = varlen"
