@@ -49,8 +49,12 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want) -> dict:
     table = torch.arange(BATCH * (k_tok.shape[1] // page), device="cuda", dtype=torch.int32).view(BATCH, -1)
     k_cache, v_cache = (x.reshape(-1, page, KV_HEADS, HEAD_DIM) for x in (k_tok, v_tok))
     out = {}
-    first = "(int)(pages - block_table)"   # the sequence's first page in an in-order table: batch * table_stride
+    # Lookup-free: `pages` carries the sequence's first page number (batch * table_stride in an
+    # in-order table) instead of pointing at its table row.
+    first = "(int)(i64)pages"
     for name, patches in (("in_order_ms", []), ("no_lookup_ms", [
+            ("const int* pages = block_table + batch * table_stride;",
+             "const int* pages = (const int*)(i64)(batch * table_stride);"),
             ("pages[key0 >> C::PAGE_SHIFT]", f"({first} + (key0 >> C::PAGE_SHIFT))"),
             ("pages[key >> C::PAGE_SHIFT]", f"({first} + (key >> C::PAGE_SHIFT))")])):
         kernel = compile(spec)
