@@ -602,8 +602,10 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
     const int shuffled = min(num_splits, 32);
 #pragma unroll
     for (int c = 0; c < COL_STEPS; ++c) {
+        // Lanes past DV (DV not a multiple of 128) still take every shuffle: a lane that left the
+        // loop would let the others' full-mask shuffles meet its shuffles of the next row.
         const int col = lane * 4 + c * 128;
-        if (col >= C::DV) break;
+        const bool owns = col < C::DV;
         float4 acc = zero;
 #pragma unroll
         for (int j = 0; j < MERGE_BATCH; ++j)
@@ -612,11 +614,12 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
             float4 part[MERGE_BATCH];
 #pragma unroll
             for (int j = 0; j < MERGE_BATCH; ++j)   // issue the batch's loads before the first use
-                part[j] = s0 + j < shuffled ? load_cg4(parts + (i64)(s0 + j) * C::DV + col) : zero;
+                part[j] = s0 + j < shuffled && owns ? load_cg4(parts + (i64)(s0 + j) * C::DV + col) : zero;
 #pragma unroll
             for (int j = 0; j < MERGE_BATCH; ++j)
                 acc = weighted_add(acc, __shfl_sync(0xffffffffu, own_weight, (s0 + j) & 31), part[j]);
         }
+        if (!owns) continue;
         if (merged != NEG_INF)
             for (int s = 32; s < num_splits; ++s)
                 acc = weighted_add(acc, expf(load_cg(lse_row + s) - merged), load_cg4(parts + (i64)s * C::DV + col));
