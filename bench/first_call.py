@@ -1,6 +1,6 @@
 """First-call latency: `import tiledsl`, spec -> CUDA, and the first `tiledsl.attention` call of a
-process with a cold disk cache (NVRTC compile + load + launch) and with a warm one (cubin loaded from
-the cache), per kernel family; then `tiledsl warmup`'s wall time. Each measurement runs in a fresh
+process with a cold disk cache (front end, NVRTC compile, load, launch) and with a warm one (the warm
+record and cubin the cold call left: tiledsl/warm.py), per kernel family; then `tiledsl warmup`'s wall time. Each measurement runs in a fresh
 Python process so nothing is cached in memory.
 
     python bench/first_call.py OUT.json
@@ -72,6 +72,16 @@ print(json.dumps({"first_s": t1 - t0, "second_s": t2 - t1}))
 """, tempfile.mkdtemp())
     rows.append({"what": "spec text -> CUDA via tiledsl.compile (first in process, incl. imports)", "s": spec_to_cuda["first_s"]})
     rows.append({"what": "spec text -> CUDA via tiledsl.compile (second)", "s": spec_to_cuda["second_s"]})
+    cupy_import = run("""
+import time, json
+import torch
+torch.zeros(1, device="cuda")
+t0 = time.perf_counter()
+import cupy
+t1 = time.perf_counter()
+print(json.dumps({"s": t1 - t0}))
+""", tempfile.mkdtemp())
+    rows.append({"what": "import cupy (after torch, CUDA up): part of every first attention call", "s": cupy_import["s"]})
     for family, d, causal, q_len in CASES:
         cache = tempfile.mkdtemp(prefix="tiledsl-cold-")
         cold = run(CALL.format(d=d, causal=causal, q_len=q_len), cache)
@@ -86,6 +96,8 @@ print(json.dumps({"first_s": t1 - t0, "second_s": t2 - t1}))
     done = subprocess.run([sys.executable, "-m", "tiledsl.cli", "warmup", "--dtype", "bf16", "--head-dim", "128"],
                           capture_output=True, text=True,
                           env={**env, "TILEDSL_CACHE_DIR": cache}, timeout=600)
+    after = run(CALL.format(d=128, causal=True, q_len=4096), cache)
+    rows.append({"what": "first attention call after that warmup (hopper d128 causal bf16)", "s": after["first_call_s"]})
     rows.append({"what": "tiledsl warmup --dtype bf16 --head-dim 128 (2 kernels, cold cache)", "s": time.perf_counter() - t,
                  "rc": done.returncode, "tail": (done.stdout + done.stderr)[-400:]})
     for r in rows:

@@ -51,12 +51,10 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want) -> dict:
     out = {}
     # Lookup-free: `pages` carries the sequence's first page number (batch * table_stride in an
     # in-order table) instead of pointing at its table row.
-    first = "(int)(i64)pages"
     for name, patches in (("in_order_ms", []), ("no_lookup_ms", [
             ("const int* pages = block_table + batch * table_stride;",
              "const int* pages = (const int*)(i64)(batch * table_stride);"),
-            ("pages[key0 >> C::PAGE_SHIFT]", f"({first} + (key0 >> C::PAGE_SHIFT))"),
-            ("pages[key >> C::PAGE_SHIFT]", f"({first} + (key >> C::PAGE_SHIFT))")])):
+            ("return pages[key >> C::PAGE_SHIFT];", "return (int)(i64)pages + (key >> C::PAGE_SHIFT);")])):
         kernel = compile(spec)
         patch_source(kernel, patches)
         run, o, _ = kernel.bind(q, k_cache, v_cache, table, lens)

@@ -136,6 +136,16 @@ __device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 ro
     }
 }
 
+// Head dims padded to the mma width (layout.mma_width): zero chunks REAL_CHUNKS.. of every row of
+// a ROWS-row tile once. The loads copy only a row's real chunks, so the zeros stay; the MMAs read them.
+template <int ROWS, int CHUNKS, int REAL_CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
+__device__ __forceinline__ void zero_pad_chunks(u32 tile) {
+    constexpr int PAD = CHUNKS - REAL_CHUNKS;
+    for (int i = threadIdx.x; i < ROWS * PAD; i += THREADS)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n"
+                     :: "r"(tile + chunk_offset<ROW_BYTES, SWIZZLE>(i / PAD, REAL_CHUNKS + i % PAD)), "r"(0u));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
@@ -381,8 +391,8 @@ __device__ __forceinline__ void mma_pv(float (&o)[C::M_TILES][C::O_TILES][4], co
 
 // Divide O by the row sums once, stage it in shared memory (this warp's rows only) so global
 // stores are 16-byte and coalesced, and store LSE = scale * m + log(l); empty rows give O = 0,
-// LSE = -inf.
-template <class C>
+// LSE = -inf. CHUNKS: the 16-byte chunks of an O row in HBM (fewer than DV / 8 where DV is padded).
+template <class C, int CHUNKS = C::DV / 8>
 __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                              const float (&row_sum)[C::M_TILES][2], u32 o_tile, int warp_row, int lane,
                                              u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid) {
@@ -401,7 +411,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
                 lse_rows[row] = l > 0.f ? row_max[mt][h] * C::SCALE + logf(l) : NEG_INF;
         }
     __syncwarp();
-    constexpr int CHUNKS = C::DV / 8, TOTAL = C::ROWS_PER_WARP * CHUNKS;
+    constexpr int TOTAL = C::ROWS_PER_WARP * CHUNKS;
 #pragma unroll
     for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
         const int index = i * 32 + lane;

@@ -135,6 +135,16 @@ __device__ __forceinline__ void load_tile_async(u32 tile, const u16* src, i64 ro
     }
 }
 
+// Head dims padded to the mma width (layout.mma_width): zero chunks REAL_CHUNKS.. of every row of
+// a ROWS-row tile once. The loads copy only a row's real chunks, so the zeros stay; the MMAs read them.
+template <int ROWS, int CHUNKS, int REAL_CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
+__device__ __forceinline__ void zero_pad_chunks(u32 tile) {
+    constexpr int PAD = CHUNKS - REAL_CHUNKS;
+    for (int i = threadIdx.x; i < ROWS * PAD; i += THREADS)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n"
+                     :: "r"(tile + chunk_offset<ROW_BYTES, SWIZZLE>(i / PAD, REAL_CHUNKS + i % PAD)), "r"(0u));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
@@ -380,8 +390,8 @@ __device__ __forceinline__ void mma_pv(float (&o)[C::M_TILES][C::O_TILES][4], co
 
 // Divide O by the row sums once, stage it in shared memory (this warp's rows only) so global
 // stores are 16-byte and coalesced, and store LSE = scale * m + log(l); empty rows give O = 0,
-// LSE = -inf.
-template <class C>
+// LSE = -inf. CHUNKS: the 16-byte chunks of an O row in HBM (fewer than DV / 8 where DV is padded).
+template <class C, int CHUNKS = C::DV / 8>
 __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                              const float (&row_sum)[C::M_TILES][2], u32 o_tile, int warp_row, int lane,
                                              u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid) {
@@ -400,7 +410,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
                 lse_rows[row] = l > 0.f ? row_max[mt][h] * C::SCALE + logf(l) : NEG_INF;
         }
     __syncwarp();
-    constexpr int CHUNKS = C::DV / 8, TOTAL = C::ROWS_PER_WARP * CHUNKS;
+    constexpr int TOTAL = C::ROWS_PER_WARP * CHUNKS;
 #pragma unroll
     for (int i = 0; i < (TOTAL + 31) / 32; ++i) {
         const int index = i * 32 + lane;
@@ -417,6 +427,9 @@ struct C {
     static constexpr int BC = 64;   // keys per kv tile (tile kv)
     static constexpr int D = 128;   // head dim of q and k
     static constexpr int DV = 128;   // head dim of v and o
+    static constexpr int QK_CHUNKS = 16;   // 16-byte chunks of a q / k row in HBM (loads copy these)
+    static constexpr int V_CHUNKS = 16;   // 16-byte chunks of a v / o row in HBM (loads and stores)
+    static constexpr bool ZERO_PAD = false;   // shared tiles have pad columns: zeroed once, before the first load
     static constexpr int WARPS = 4;   // warps, split along q
     static constexpr int THREADS = 128;
     static constexpr int ROWS_PER_WARP = 32;
@@ -447,6 +460,8 @@ struct C {
 };
 static_assert(C::BR == C::WARPS * C::ROWS_PER_WARP && C::ROWS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 query rows");
 static_assert(C::BC % 16 == 0 && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
+static_assert(C::QK_CHUNKS * 8 <= C::D && C::V_CHUNKS * 8 <= C::DV, "HBM rows fit the (padded) shared-memory rows");
+static_assert(C::K_STAGE_BYTES == C::BC * C::QK_ROW_BYTES && C::V_STAGE_BYTES == C::BC * C::V_ROW_BYTES, "rings are whole rows (zero_pad_chunks)");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // One thread block per (query tile, batch * head); each warp owns C::ROWS_PER_WARP query rows
@@ -511,17 +526,22 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __re
     const int tile_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : tile_begin;
 
     // [fa2_d128_causal.tile:8] load the 128 x 128 Q tile (cp.async, zero-filled past the end)
-    load_tile_async<C::BR, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(q_tile, q_rows, q_row_stride, q_len - q0);
+    if constexpr (C::ZERO_PAD) {   // pad columns of Q, the K and V rings (and O's staging, which reuses Q's or its own)
+        zero_pad_chunks<C::BR, C::D / 8, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(q_tile);
+        zero_pad_chunks<C::STAGES * C::BC, C::D / 8, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(smem_base + C::K_OFFSET);
+        zero_pad_chunks<C::STAGES * C::BC, C::DV / 8, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(smem_base + C::V_OFFSET);
+    }
+    load_tile_async<C::BR, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(q_tile, q_rows, q_row_stride, q_len - q0);
     cp_async_commit();
     // [fa2_d128_causal.tile:10] pipeline prologue: first 1 K/V tiles in flight
 #pragma unroll
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (tile_begin + s < tile_end) {
-            load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
+            load_tile_async<C::BC, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
                 smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
-            load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
+            load_tile_async<C::BC, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
                 smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
@@ -557,11 +577,11 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __re
 
         // [fa2_d128_causal.tile:10] prefetch K, V of tile j+1 into the buffer freed last step
         if (tile + 1 < tile_end) {
-            load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
+            load_tile_async<C::BC, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
                 smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 1) * C::BC);
             cp_async_commit();
-            load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
+            load_tile_async<C::BC, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
                 smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 1) * C::BC);
             cp_async_commit();
@@ -592,7 +612,7 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2(const u16* __restrict__ q, const u16* __re
     {   // where this block writes, worked out again rather than held through the kv loop
         const BlockTile at = block_tile<C>(q_len, order_groups);
         const int batch = at.pair / heads, head = at.pair % heads, q0 = at.q_block * C::BR;
-        store_output<C>(acc_o, row_max, row_sum, o_tile, warp_row, lane,
+        store_output<C, C::V_CHUNKS>(acc_o, row_max, row_sum, o_tile, warp_row, lane,
                         o + batch * o_batch_stride + head * o_head_stride + q0 * o_row_stride, o_row_stride,
                         lse + ((i64)batch * heads + head) * q_len + q0, q_len - q0);
     }

@@ -20,7 +20,7 @@ from tiledsl.spec import DType, Family, Mask, Mma, Problem
 
 ROOT = Path(__file__).resolve().parent.parent
 MASKS = {"none": (Mask.NONE, None), "causal": (Mask.CAUSAL, None), "window": (Mask.WINDOW, (128, 0))}
-SERVED = list(range(16, 257, 16))
+SERVED = list(range(8, 257, 8))
 
 
 def _spec(arch, dtype, d, mask_name, q_len=None, dv=None):
@@ -30,19 +30,26 @@ def _spec(arch, dtype, d, mask_name, q_len=None, dv=None):
 
 # ---- which head dims are served ---------------------------------------------------------------------
 
-def test_served_head_dims_are_the_multiples_of_16():
-    # Both templates step head dims by mma m16n8k16's k = 16: 8, 24, 40, ... have no legal schedule.
+def test_served_head_dims_are_the_multiples_of_8():
+    # fa2 on mma.sync pads 8, 24, 40, ... to the next 16 on chip (layout.mma_width).
     for dtype in (DType.BF16, DType.FP16):
         assert autoschedule.supported_head_dims(dtype) == SERVED
 
 
-@pytest.mark.parametrize("d", [8, 40, 72, 200, 264, 512])
+@pytest.mark.parametrize("d", [4, 12, 100, 264, 512])
 @pytest.mark.parametrize("q_len", [None, 1])
 def test_unserved_head_dim_is_refused_by_name(d, q_len):
     with pytest.raises(RuntimeInputError) as err:
         _spec("sm_90a", DType.BF16, d, "none", q_len)
     message = str(err.value)
-    assert f"head dim {d}" in message and "16, 32, 48" in message and "256" in message
+    assert f"head dim {d}" in message and "8, 16, 24" in message and "256" in message
+
+
+@pytest.mark.parametrize("d", [8, 40, 72, 200, 248])
+def test_head_dims_of_8_not_16_run_on_fa2_mma_sync_with_q_len_of_decode(d):
+    spec, found = _spec("sm_90a", DType.BF16, d, "causal", q_len=1)
+    assert not found and spec.family is Family.FA2 and spec.schedule.mma is Mma.SYNC
+    assert lower(spec).kernel_name == spec.kernel_name
 
 
 # ---- the picked spec is legal for every served shape -----------------------------------------------------

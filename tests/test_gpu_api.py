@@ -122,10 +122,10 @@ def test_decode_for_few_queries(case):
     assert err_o < TOLERANCE_O and err_lse < TOLERANCE_LSE, (_spec(case).kernel_name, err_o, err_lse)
 
 
-@pytest.mark.parametrize("d", [d for d in range(8, 257, 8) if d % 16])
+@pytest.mark.parametrize("d", [4, 12, 100, 264])   # multiples of 8 up to 256: tests/test_gpu_headdims.py
 def test_head_dims_not_served_are_refused_by_name(d):
     q = torch.randn(1, 2, 64, d, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeInputError, match=f"head dim {d} is not supported.*16, 32"):
+    with pytest.raises(RuntimeInputError, match=f"head dim {d} is not supported.*8, 16, 24"):
         attention(q, q, q)
 
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl import attention, tuned  # noqa: E402
+from tiledsl import attention, tuned, warm  # noqa: E402
 from tiledsl.cli import main  # noqa: E402
 from tiledsl.parse import load_spec  # noqa: E402
 from tiledsl.spec import DType, Mask, Problem  # noqa: E402
@@ -60,6 +60,9 @@ def test_attention_matches_the_reference(d, causal, dtype):
 
 def test_attention_on_an_unknown_gpu_uses_the_default_and_hints_once(capsys, monkeypatch):
     monkeypatch.setattr(tuned, "_hinted", set())
+    monkeypatch.setattr(tuned, "_resolved", {})   # resolve afresh, and keep this pick out of the warm records
+    monkeypatch.setattr(warm, "load", lambda arch, lookup: None)
+    monkeypatch.setattr(warm, "save", lambda *a: None)
     q, k, v = (torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     real = tuned.tuned_spec   # the GPU is an H200; make the table lookup miss as on a GPU it does not know
     monkeypatch.setattr(tuned, "tuned_spec", lambda arch, *a, **kw: real("sm_1000", *a, **kw))

@@ -24,13 +24,14 @@ def paged(page: int):
     return replace(BUNDLED, problem=replace(BUNDLED.problem, kv_page_size=page))
 
 
-@pytest.mark.parametrize("page, walk", [(1, "rows"), (16, "rows"), (32, "slice"), (64, "slice"), (256, "slice")])
+@pytest.mark.parametrize("page, walk", [(1, "rows"), (8, "rows"), (16, "pages"), (32, "slice"), (64, "slice"), (256, "slice")])
 def test_page_walk_and_constants(page, walk):
     assert decode_page_walk(page, 32) == walk
     plan = lower(paged(page))
     assert plan.kv_pages == walk
     assert constant(plan, "PAGE_SIZE") == page and 1 << constant(plan, "PAGE_SHIFT") == page
     assert constant(plan, "PAGE_MASK") == page - 1 and constant(plan, "PAGE_PER_SLICE") == (walk == "slice")
+    assert constant(plan, "PAGES_TILE_SLICE") == (walk == "pages")
     source = render(plan)
     assert "const int* __restrict__ block_table, i64 table_stride" in source
     assert "void load_paged_slice(" in source and source.count("load_paged_slice<") == 4   # prologue, refills: K, V
@@ -38,6 +39,7 @@ def test_page_walk_and_constants(page, walk):
 
 def test_slices_that_straddle_pages_walk_rows():
     assert decode_page_walk(64, 48) == "rows" and decode_page_walk(96 * 2, 48) == "slice"
+    assert decode_page_walk(16, 48) == "pages" and decode_page_walk(32, 48) == "rows"
     assert decode_page_walk(None, 32) == ""
 
 

@@ -108,3 +108,17 @@ def test_paged_renders_compile_without_spills(page):
     spec = prefill_spec("sm_90a", DType.BF16, 128, 128, Mask.CAUSAL, page)
     res = nvcc.resources(render(lower(spec)), spec.kernel_name)
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res.report
+
+
+@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("d, page", [(72, 16), (40, 64)])
+def test_padded_head_dims_load_only_their_chunks(d, page):
+    """Head dims padded on chip (72 -> 80): paged loads copy the HBM row's chunks only (9 of 10, so
+    the rows don't split evenly over the threads: one entry per copy), and compile without spills."""
+    spec = prefill_spec("sm_90a", DType.BF16, d, d, Mask.CAUSAL, page)
+    plan = lower(spec)
+    assert constant(plan, "QK_CHUNKS") == d // 8 and constant(plan, "D") > d
+    source = render(plan)
+    assert source.count("load_paged_tile<C::BC, C::QK_CHUNKS,") == 2 and source.count("load_paged_tile<C::BC, C::V_CHUNKS,") == 2
+    res = nvcc.resources(source, spec.kernel_name)
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res.report

@@ -122,7 +122,8 @@ def test_hint_is_printed_once_per_key(capsys, monkeypatch):
 
 def test_attention_is_exported():
     import tiledsl
-    assert tiledsl.attention is tuned.attention
+    from tiledsl import api
+    assert tiledsl.attention is api.attention
 
 
 # ---- tiledsl tune --dry-run -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from .version import __version__
 
 # name -> the module that defines it, imported on first access (PEP 562)
 _LAZY = {"load_specs": "parse", "parse_file": "parse", "parse_text": "parse", "SpecSpace": "check",
-         "attention": "tuned", "Kernel": "runtime", "compile": "families", "paged_attention": "serving"}   # tiledsl.compile(spec) is the documented API
+         "attention": "api", "Kernel": "runtime", "compile": "families", "paged_attention": "serving"}   # tiledsl.compile(spec) is the documented API
 
 
 def __getattr__(name: str):

@@ -11,9 +11,10 @@ and ranked without a GPU.
                  1 stage, split kv auto) first, then smaller kv tiles and 2 stages; the first the
                  layout accepts wins (the tuner's model prices FA2 only).
 
-Both templates run m16n8k16 MMAs on 16-column steps, so a head dim that is a multiple of 8 but
-not of 16 (8, 24, 40, ...) has no legal schedule: `pick` refuses it by name with the list of the
-head dims that work (`supported_head_dims`). Choices are pure functions of their arguments and
+Both templates run m16n8k16 MMAs on 16-column steps; fa2 on mma.sync pads a head dim that is a
+multiple of 8 but not of 16 (8, 24, 40, ...) to the next 16 on chip (layout.mma_width), so every
+multiple of 8 up to MAX_HEAD_DIM has a schedule (wgmma only multiples of 64; decode, DECODE_HEAD_DIMS).
+`pick` refuses any other head dim by name with the list of those that work (`supported_head_dims`). Choices are pure functions of their arguments and
 cached, so they are deterministic and cost nothing after the first call."""
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ import itertools
 from .errors import RuntimeInputError, SpecError
 from .layout import layout_of
 from .nvcc import Resources
-from .spec import AUTO, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule
+from .spec import AUTO, DECODE_MAX_QUERIES, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule  # noqa: F401
 
 MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
-DECODE_MAX_QUERIES = 16   # q_len up to this goes to the decode family (one 16-row MMA tile of queries)
 # Head dims the decode kernel serves for every query count and GQA group on the GPU
 # (tests/test_gpu_decode.py's sweep, tests/test_gpu_paged.py). Until 2026-12 only 128: the merge
 # let lanes past the head dim leave its column loop early, so with head dims not a multiple of
@@ -99,8 +99,8 @@ def pick(arch: str, problem: Problem, q_len: int | None = None) -> KernelSpec:
     if max(d, dv) > MAX_HEAD_DIM or not (_supported(problem.dtype, d) and _supported(problem.dtype, dv)):
         supported = supported_head_dims(problem.dtype)
         raise RuntimeInputError(
-            f"attention: head dim {d}" + (f" / v {dv}" if dv != d else "") + " is not supported: the fa2 and decode "
-            f"templates step head dims by 16 (mma m16n8k16); supported head dims: "
+            f"attention: head dim {d}" + (f" / v {dv}" if dv != d else "") + " is not supported: the fa2 "
+            f"template reads 16-byte rows (head dims in steps of 8); supported head dims: "
             f"{', '.join(map(str, supported))}")
     if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and problem.head_dim_qk in DECODE_HEAD_DIMS:
         decode = _pick_decode(problem, q_len)

@@ -1,6 +1,6 @@
 """`tiledsl warmup`: compile the tuned table's kernels (tuned.TUNED) for the GPU in hand into the
-disk cache (runtime.cache_dir), so the first `tiledsl.attention` call of a process loads a cubin
-instead of waiting seconds for NVRTC. Progress through tqdm when it is installed (the `gpu` extra),
+disk cache (runtime.cache_dir) with their warm records (warm.py), so the first `tiledsl.attention`
+call of a process loads a cubin without the front end or NVRTC. Progress through tqdm when it is installed (the `gpu` extra),
 else one counter line per kernel."""
 from __future__ import annotations
 
@@ -61,16 +61,13 @@ def _progress(items: list, label) -> object:
 
 
 def run(args) -> int:
-    from .families import compile
-    from .runtime import cache_dir, compile_cubin
+    from .runtime import cache_dir
     from .spec import DType, Mask
-    from .tuned import tuned_spec
+    from .tuned import resolve
     arch = gpu_arch()
     todo = entries(arch, args.dtype, args.head_dim)
     start = time.perf_counter()
     for dtype, d, mask in _progress(todo, lambda item: f"{item[0]} d{item[1]} {item[2]}"):
-        spec, _ = tuned_spec(arch, DType(dtype), d, Mask(mask))
-        kernel = compile(spec)
-        compile_cubin(kernel.source, kernel.name, arch)
-    print(f"{len(todo)} kernels for {arch} in {cache_dir() / 'cubin'} ({time.perf_counter() - start:.1f} s)")
+        resolve(arch, DType(dtype), d, Mask(mask))   # compiles, loads, and writes the warm record (warm.py)
+    print(f"{len(todo)} kernels for {arch} in {cache_dir()} ({time.perf_counter() - start:.1f} s)")
     return 0

@@ -30,6 +30,7 @@ ACCUMULATOR_BUDGET = 128   # FA1 split-K: O + S registers per thread that leave 
 FA1_COMBINE_PAD_FLOATS = 8     # float2 stores of a half-warp cover rows r..r+3 at 8-word offsets: 32 banks
 DECODE_COMBINE_PAD_FLOATS = 4  # the quads' float2 stores of a staged O row spread over the banks
 MBARRIER_BYTES = 8
+MMA_K = 16                 # mma.sync m16n8k16: head-dim columns per k step (and per ldmatrix.x4 row pair)
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,21 @@ def align(n: int, to: int = SMEM_ALIGN) -> int:
     return -(-n // to) * to
 
 
+def mma_width(dim: int) -> int:
+    """Columns a head dim occupies on chip for mma.sync (m16n8k16 steps and ldmatrix.x4 read 16
+    columns at a time): `dim` rounded up to 16. A head dim that is a multiple of 8 but not of 16
+    gets one zero 8-column chunk per shared-memory row; HBM is never padded."""
+    return -(-dim // MMA_K) * MMA_K
+
+
 def tile_row_bytes(dim: int) -> tuple[int, bool]:
-    """Bytes per shared-memory row of a 16-bit tile with `dim` columns, and whether it is swizzled.
-    Rows of a multiple of 64 elements are XOR-swizzled; others get one 16-byte pad."""
-    if dim % 64 == 0:
-        return dim * 2, True
-    return (dim + 8) * 2, False
+    """Bytes per shared-memory row of a 16-bit tile with `dim` columns (padded to mma_width), and
+    whether it is swizzled. Rows of a multiple of 64 elements are XOR-swizzled; others get one
+    16-byte pad (an odd number of 16-byte chunks per row: ldmatrix's 8 rows hit 8 bank groups)."""
+    width = mma_width(dim)
+    if width % 64 == 0:
+        return width * 2, True
+    return (width + 8) * 2, False
 
 
 def _row_text(dim: int) -> str:
@@ -101,7 +111,9 @@ def _row_text(dim: int) -> str:
 
 
 def _row_formula(rows: str, dim: str, width: int) -> str:
-    return f"{rows}*{dim}*2" if width % 64 == 0 else f"{rows}*({dim}+8)*2"
+    row, _ = tile_row_bytes(width)
+    pad = row // 2 - width
+    return f"{rows}*({dim}+{pad})*2" if pad else f"{rows}*{dim}*2"
 
 
 def _refuse(spec: KernelSpec, key: str, message: str, hint: str = ""):
@@ -209,10 +221,11 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
          q_in_registers: bool | None = None) -> Layout:
     p, s = spec.problem, spec.schedule
     rows_per_warp = s.tile_q // s.warps
-    _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
-             f"head dim qk {p.head_dim_qk} / v {p.head_dim_v}: fa2 needs multiples of 16 (mma m16n8k16)",
-             "use a head dim that is a multiple of 16")
+    _require(p.head_dim_qk % 8 == 0 and p.head_dim_v % 8 == 0, spec, "head_dim",
+             f"head dim qk {p.head_dim_qk} / v {p.head_dim_v}: fa2 needs multiples of 8 (16-byte rows; "
+             "padded to 16 on chip for mma m16n8k16)", "use a head dim that is a multiple of 8")
     _split_q_rules(spec, "fa2", " (mma m16n8k16)")
+    d_mma, dv_mma = mma_width(p.head_dim_qk), mma_width(p.head_dim_v)
     m_tiles, threads = rows_per_warp // 16, s.warps * 32
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
@@ -220,17 +233,17 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
     end = _end(buffers)
     end = _stage_o(spec, buffers, end)
 
-    acc_o, acc_s = m_tiles * p.head_dim_v // 2, m_tiles * s.tile_kv // 2
-    q_regs, k_frag = m_tiles * p.head_dim_qk // 4, s.tile_kv // 4
+    acc_o, acc_s = m_tiles * dv_mma // 2, m_tiles * s.tile_kv // 2
+    q_regs, k_frag = m_tiles * d_mma // 4, s.tile_kv // 4
     base = acc_o + acc_s + k_frag + REGISTER_OVERHEAD
     if q_in_registers is None:
         q_in_registers = base + q_regs <= limits.max_registers_per_thread
-    registers = [Registers("O accumulator", acc_o, f"M_TILES*dv/2 = {m_tiles}*{p.head_dim_v}/2", True),
+    registers = [Registers("O accumulator", acc_o, f"M_TILES*dv/2 = {m_tiles}*{dv_mma}/2", True),
                  Registers("S/P accumulator", acc_s, f"M_TILES*Bc/2 = {m_tiles}*{s.tile_kv}/2", True),
                  Registers("K fragments", k_frag, f"Bc/4 = {s.tile_kv}/4"),
                  Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
     if q_in_registers:
-        registers.append(Registers("Q fragments", q_regs, f"M_TILES*d/4 = {m_tiles}*{p.head_dim_qk}/4"))
+        registers.append(Registers("Q fragments", q_regs, f"M_TILES*d/4 = {m_tiles}*{d_mma}/4"))
     estimate = sum(r.amount for r in registers)
     if min_blocks_per_sm is None:   # two blocks when half the registers and half the shared memory suffice
         min_blocks_per_sm = 2 if estimate <= 128 - 8 and 2 * end <= limits.max_shared_per_block else 1
@@ -456,15 +469,33 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
                    rows_per_warp=s.tile_q, keys_per_warp=keys_per_warp, q_in_registers=q_in_registers)
 
 
+DECODE_PAGE_ROWS_MIN = 16   # a page this long fills a warp's cp.async pass at any head dim (16 rows x 2+ chunks)
+
+
+def fa2_page_walk(page_size: int | None, tile_kv: int) -> str:
+    """How an fa2 block finds a kv tile's rows in a paged KV cache: "" contiguous cache; "slice"
+    when the page size is a multiple of the tile, so the tile lies in one page (one block-table
+    read, then contiguous rows); "rows" when pages are smaller (tiles start on a page; each
+    thread reads the entry of every page its rows touch)."""
+    if page_size is None:
+        return ""
+    return "slice" if page_size % tile_kv == 0 else "rows"
+
+
 def decode_page_walk(page_size: int | None, keys_per_warp: int) -> str:
     """How a decode warp finds its key slice (keys_per_warp keys starting at a multiple of
     keys_per_warp) in a paged KV cache: "" contiguous cache; "slice" when the page size is a
     multiple of the slice, so every slice lies in one page (one block-table read per slice, then
-    the rows are contiguous); "rows" when pages are smaller than a slice (each key row reads its
-    own block-table entry, once per tile)."""
+    the rows are contiguous); "pages" when pages of at least DECODE_PAGE_ROWS_MIN keys tile the
+    slice (one read per page, its rows contiguous); "rows" otherwise (small pages, or pages that
+    straddle slices: each key row reads its own block-table entry, once per tile)."""
     if page_size is None:
         return ""
-    return "slice" if page_size % keys_per_warp == 0 else "rows"
+    if page_size % keys_per_warp == 0:
+        return "slice"
+    if page_size >= DECODE_PAGE_ROWS_MIN and keys_per_warp % page_size == 0:
+        return "pages"
+    return "rows"
 
 
 # ---- the graph's model: families and dtypes without a template ------------------------------------

@@ -15,7 +15,7 @@ from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .graph import Op, ScheduleGraph, build_graph
-from .layout import Layout, cp_async_pending, decode_page_walk, layout_of, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
+from .layout import Layout, cp_async_pending, fa2_page_walk, layout_of, mma_width, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
 from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
@@ -92,6 +92,7 @@ class KernelPlan:
     mma_traits: str = "C"          # the constants struct attention.cuh's MMA / softmax helpers take ("W": one warp's key slice)
     mask_rows: str = "tile"        # "tile": rows are the block's query rows | "packed": decode's (head, query) rows
     kv_range: KvRange = KvRange()  # the rows whose kv tiles the kernel walks (kv_range region)
+    hbm_chunks: tuple[str, str] = ("C::D / 8", "C::DV / 8")   # 16-byte chunks of a K and a V row in HBM (CUDA)
 
 
     @property
@@ -103,7 +104,7 @@ class KernelPlan:
 @dataclass(frozen=True)
 class PagedFa2Plan(KernelPlan):
     """An fa2 plan whose kernel reads K and V through a block table (`kv_cache = paged(page = N)`)."""
-    kv_pages: str = ""   # layout.decode_page_walk over a kv tile: "slice" the tile lies in one page | "rows" an entry per key
+    kv_pages: str = ""   # layout.fa2_page_walk: "slice" the tile lies in one page | "rows" an entry per key
 
 
 def _where(spec: KernelSpec, key: str) -> str:
@@ -281,17 +282,22 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     q_in_registers, smem = lay.q_in_registers, lay.smem_bytes
     q, k, v = lay.buffer("Q"), lay.buffer("K"), lay.buffer("V")
 
+    d_mma, dv_mma = mma_width(p.head_dim_qk), mma_width(p.head_dim_v)
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
         Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
-        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
-        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("D", "int", d_mma, "head dim of q and k" + _padded(p.head_dim_qk, d_mma)),
+        Constant("DV", "int", dv_mma, "head dim of v and o" + _padded(p.head_dim_v, dv_mma)),
+        Constant("QK_CHUNKS", "int", p.head_dim_qk // 8, "16-byte chunks of a q / k row in HBM (loads copy these)"),
+        Constant("V_CHUNKS", "int", p.head_dim_v // 8, "16-byte chunks of a v / o row in HBM (loads and stores)"),
+        Constant("ZERO_PAD", "bool", (d_mma, dv_mma) != (p.head_dim_qk, p.head_dim_v),
+                 "shared tiles have pad columns: zeroed once, before the first load"),
         Constant("WARPS", "int", s.warps, "warps, split along q"),
         Constant("THREADS", "int", threads),
         Constant("ROWS_PER_WARP", "int", rows_per_warp),
         Constant("M_TILES", "int", m_tiles, "16-row mma tiles per warp"),
         Constant("S_TILES", "int", s.tile_kv // 8, "8-column mma tiles of S per row block"),
-        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O per row block"),
+        Constant("O_TILES", "int", dv_mma // 8, "8-column mma tiles of O per row block"),
         *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
         *kv_buffer_constants(s.stages, q.offset, k.offset, k.stage_bytes, v.offset, v.stage_bytes),
         Constant("O_OFFSET", "u32", lay.buffer("O staging").offset, "O staging for coalesced stores"),
@@ -304,15 +310,15 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     regions = fa2_regions(spec)
     paged = {}
     if p.kv_page_size is not None:
-        walk = decode_page_walk(p.kv_page_size, s.tile_kv)
+        walk = fa2_page_walk(p.kv_page_size, s.tile_kv)
         consts += fa2_page_constants(p.kv_page_size, walk)
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + f"; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
-                                          "one entry per kv tile)" if walk == "slice" else "one entry per key row)"))
+                                          "one entry per kv tile)" if walk == "slice" else "one entry per page a thread's rows touch)"))
         paged = {"plan_class": PagedFa2Plan, "kv_pages": walk}
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
-                     lay.register_estimate, **paged)
+                     lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"), **paged)
 
 
 def fa2_page_constants(page_size: int, walk: str) -> list[Constant]:
@@ -322,3 +328,7 @@ def fa2_page_constants(page_size: int, walk: str) -> list[Constant]:
             Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
             Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
             Constant("PAGE_PER_TILE", "bool", walk == "slice", "a kv tile lies in one page: one block-table read per tile")]
+
+
+def _padded(dim: int, width: int) -> str:
+    return f" ({dim} padded on chip to {width} for the mma k step)" if width != dim else ""

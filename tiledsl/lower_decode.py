@@ -26,7 +26,7 @@ from .spec import DType, Family, KernelSpec
 
 @dataclass(frozen=True)
 class DecodePlan(KernelPlan):
-    kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" one page per warp slice | "rows"
+    kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" | "pages" | "rows"
 
 
 def paged_constants(page_size: int, walk: str) -> list[Constant]:
@@ -36,7 +36,9 @@ def paged_constants(page_size: int, walk: str) -> list[Constant]:
             Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
             Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
             Constant("PAGE_PER_SLICE", "bool", walk == "slice",
-                     "a warp's key slice lies in one page: one block-table read per slice")]
+                     "a warp's key slice lies in one page: one block-table read per slice"),
+            Constant("PAGES_TILE_SLICE", "bool", walk == "pages",
+                     "whole pages tile a warp's key slice: one block-table read per page")]
 
 
 def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
@@ -176,7 +178,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     if walk:
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
-                                          "one entry per warp slice)" if walk == "slice" else "one entry per key row)"))
+                                          {"slice": "one entry per warp slice)", "pages": "one entry per page)", "rows": "one entry per key row)"}[walk]))
     notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile, each warp loading its own slice; "
              + (f"{stages} stages: {bytes_in_flight} B of K/V in flight per block while one tile is computed"
                 if stages > 1 else f"one K and one V buffer, each refilled as soon as it is read: about "

@@ -11,14 +11,17 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from .block_order import order_groups
 from .device_limits import DeviceLimits, current_limits, resident_blocks
 from .errors import LaunchError, RuntimeInputError
-from .lower import KernelPlan
-from .render import render
 from .spec import DType, KernelSpec
 from .tensors import TensorView, view
+
+if TYPE_CHECKING:
+    from .lower import KernelPlan
 
 NVRTC_OPTIONS = ("--std=c++17",)
 MAX_GRID_Y = 65535
@@ -46,12 +49,17 @@ def device_arch() -> str:
 
 def compile_cubin(source: str, name: str, arch: str) -> bytes:
     """The cubin of `source` for `arch`, from the disk cache or NVRTC."""
+    return cached_cubin(source, name, arch).read_bytes()
+
+
+def cached_cubin(source: str, name: str, arch: str) -> Path:
+    """The disk-cache file of `source`'s cubin for `arch`, compiled by NVRTC first if missing."""
     from cupy_backends.cuda.libs import nvrtc
     options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",)
     key = hashlib.sha256("\0".join([source, *options, arch, repr(nvrtc.getVersion())]).encode()).hexdigest()
     path = cache_dir() / "cubin" / f"{name}-{key[:16]}.cubin"
     if path.exists():
-        return path.read_bytes()
+        return path
     program = nvrtc.createProgram(source, f"{name}.cu", (), ())
     try:
         nvrtc.compileProgram(program, list(options))
@@ -64,7 +72,13 @@ def compile_cubin(source: str, name: str, arch: str) -> bytes:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(cubin)
     tmp.replace(path)   # atomic: a concurrent reader sees the old file or the whole new one
-    return cubin
+    return path
+
+
+class PlanRecord(SimpleNamespace):
+    """A KernelPlan's fields read back from the warm cache (warm.py; nested dataclasses as
+    PlanRecords): what the kernel classes read at launch (launch geometry, constants). A Kernel built
+    on one is given its source and cubin by warm.load: there is no plan to render."""
 
 
 @dataclass
@@ -84,7 +98,10 @@ class Kernel:
     def __init__(self, spec: KernelSpec, plan: KernelPlan):
         self.spec = spec
         self.plan = plan
-        self.source = render(self.plan)
+        if not isinstance(plan, PlanRecord):
+            from .render import render
+            self.source = render(self.plan)
+        self.cubin_path: Path | None = None   # the cubin in the disk cache, once known
         self.name = self.plan.kernel_name
         self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
         self._slots: dict[int, int] = {}       # device -> resident blocks (slots())
@@ -96,9 +113,10 @@ class Kernel:
     def function(self):
         if self._function is None:
             cupy = _cupy()
-            cubin = compile_cubin(self.source, self.name, device_arch())
+            if self.cubin_path is None or not self.cubin_path.is_file():
+                self.cubin_path = cached_cubin(self.source, self.name, device_arch())
             module = cupy.cuda.function.Module()
-            module.load(cubin)
+            module.load(self.cubin_path.read_bytes())
             fn = module.get_function(self.name)
             _allow_dynamic_shared(fn, self.plan.launch.smem_bytes)
             self._module, self._function = module, fn

@@ -112,6 +112,7 @@ class DqAccumulate(Enum):
 
 
 AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
+DECODE_MAX_QUERIES = 16   # tiledsl.attention: q_len up to this runs the decode family (one 16-row MMA tile of queries)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Tuned defaults: the best known spec per (arch, dtype, head dim, mask), and `attention()`.
+"""Tuned defaults: the best known spec per (arch, dtype, head dim, mask), and the forward path
+`attention()` (tiledsl/api.py) runs on them.
 
     o = tiledsl.attention(q, k, v, causal=True)        # q (batch, heads, seqlen, d), k/v alike
     o, lse = tiledsl.attention(q, k, v, kv_lens=lens, return_lse=True)
@@ -109,34 +110,56 @@ def kernel_for(spec: KernelSpec):
     return kernel
 
 
-def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              kv_lens=None, return_lse: bool = False):
-    """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
-    with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
-    fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
-    visible before / after the bottom-right aligned diagonal); it excludes causal. `kv_lens`
-    (int32, one per batch entry, in [0, seqlen_kv]) limits each sequence's keys. fp16 or bf16;
-    head dims that are multiples of 16 up to 256 (autoschedule.supported_head_dims). Runs on the
-    caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
-    graph once an eager call of the same shape has compiled the kernel."""
+_resolved: dict[tuple, tuple] = {}
+
+
+def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+            window: tuple[int, int] | None = None, scale: float | None = None, q_len: int | None = None):
+    """(the loaded kernel for this call, whether the tuned table had it): from this process's memo,
+    else the warm record on disk (warm.py: no front end, no NVRTC), else tuned_spec + compile, whose
+    result is recorded for the next process. Prefill lengths share one lookup."""
+    from . import warm
+    from .spec import DECODE_MAX_QUERIES
+    decode_q = q_len if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES else None
+    lookup = (dtype.value, head_dim, mask.value, head_dim_v or head_dim, window, scale, decode_q)
+    hit = _resolved.get((arch, lookup))
+    if hit is None:
+        hit = warm.load(arch, lookup)
+        if hit is None:
+            spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, decode_q)
+            hit = kernel_for(spec), found
+            warm.save(arch, lookup, *hit)
+        else:
+            hit[0].function()   # load the module now, not under a later graph capture
+            _kernels.setdefault(hit[0].spec, hit[0])
+        _resolved[(arch, lookup)] = hit
+    return hit
+
+
+def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
+    """attention's refusals of q and v by dtype and rank (eager here; the fake op repeats them at
+    trace time, tiledsl/autograd.py)."""
     from .errors import RuntimeInputError
+    if dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"attention: q must be fp16 or bf16, got {getattr(dtype, 'value', dtype)}")
+    if len(q_shape) != 4 or len(v_shape) != 4:
+        raise RuntimeInputError(f"attention: q and v must be 4-d (batch, heads, seqlen, head_dim), got shapes "
+                                f"{q_shape} and {v_shape}")
+
+
+def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+            kv_lens=None):
+    """(O, LSE) of attention with the tuned spec: the path `attention` takes for CuPy inputs and
+    the custom op's implementation for torch tensors (which must not need grad: DLPack refuses them)."""
     from .runtime import device_arch
     from .tensors import view
-    if causal and window is not None:
-        raise ValueError("attention: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
     qv, vv = view(q, "q"), view(v, "v")
-    if qv.dtype not in (DType.FP16, DType.BF16):
-        raise RuntimeInputError(f"attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
-    if len(qv.shape) != 4 or len(vv.shape) != 4:
-        raise RuntimeInputError(f"attention: q and v must be 4-d (batch, heads, seqlen, head_dim), got shapes "
-                                f"{qv.shape} and {vv.shape}")
+    check_q_v(qv.dtype, qv.shape, vv.shape)
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
     arch = device_arch()
-    spec, found = tuned_spec(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
-                             None if scale is None else float(scale), qv.shape[2])
-    if not found and spec.family is not Family.DECODE:
-        _hint_once((arch.rstrip("a"), spec.problem), arch, spec)
-    out, lse = kernel_for(spec)(q, k, v, kv_lens=kv_lens)
-    return (out, lse) if return_lse else out
+    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
+                            None if scale is None else float(scale), qv.shape[2])
+    if not found and kernel.spec.family is not Family.DECODE:
+        _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
+    return kernel(q, k, v, kv_lens=kv_lens)

@@ -1,0 +1,35 @@
+"""`tiledsl.attention`: the entry point. Torch tensors go to the custom op of tiledsl/autograd.py
+(differentiable, traceable by torch.compile), anything else to tuned.forward. Its own module, so
+that autograd (whose op runs tuned.forward) and tuned do not import each other.
+
+    o = tiledsl.attention(q, k, v, causal=True)        # q (batch, heads, seqlen, d), k/v alike
+    o, lse = tiledsl.attention(q, k, v, kv_lens=lens, return_lse=True)
+"""
+from __future__ import annotations
+
+
+def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+              kv_lens=None, return_lse: bool = False, deterministic: bool = False):
+    """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
+    with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
+    fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
+    visible before / after the bottom-right aligned diagonal); it excludes causal. `kv_lens`
+    (int32, one per batch entry, in [0, seqlen_kv]) limits each sequence's keys. fp16 or bf16;
+    head dims that are multiples of 8 up to 256 (autoschedule.supported_head_dims). Runs on the
+    caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
+    graph once an eager call of the same shape has compiled the kernel.
+
+    Torch tensors go through the custom op tiledsl::attention_forward (tiledsl/autograd.py): the
+    result is differentiable when an input requires grad (the LSE is returned as a constant), and
+    torch.compile(fullgraph=True) sees one opaque op. `deterministic=True` makes the backward
+    bit-identical run to run. CuPy inputs have no autograd."""
+    if causal and window is not None:
+        raise ValueError("attention: pass causal=True or window=(left, right), not both "
+                         "(a causal window is window=(left, 0))")
+    from .runtime import _is_torch
+    if _is_torch(q):
+        from .autograd import torch_attention
+        return torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic)
+    from .tuned import forward
+    out, lse = forward(q, k, v, causal, window, scale, kv_lens)
+    return (out, lse) if return_lse else out
