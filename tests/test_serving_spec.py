@@ -74,7 +74,7 @@ def test_varlen_decode_is_refused_at_layout(error_parts):
 
 
 @pytest.mark.parametrize("setting, family, what", [
-    ("kv_cache = paged(page = 16)", "fa2", "paged KV"),
+    ("kv_cache = paged(page = 16)\n    schedule {\n        warps 8\n        mma wgmma\n    }", "fa2", "paged KV on wgmma (mma.sync reads it)"),
     ("layout = varlen", "fa2", "layout = varlen"),
     ("kv_cache = paged(page = 64)\n    schedule {\n        order kv, q\n        warps 4 along kv\n    }", "fa1", "paged KV"),
     ("kv_cache = paged(page = 16)\n    schedule {\n        warpgroups producer 1, consumer 2\n    }", "hopper", "paged KV"),
@@ -88,14 +88,18 @@ def test_every_family_refuses_serving_layouts_at_lowering(setting, family, what,
     assert missing_template(spec) == err["message"]
 
 
-def test_decode_builds_paged_and_fa2_paged_is_still_skipped(write_spec, tmp_path, capsys):
+def test_decode_and_fa2_build_paged_and_fa2_wgmma_paged_is_skipped(write_spec, tmp_path, capsys):
     path = write_spec(DECODE % "    kv_cache = paged(page = 16)\n")
     assert lower(one(path.read_text())).kv_pages in ("rows", "pages", "slice") and missing_template(one(path.read_text())) == ""
     assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 0
     assert "block_table" in (tmp_path / "out" / f"{one(path.read_text()).kernel_name}.cu").read_text()
     prefill = write_spec(PREFILL % "    kv_cache = paged(page = 16)\n")
-    assert main(["compile", str(prefill), "-o", str(tmp_path / "out"), "--skip-unsupported"]) == 0
-    assert "skipped (paged KV has no CUDA template yet for the fa2 family)" in capsys.readouterr().out
+    assert main(["compile", str(prefill), "-o", str(tmp_path / "out")]) == 0
+    assert "block_table" in (tmp_path / "out" / f"{one(prefill.read_text()).kernel_name}.cu").read_text()
+    wgmma = write_spec(PREFILL % "    kv_cache = paged(page = 16)\n    schedule {\n        warps 8\n        mma wgmma\n    }\n")
+    assert main(["compile", str(wgmma), "-o", str(tmp_path / "out"), "--skip-unsupported"]) == 0
+    assert "skipped (paged KV on wgmma (mma.sync reads it) has no CUDA template yet for the fa2 family)" in \
+        capsys.readouterr().out
 
 
 def test_page_lookup_feeds_both_loads_only_when_paged():

@@ -21,6 +21,7 @@ from .parse import load_specs
 from .runtime import Kernel
 from .runtime_decode import DecodeKernel
 from .runtime_paged import PagedDecodeKernel
+from .runtime_paged_prefill import PagedPrefillKernel
 from .runtime_fa1 import Fa1Kernel
 from .runtime_hopper import HopperKernel
 from .runtime_varlen import VarlenHopperKernel
@@ -39,7 +40,7 @@ class Row:
 
 
 FAMILIES = (
-    Row(Family.FA2, Mma.SYNC, lower_fa2, "fa2.cu.j2", Kernel),
+    Row(Family.FA2, Mma.SYNC, lower_fa2, "fa2.cu.j2", Kernel, PagedPrefillKernel),
     Row(Family.FA2, Mma.WGMMA, lower_fa2_wgmma, "fa2_wgmma.cu.j2", Kernel),
     Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
     Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel, PagedDecodeKernel),   # split kernel + merge, workspace
@@ -53,9 +54,11 @@ WITH_TEMPLATE = tuple(dict.fromkeys(row.family for row in FAMILIES))
 
 def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     """(key, what) when the spec asks for a serving layout that no template implements yet."""
-    if spec.problem.kv_page_size is not None and not any(row.family is spec.family and row.paged_class
-                                                         for row in FAMILIES):
-        return "kv_cache", "paged KV"
+    if spec.problem.kv_page_size is not None and not any(
+            row.family is spec.family and row.mma in (None, spec.schedule.mma) and row.paged_class for row in FAMILIES):
+        paged = [row.mma.value for row in FAMILIES if row.family is spec.family and row.paged_class and row.mma]
+        return "kv_cache", "paged KV" + (f" on {spec.schedule.mma.value} ({' or '.join(paged)} reads it)"
+                                         if paged else "")
     layout = spec.problem.seq_layout
     if layout is not SeqLayout.BATCHED and not any(row.family is spec.family and row.seq_layout is layout for row in FAMILIES):
         return "layout", f"layout = {layout.value}"

@@ -472,6 +472,16 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
 DECODE_PAGE_ROWS_MIN = 16   # a page this long fills a warp's cp.async pass at any head dim (16 rows x 2+ chunks)
 
 
+def fa2_page_walk(page_size: int | None, tile_kv: int) -> str:
+    """How an fa2 block finds a kv tile's rows in a paged KV cache: "" contiguous cache; "slice"
+    when the page size is a multiple of the tile, so the tile lies in one page (one block-table
+    read, then contiguous rows); "rows" when pages are smaller (tiles start on a page; each
+    thread reads the entry of every page its rows touch)."""
+    if page_size is None:
+        return ""
+    return "slice" if page_size % tile_kv == 0 else "rows"
+
+
 def decode_page_walk(page_size: int | None, keys_per_warp: int) -> str:
     """How a decode warp finds its key slice (keys_per_warp keys starting at a multiple of
     keys_per_warp) in a paged KV cache: "" contiguous cache; "slice" when the page size is a

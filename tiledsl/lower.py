@@ -15,7 +15,7 @@ from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .graph import Op, ScheduleGraph, build_graph
-from .layout import Layout, cp_async_pending, layout_of, mma_width, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
+from .layout import Layout, cp_async_pending, fa2_page_walk, layout_of, mma_width, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
 from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
@@ -99,6 +99,12 @@ class KernelPlan:
     def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:
         """(graph loop, the CUDA steps of its body), outer loop first."""
         return (("loop_kv", self.loop_body),)
+
+
+@dataclass(frozen=True)
+class PagedFa2Plan(KernelPlan):
+    """An fa2 plan whose kernel reads K and V through a block table (`kv_cache = paged(page = N)`)."""
+    kv_pages: str = ""   # layout.fa2_page_walk: "slice" the tile lies in one page | "rows" an entry per key
 
 
 def _where(spec: KernelSpec, key: str) -> str:
@@ -236,6 +242,8 @@ def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
             return [LoopOp(kind, where, op.text or LOOP_TEXT[kind])]
         if kind == "rescale_o":
             return []   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        if kind == "page_lookup":
+            return []   # folded into the K/V loads: each thread reads the entries of the rows it copies
         raise AssertionError(f"fa2 lowering has no CUDA for graph op {name} ({kind})")
 
     return graph_loop_body(run_passes(spec), "loop_kv", lower_op)
@@ -300,9 +308,26 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec)
+    paged = {}
+    if p.kv_page_size is not None:
+        walk = fa2_page_walk(p.kv_page_size, s.tile_kv)
+        consts += fa2_page_constants(p.kv_page_size, walk)
+        regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + f"; K/V rows through the "
+                                      f"block table ({p.kv_page_size} keys a page, " + (
+                                          "one entry per kv tile)" if walk == "slice" else "one entry per page a thread's rows touch)"))
+        paged = {"plan_class": PagedFa2Plan, "kv_pages": walk}
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
-                     lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"))
+                     lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"), **paged)
+
+
+def fa2_page_constants(page_size: int, walk: str) -> list[Constant]:
+    """A paged cache's addressing: key t lies in page block_table[b, t >> PAGE_SHIFT] at slot
+    t & PAGE_MASK (page sizes are powers of two)."""
+    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
+            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
+            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
+            Constant("PAGE_PER_TILE", "bool", walk == "slice", "a kv tile lies in one page: one block-table read per tile")]
 
 
 def _padded(dim: int, width: int) -> str:

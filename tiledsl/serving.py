@@ -67,4 +67,4 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, page_size, q_len, window,
                       None if scale is None else float(scale))
     out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens)
-    return (out, lse.transpose(1, 2) if hasattr(lse, "transpose") else lse) if return_lse else out
+    return (out, lse.swapaxes(1, 2)) if return_lse else out   # (batch, q_len, heads) views; torch and CuPy both have swapaxes
