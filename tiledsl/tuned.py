@@ -135,8 +135,34 @@ def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int 
     return hit
 
 
+def _attention_fp8(q, k, v, qv, kv, vv, mask, window, scale, kv_lens, k_scale, v_scale):
+    """attention() over an FP8 KV cache: the decode family with kv_dtype = e4m3 (not in the warm
+    records yet: the first call of a shape compiles)."""
+    from .autoschedule import _pick_decode
+    from .errors import RuntimeInputError
+    from .kv_fp8 import granularity
+    from .spec import DECODE_MAX_QUERIES, Problem
+    if kv.dtype is not DType.E4M3 or vv.dtype is not DType.E4M3:
+        raise RuntimeInputError("attention: k_scale / v_scale go with an FP8 KV cache: k and v both float8_e4m3fn; "
+                                f"got k {getattr(kv.dtype, 'value', kv.dtype)}, v {getattr(vv.dtype, 'value', vv.dtype)}")
+    q_len = qv.shape[2]
+    if not 1 <= q_len <= DECODE_MAX_QUERIES:
+        raise RuntimeInputError(f"attention: an FP8 KV cache is served by the decode kernel, 1..{DECODE_MAX_QUERIES} "
+                                f"queries per sequence; q has {q_len} (prefill over FP8 K/V is not implemented)")
+    if len(kv.shape) != 4:
+        raise RuntimeInputError(f"attention: k must be 4-d (batch, kv_heads, seqlen, head_dim), got {kv.shape}")
+    problem = Problem(qv.shape[-1], vv.shape[-1], qv.dtype, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=None if scale is None else float(scale),
+                      kv_dtype=DType.E4M3, kv_scale=granularity(k_scale, v_scale, kv.shape[1]))
+    spec = _pick_decode(problem, q_len)
+    if spec is None:
+        raise RuntimeInputError(f"attention: no decode kernel for an FP8 KV cache at head dims {qv.shape[-1]} / "
+                                f"{vv.shape[-1]} (FP8 needs multiples of 32)")
+    return kernel_for(spec)(q, k, v, kv_lens=kv_lens, k_scale=k_scale, v_scale=v_scale)
+
+
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              kv_lens=None, return_lse: bool = False):
+              kv_lens=None, return_lse: bool = False, k_scale=None, v_scale=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -144,7 +170,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     (int32, one per batch entry, in [0, seqlen_kv]) limits each sequence's keys. fp16 or bf16;
     head dims that are multiples of 8 up to 256 (autoschedule.supported_head_dims). Runs on the
     caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
-    graph once an eager call of the same shape has compiled the kernel."""
+    graph once an eager call of the same shape has compiled the kernel. float8_e4m3fn k and v are an
+    FP8 KV cache (decode only: seqlen_q <= 16), dequantized on chip with `k_scale` / `v_scale`
+    (float32 (kv_heads,) tensors, or Python floats / 1-element tensors; None: 1.0)."""
     from .errors import RuntimeInputError
     from .runtime import device_arch
     from .tensors import view
@@ -159,6 +187,10 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
                                 f"{qv.shape} and {vv.shape}")
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
+    kv8 = view(k, "k")
+    if DType.E4M3 in (kv8.dtype, vv.dtype) or k_scale is not None or v_scale is not None:
+        out, lse = _attention_fp8(q, k, v, qv, kv8, vv, mask, window, scale, kv_lens, k_scale, v_scale)
+        return (out, lse) if return_lse else out
     arch = device_arch()
     kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
                             None if scale is None else float(scale), qv.shape[2])
