@@ -228,9 +228,4 @@ def decode_blocks_per_sm(plan: KernelPlan) -> int:
     return max(1, min(per_sm, plan.min_blocks_per_sm))
 
 
-def constant(plan: KernelPlan, name: str):
-    """The value of the plan's constant `name`."""
-    for c in plan.constants:
-        if c.name == name:
-            return c.value
-    raise KeyError(name)
+from .runtime_decode import constant  # noqa: E402,F401  (its home is the runtime: the warm path imports no front end)

@@ -13,13 +13,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .errors import LaunchError, RuntimeInputError
-from .lower_decode import constant
 from .runtime import Kernel, Shapes, _cupy, allocate, caller_stream, data_pointer, device_limits
 from .spec import AUTO
 from .splits import choose_splits
 from .tensors import TensorView
 
 MAX_GRID_YZ = 65535
+
+
+def constant(plan, name: str):
+    """The value of the plan's constant `name`. Here, not in lower_decode, so that a decode kernel
+    loaded from a warm record (warm.py) runs without importing the front end (lark, networkx)."""
+    for c in plan.constants:
+        if c.name == name:
+            return c.value
+    raise KeyError(name)
 # Per-block start-up cost, in tile-times, for the wave model below: a block's first tile waits
 # a full memory latency with nothing else of the block in flight.
 
