@@ -16,13 +16,14 @@ from tiledsl.families import compile
 from tiledsl.spec import DType, Mask
 
 ROOT = Path(__file__).resolve().parent.parent
-LOOKUPS = {"fa2": ("bf16", 40, "causal", 40, None, None, None), "hopper": ("bf16", 128, "causal", 128, None, None, None)}
+LOOKUPS = {"fa2": ("bf16", 40, "causal", 40, None, None, None), "hopper": ("bf16", 128, "causal", 128, None, None, None),
+           "decode": ("bf16", 128, "none", 128, None, None, 1)}   # decode: runtime_decode imports no lowering
 
 
 def _record(tmp_path, monkeypatch, which: str):
     monkeypatch.setenv("TILEDSL_CACHE_DIR", str(tmp_path))
-    dtype, d, mask, *_ = LOOKUPS[which]
-    spec, found = tuned.tuned_spec("sm_90a", DType(dtype), d, Mask(mask))
+    dtype, d, mask, dv, window, scale, decode_q = LOOKUPS[which]
+    spec, found = tuned.tuned_spec("sm_90a", DType(dtype), d, Mask(mask), dv, window, scale, decode_q)
     kernel = compile(spec)
     kernel.cubin_path = tmp_path / "cubin" / f"{kernel.name}.cubin"
     kernel.cubin_path.parent.mkdir(parents=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              kv_lens=None, return_lse: bool = False, deterministic: bool = False):
+              kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -22,14 +22,19 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     Torch tensors go through the custom op tiledsl::attention_forward (tiledsl/autograd.py): the
     result is differentiable when an input requires grad (the LSE is returned as a constant), and
     torch.compile(fullgraph=True) sees one opaque op. `deterministic=True` makes the backward
-    bit-identical run to run. CuPy inputs have no autograd."""
+    bit-identical run to run. CuPy inputs have no autograd.
+
+    float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16), dequantized on chip with
+    `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats / 1-element tensors; None:
+    1.0); that path is forward-only (no autograd)."""
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
     from .runtime import _is_torch
-    if _is_torch(q):
+    fp8 = k_scale is not None or v_scale is not None or "float8" in str(getattr(k, "dtype", ""))
+    if _is_torch(q) and not fp8:
         from .autograd import torch_attention
         return torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic)
     from .tuned import forward
-    out, lse = forward(q, k, v, causal, window, scale, kv_lens)
+    out, lse = forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale)
     return (out, lse) if return_lse else out

@@ -22,8 +22,8 @@ from . import ast
 from . import check_backward
 from .errors import SpecError
 from .layout import backward_has_template, backward_layout, layout_of
-from .spec import (AUTO, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma,
-                   Problem, Schedule, SeqLayout, Span)
+from .spec import (AUTO, COMPUTE_DTYPES, KV_DTYPES, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family,
+                   KernelSpec, KvScale, LoopOrder, Mask, Mma, Problem, Schedule, SeqLayout, Span)
 
 EXAMPLES = {
     "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
@@ -31,6 +31,8 @@ EXAMPLES = {
     "scale": "scale = 0.125", "queries": "queries = 1",
     "kv_cache": "kv_cache = paged(page = 16)   (or: contiguous, the default)",
     "layout": "layout = varlen   (or: batched, the default)",
+    "kv_dtype": "kv_dtype = e4m3   (FP8 KV cache, decode only; default: the spec's dtype)",
+    "kv_scale": "kv_scale = per_head   (or: per_tensor; with kv_dtype = e4m3)",
     "order": "order q, kv   (or: kv, q)", "tile": "tile q = 128, kv = 64", "warps": "warps 4 along q",
     "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
@@ -240,7 +242,7 @@ class _Checker:
         fields: dict[str, Any] = {"head_dim_qk": head_dim("head_dim")}
         fields["head_dim_v"] = head_dim("head_dim_v") if "head_dim_v" in nodes else fields["head_dim_qk"]
         if "dtype" in nodes:
-            fields["dtype"] = self.word(self.setting_word(nodes["dtype"]), "dtype", {d.value: d for d in DType})
+            fields["dtype"] = self.word(self.setting_word(nodes["dtype"]), "dtype", {d.value: d for d in COMPUTE_DTYPES})
         if "mask" in nodes:
             fields.update(self.mask(nodes["mask"].value))
         if "scale" in nodes:
@@ -257,7 +259,28 @@ class _Checker:
         if "layout" in nodes:
             fields["seq_layout"] = self.word(self.setting_word(nodes["layout"]), "layout",
                                              {layout.value: layout for layout in SeqLayout})
+        fields.update(self.kv_storage(nodes, fields.get("dtype", DType.BF16)))
         return Problem(**fields)
+
+    def kv_storage(self, nodes: dict, dtype: DType) -> dict:
+        """`kv_dtype = e4m3` (FP8 K/V, dequantized on chip) and `kv_scale = per_head | per_tensor`.
+        Spelling the spec's own dtype is the default: no field is set, so the name and hash stay."""
+        fields: dict[str, Any] = {}
+        if "kv_dtype" in nodes:
+            word = self.setting_word(nodes["kv_dtype"])
+            kv = self.word(word, "kv_dtype", {d.value: d for d in (dtype,) + KV_DTYPES})
+            if kv is not dtype:
+                fields["kv_dtype"] = kv
+        if "kv_scale" in nodes:
+            word = self.setting_word(nodes["kv_scale"])
+            scale = self.word(word, "kv_scale", {k.value: k for k in KvScale})
+            if "kv_dtype" not in fields:
+                self.fail("kv_scale scales an FP8 KV cache; this spec stores K/V in its dtype", word.span,
+                          "add `kv_dtype = e4m3`, or remove `kv_scale`")
+            fields["kv_scale"] = scale
+        elif "kv_dtype" in fields:
+            fields["kv_scale"] = KvScale.PER_HEAD
+        return fields
 
     def setting_number(self, setting: ast.Setting) -> ast.Number:
         if not isinstance(setting.value, ast.Number):
@@ -422,6 +445,12 @@ def _rule_family_features(spec: KernelSpec, written: set):
     if p.seq_layout is SeqLayout.VARLEN and fam is Family.DECODE:
         return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
                 "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
+    if p.kv_dtype is not None and fam is not Family.DECODE:
+        return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the decode family; this "
+                f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
+    if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
+        return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
+                "write `dtype = bf16` or `dtype = fp16`")
     if s.split_kv != 1 and fam is not Family.DECODE:
         return ("split", f"split kv = {s.split_kv} is only for the decode family; this kernel is {fam.value}",
                 "split-KV needs `queries = N` (decode); for prefill remove `split`")

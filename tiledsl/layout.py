@@ -442,10 +442,17 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
     _require(p.head_dim_qk % 16 == 0 and p.head_dim_v % 16 == 0, spec, "head_dim",
              "decode needs head dims that are multiples of 16 (mma m16n8k16)")
     _require(stages >= 1, spec, "pipeline", "decode needs at least one pipeline stage")
+    _require(not p.kv_fp8 or (p.head_dim_qk % 32 == 0 and p.head_dim_v % 32 == 0), spec, "kv_dtype",
+             f"an FP8 KV cache needs head dims that are multiples of 32 (whole 16-byte chunks, two per row: a warp's "
+             f"16-key slice is one cp.async pass); head dims are {p.head_dim_qk} / {p.head_dim_v}",
+             "remove `kv_dtype`, or use head dims 32, 64, 96, 128, ...")
     threads, m_tiles, keys_per_warp = s.warps * 32, s.tile_q // 16, tile_kv // s.warps
     qk_row, _ = tile_row_bytes(p.head_dim_qk)
     v_row, _ = tile_row_bytes(p.head_dim_v)
-    buffers = _qkv_buffers(spec, s.tile_q, tile_kv, stages, qk_row, v_row, SMEM_ALIGN)
+    if p.kv_fp8:
+        buffers = _fp8_kv_buffers(spec, s.tile_q, tile_kv, stages, qk_row, v_row)
+    else:
+        buffers = _qkv_buffers(spec, s.tile_q, tile_kv, stages, qk_row, v_row, SMEM_ALIGN)
     end = _end(buffers)
     # After the kv loop the same bytes hold the warps' states for the combine (Q is no longer read,
     # the pipeline is drained): combine.cuh's o[rows][DV + pad], m per warp, m, l.
@@ -467,6 +474,38 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
     by_shared = max(1, limits.shared_per_sm // (smem + SMEM_RESERVED_PER_BLOCK))   # = Layout.blocks_by_shared, >= 1
     return _finish(spec, "decode", limits, buffers, smem, registers, threads, min(by_shared, 2), stages=stages,
                    rows_per_warp=s.tile_q, keys_per_warp=keys_per_warp, q_in_registers=q_in_registers)
+
+
+def kv_stage_row_bytes(dim: int, kv_dtype: DType) -> int:
+    """Bytes per shared-memory row of an FP8 K/V staging tile: the HBM row as it is (dim elements
+    of kv_dtype, dim a multiple of 16: whole 16-byte chunks). Unswizzled: only the dequantizing
+    pass reads it, each lane one 16-byte chunk of consecutive chunks (no bank conflicts)."""
+    return dim * DTYPE_BYTES[kv_dtype]
+
+
+def _fp8_kv_buffers(spec: KernelSpec, tile_q: int, tile_kv: int, stages: int, q_row: int, v_row: int) -> list[Buffer]:
+    """Decode with an FP8 KV cache: Q, the K and V rings hold the e4m3 bytes as loaded (half a
+    16-bit row), and one dequantized K and V tile (16-bit mma.sync layout) that each warp refills
+    from its slice of the ring just before its MMA reads it."""
+    p = spec.problem
+    k8, v8 = kv_stage_row_bytes(p.head_dim_qk, p.kv_dtype), kv_stage_row_bytes(p.head_dim_v, p.kv_dtype)
+    q_bytes, k_stage, v_stage = tile_q * q_row, tile_kv * k8, tile_kv * v8
+    k_offset = align(q_bytes, SMEM_ALIGN)
+    v_offset = align(k_offset + stages * k_stage, SMEM_ALIGN)
+    kd_offset = align(v_offset + stages * v_stage, SMEM_ALIGN)
+    vd_offset = align(kd_offset + tile_kv * q_row, SMEM_ALIGN)
+    e8 = p.kv_dtype.value
+    return [
+        Buffer("Q", 0, q_bytes, SMEM_ALIGN, layout=_row_text(p.head_dim_qk), formula=f"Br*row = {tile_q}*{q_row}"),
+        Buffer("K", k_offset, stages * k_stage, SMEM_ALIGN, stages, k_stage, f"{e8} rows of {k8} B",
+               f"{stages}x Bc*d = {stages}x {tile_kv}*{p.head_dim_qk}"),
+        Buffer("V", v_offset, stages * v_stage, SMEM_ALIGN, stages, v_stage, f"{e8} rows of {v8} B",
+               f"{stages}x Bc*dv = {stages}x {tile_kv}*{p.head_dim_v}"),
+        Buffer("K dequantized", kd_offset, tile_kv * q_row, SMEM_ALIGN, layout=_row_text(p.head_dim_qk),
+               formula=f"Bc*row = {tile_kv}*{q_row}"),
+        Buffer("V dequantized", vd_offset, tile_kv * v_row, SMEM_ALIGN, layout=_row_text(p.head_dim_v),
+               formula=f"Bc*row = {tile_kv}*{v_row}"),
+    ]
 
 
 DECODE_PAGE_ROWS_MIN = 16   # a page this long fills a warp's cp.async pass at any head dim (16 rows x 2+ chunks)

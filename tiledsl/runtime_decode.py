@@ -10,14 +10,24 @@ the count and the reason are kept on the kernel (`last_splits`, `last_split_reas
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 from .errors import LaunchError, RuntimeInputError
-from .lower_decode import constant
 from .runtime import Kernel, Shapes, _cupy, allocate, caller_stream, data_pointer, device_limits
 from .spec import AUTO
 from .splits import choose_splits
 from .tensors import TensorView
 
 MAX_GRID_YZ = 65535
+
+
+def constant(plan, name: str):
+    """The value of the plan's constant `name`. Here, not in lower_decode, so that a decode kernel
+    loaded from a warm record (warm.py) runs without importing the front end (lark, networkx)."""
+    for c in plan.constants:
+        if c.name == name:
+            return c.value
+    raise KeyError(name)
 # Per-block start-up cost, in tile-times, for the wave model below: a block's first tile waits
 # a full memory latency with nothing else of the block in flight.
 
@@ -52,6 +62,10 @@ class DecodeKernel(Kernel):
         return -(-rows // constant(self.plan, "ROWS"))
 
     def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
+        if self.spec.problem.kv_fp8:   # e4m3 bytes: checked here, then the shape rules as for 16-bit K/V
+            from .kv_fp8 import check_fp8_kv
+            dtype = self.spec.problem.dtype
+            k, v = (replace(check_fp8_kv(t, self.name), dtype=dtype) for t in (k, v))
         shapes = super().check_inputs(q, k, v, kv_lens)
         wanted = self.spec.problem.queries_per_seq
         if shapes.q_len != wanted:
@@ -84,11 +98,26 @@ class DecodeKernel(Kernel):
                kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
         self.bind_views(q, k, v, o, lse, kv_lens, shapes, stream)()
 
-    def bind_views(self, q, k, v, o, lse, kv_lens, shapes: Shapes, stream=None, table=None):
+    def scale_views(self, q, k_scale, v_scale, kv_heads: int) -> tuple:
+        """() for a 16-bit cache; for an FP8 one the (k, v) scale views (kv_fp8.check_scale), Python
+        floats (None: 1.0) first copied to q's device. Scales given to a 16-bit kernel are refused."""
+        p = self.spec.problem
+        if not p.kv_fp8:
+            if k_scale is not None or v_scale is not None:
+                raise RuntimeInputError(f"{self.name}: k_scale / v_scale are for an FP8 (float8_e4m3fn) KV cache; "
+                                        f"this kernel reads {p.dtype.value} K/V")
+            return ()
+        from .kv_fp8 import check_scale, scale_arrays
+        ks, vs = scale_arrays(k_scale, v_scale, p.kv_scale, kv_heads, q.owner)
+        return (check_scale(ks, "k_scale", p.kv_scale, kv_heads, q.device_id, self.name),
+                check_scale(vs, "v_scale", p.kv_scale, kv_heads, q.device_id, self.name))
+
+    def bind_views(self, q, k, v, o, lse, kv_lens, shapes: Shapes, stream=None, table=None, scales=()):
         """A no-argument function that launches this decode on these (checked) views: the split
         count, workspace and argument tuples are computed once (benchmarks time only launches).
         `table` is a paged kernel's block table (runtime_paged.py); its k, v views then hold
-        (page, kv head, slot) strides."""
+        (page, kv head, slot) strides. `scales` (scale_views) are an FP8 cache's (k, v) scales; its
+        k, v strides go to the kernel in pairs of bytes (kv_fp8.kernel_strides)."""
         import numpy as np
         cupy = _cupy()
         fn = self.function()
@@ -108,17 +137,21 @@ class DecodeKernel(Kernel):
             o_part = lse_part = counters = None
             o_part_ptr = lse_part_ptr = counters_ptr = 0
         i64, i32 = np.int64, np.int32
+        if self.spec.problem.kv_fp8:
+            from .kv_fp8 import kernel_strides
+            k, v = kernel_strides(k), kernel_strides(v)
         args = (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
                 np.uintp(lse.pointer), np.uintp(o_part_ptr), np.uintp(lse_part_ptr), np.uintp(counters_ptr),
                 np.uintp(kv_lens.pointer if kv_lens else 0),
                 *((np.uintp(table.pointer), i64(table.strides[0])) if table is not None else ()),
+                *(np.uintp(s.pointer) for s in scales),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),
                 *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
                 *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
         threads, smem = plan.launch.threads, plan.launch.smem_bytes
         device = q.device_id
-        keep = (q, k, v, o, lse, kv_lens, table, o_part, lse_part, counters)   # the views own the memory for the closure
+        keep = (q, k, v, o, lse, kv_lens, table, o_part, lse_part, counters, scales)   # the views own the memory for the closure
 
         def run():
             _ = keep
@@ -130,8 +163,15 @@ class DecodeKernel(Kernel):
                                   f"{splits} splits): launch failed: {err}") from None
         return run
 
-    def bind(self, q, k, v, kv_lens=None, out=None, lse=None):
-        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, *, k_scale=None, v_scale=None):
+        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks).
+        An FP8 (kv_dtype = e4m3) kernel takes k, v as float8_e4m3fn and their scales."""
         views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
-        run = self.bind_views(*views, shapes, caller_stream(q))
+        scales = self.scale_views(views[0], k_scale, v_scale, shapes.kv_heads)
+        run = self.bind_views(*views, shapes, caller_stream(q), scales=scales)
         return run, out, lse
+
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, k_scale=None, v_scale=None):
+        run, out, lse = self.bind(q, k, v, kv_lens, out, lse, k_scale=k_scale, v_scale=v_scale)
+        run()
+        return out, lse

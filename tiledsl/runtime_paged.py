@@ -39,12 +39,17 @@ class PagedDecodeKernel(DecodeKernel):
             if len(t.shape) != 4:
                 raise RuntimeInputError(f"{self.name}: {t.name} must be 4-d, got shape {t.shape} (q: (batch, queries, "
                                         "heads, d); caches: (pages, page size, kv heads, d))")
+            if p.kv_fp8 and t is not qv:   # e4m3 bytes: 16-byte rows are strides of 16 elements
+                from .kv_fp8 import check_fp8_kv
+                check_fp8_kv(t, self.name)
+                continue
             if t.dtype is not p.dtype:
                 raise RuntimeInputError(f"{self.name}: {t.name} is {getattr(t.dtype, 'value', t.dtype)}, the kernel "
                                         f"was built for {p.dtype.value}")
             if t.strides[3] != 1 or any(s % 8 for s in t.strides[:3]) or t.pointer % 16:
                 raise RuntimeInputError(f"{self.name}: {t.name} needs a unit stride on head_dim and 16-byte aligned "
                                         f"rows (strides {t.strides} elements)")
+        for t in (kv, vv):
             if t.device_id != qv.device_id:
                 raise RuntimeInputError(f"{self.name}: q is on GPU {qv.device_id} but {t.name} on GPU {t.device_id}")
         batch, q_len, heads, dq = qv.shape
@@ -109,14 +114,16 @@ class PagedDecodeKernel(DecodeKernel):
                      strides=(ov.strides[0], ov.strides[2], ov.strides[1], 1))
         return out, lse, ok, lv
 
-    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None):
-        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
+    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None):
+        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks).
+        An FP8 (kv_dtype = e4m3) kernel takes float8_e4m3fn caches and their scales."""
         (qv, kv, vv, tv, lens), shapes = self.check_paged_inputs(q, k_cache, v_cache, block_table, kv_lens)
         out, lse, ov, lv = self._outputs(q, shapes, out, lse)
-        run = self.bind_views(qv, kv, vv, ov, lv, lens, shapes, caller_stream(q), table=tv)
+        scales = self.scale_views(qv, k_scale, v_scale, shapes.kv_heads)
+        run = self.bind_views(qv, kv, vv, ov, lv, lens, shapes, caller_stream(q), table=tv, scales=scales)
         return run, out, lse
 
-    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None):
-        run, out, lse = self.bind(q, k_cache, v_cache, block_table, kv_lens, out, lse)
+    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None):
+        run, out, lse = self.bind(q, k_cache, v_cache, block_table, kv_lens, out, lse, k_scale=k_scale, v_scale=v_scale)
         run()
         return out, lse

@@ -17,7 +17,8 @@ from .spec import DType, KernelSpec, Mask, Problem
 
 
 def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int, q_len: int,
-               window: tuple[int, int] | None = None, scale: float | None = None) -> KernelSpec:
+               window: tuple[int, int] | None = None, scale: float | None = None, kv_dtype: DType | None = None,
+               kv_scale=None) -> KernelSpec:
     """The decode spec a paged call of `q_len` queries runs: the schedule autoschedule picks for
     the contiguous decode, reading K/V through the block table."""
     from .autoschedule import DECODE_HEAD_DIMS, _pick_decode
@@ -26,7 +27,8 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
                                 else "") + f" is not served by the paged decode kernel; head dims: "
                                 f"{', '.join(map(str, DECODE_HEAD_DIMS))} (equal for k and v)")
     problem = Problem(head_dim, head_dim_v, dtype, mask, window_left=window[0] if window else 0,
-                      window_right=window[1] if window else 0, softmax_scale=scale, kv_page_size=page_size)
+                      window_right=window[1] if window else 0, softmax_scale=scale, kv_page_size=page_size,
+                      kv_dtype=kv_dtype, kv_scale=kv_scale)
     spec = _pick_decode(problem, q_len)
     if spec is None:
         raise RuntimeInputError(f"paged_attention: no legal decode schedule for head dim {head_dim}, "
@@ -35,10 +37,14 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
 
 
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
-                    window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False):
+                    window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
+                    k_scale=None, v_scale=None):
     """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
     log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and
-    kv_lens are checked on the host first (serving_checks.check_paged): bad ones are refused."""
+    kv_lens are checked on the host first (serving_checks.check_paged): bad ones are refused.
+    float8_e4m3fn caches (both) are an FP8 KV cache, dequantized on chip: value = byte * scale, with
+    `k_scale` / `v_scale` float32 (kv_heads,) tensors, or Python floats / 1-element tensors (None: 1.0);
+    decode only (up to DECODE_MAX_QUERIES queries)."""
     from .autoschedule import DECODE_MAX_QUERIES
     from .tensors import view
     from .tuned import kernel_for
@@ -52,6 +58,14 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
         raise RuntimeInputError(f"paged_attention: q must be (batch, queries, heads, d) and the caches (pages, page "
                                 f"size, kv heads, d); got shapes {qv.shape}, {kv.shape}, {vv.shape}")
     q_len = qv.shape[1]
+    fp8 = DType.E4M3 in (kv.dtype, vv.dtype)
+    if fp8 and q_len > DECODE_MAX_QUERIES:
+        raise RuntimeInputError(f"paged_attention: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
+                                f"up to {DECODE_MAX_QUERIES} queries per sequence; q has {q_len} (prefill over FP8 "
+                                "caches is not implemented: dequantize first)")
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise RuntimeInputError("paged_attention: k_scale / v_scale are for float8_e4m3fn caches; these are "
+                                f"{getattr(kv.dtype, 'value', kv.dtype)}")
     if q_len > DECODE_MAX_QUERIES:
         from .serving_prefill import paged_prefill   # chunked prefill: the fa2 family
         return paged_prefill(q, k_cache, v_cache, block_table, kv_lens, causal=causal, window=window, scale=scale,
@@ -64,7 +78,12 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
                                 f"1..256, got {page_size}")
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
+    kv_dtype = kv_scale = None
+    if fp8:
+        from .kv_fp8 import granularity
+        kv_dtype, kv_scale = DType.E4M3, granularity(k_scale, v_scale, kv.shape[2])
     spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, page_size, q_len, window,
-                      None if scale is None else float(scale))
-    out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens)
+                      None if scale is None else float(scale), kv_dtype, kv_scale)
+    extra = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
+    out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens, **extra)
     return (out, lse.swapaxes(1, 2)) if return_lse else out   # (batch, q_len, heads) views; torch and CuPy both have swapaxes

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 
 # The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
-PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout")
+PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
+                "kv_scale")
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq")
@@ -45,6 +46,8 @@ class DType(Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    E4M3 = "e4m3"      # storage only: an FP8 KV cache (kv_dtype), dequantized on chip
+
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,11 @@ DTYPES = {
     DType.FP16: DTypeInfo("__half", 2, "f16", "float16", "float16", "float16", (2, 16), "<f2"),
     DType.BF16: DTypeInfo("__nv_bfloat16", 2, "bf16", "bfloat16", "bfloat16", "uint16", (4, 16), None),
     DType.FP32: DTypeInfo("float", 4, "f32", "float32", "float32", "float32", (2, 32), "<f4"),
+    # DLPack kDLFloat8_e4m3fn (code 10); NumPy and CuPy have no e4m3: the bytes travel as uint8.
+    DType.E4M3: DTypeInfo("__nv_fp8_e4m3", 1, "e4m3", "float8_e4m3fn", "uint8", "uint8", (10, 8), None),
 }
+COMPUTE_DTYPES = (DType.FP16, DType.BF16, DType.FP32)   # what `dtype =` takes; E4M3 only stores a KV cache
+KV_DTYPES = (DType.E4M3,)                                # what `kv_dtype =` takes (besides the spec's dtype)
 # Shorthands for the two columns most readers need (views of DTYPES, not separate facts).
 DTYPE_BYTES = {dtype: info.bytes for dtype, info in DTYPES.items()}
 DTYPE_PTX = {dtype: info.ptx for dtype, info in DTYPES.items()}
@@ -75,6 +82,12 @@ class Mask(Enum):
     NONE = "none"
     CAUSAL = "causal"      # key j visible to query i iff j <= i + (kv_len - q_len): bottom-right aligned
     WINDOW = "window"      # i + off - left <= j <= i + off + right, off = kv_len - q_len
+
+
+class KvScale(Enum):
+    """The granularity of an FP8 KV cache's dequantization scales (float32, one K and one V scale)."""
+    PER_HEAD = "per_head"       # (kv_heads,) each
+    PER_TENSOR = "per_tensor"   # one each
 
 
 class SeqLayout(Enum):
@@ -130,6 +143,12 @@ class Problem:
     # every kernel written before them keeps its name, hash and generated file.
     kv_page_size: int | None = None      # paged KV cache: keys per page (a power of two, 1..256); None: contiguous
     seq_layout: SeqLayout = SeqLayout.BATCHED
+    kv_dtype: DType | None = None        # K/V storage type (E4M3: FP8 decode cache); None: dtype
+    kv_scale: KvScale | None = None      # with kv_dtype = e4m3: the scales' granularity
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_dtype is DType.E4M3
 
     @property
     def scale(self) -> float:
@@ -137,7 +156,7 @@ class Problem:
 
 
 # Problem fields left out of config() (and so of the hash) while they hold these defaults.
-SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED}
+SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED, "kv_dtype": None, "kv_scale": None}
 
 
 @dataclass(frozen=True)
@@ -272,6 +291,8 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append(f"paged{p.kv_page_size}")
     if p.seq_layout is SeqLayout.VARLEN:
         parts.append("varlen")
+    if p.kv_dtype is not None:
+        parts.append(f"kv{p.kv_dtype.value}" + ("h" if p.kv_scale is KvScale.PER_HEAD else "t"))
     parts += [f"q{s.tile_q}", f"kv{s.tile_kv}"]
     if fam is Family.HOPPER:
         parts += [f"p{s.producer_warpgroups}r{s.producer_regs}", f"c{s.consumer_warpgroups}r{s.consumer_regs}"]

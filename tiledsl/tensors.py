@@ -51,6 +51,8 @@ def view(x, name: str) -> TensorView:
     interface). Host arrays and unsupported dtypes are refused with a message naming `name`."""
     if hasattr(x, "__cuda_array_interface__") and not _is_torch(x):
         return _from_cai(x, name)
+    if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.float8_e4m3fn":
+        return _from_torch_fp8(x, name)
     if hasattr(x, "__dlpack__"):
         return _from_dlpack(x, name)
     raise RuntimeInputError(f"{name}: expected a GPU tensor (PyTorch, CuPy or anything with DLPack), got {type(x).__name__}")
@@ -58,6 +60,14 @@ def view(x, name: str) -> TensorView:
 
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
+
+
+def _from_torch_fp8(x, name: str) -> TensorView:
+    """PyTorch float8_e4m3fn (an FP8 KV cache) read from the tensor itself: DLPack export of float8
+    depends on the PyTorch version."""
+    if not x.is_cuda:
+        raise RuntimeInputError(f"{name}: is on the host; move it to the GPU")
+    return TensorView(name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), DType.E4M3, x.device.index or 0, x)
 
 
 def _from_dlpack(x, name: str) -> TensorView:

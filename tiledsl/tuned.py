@@ -136,6 +136,32 @@ def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int 
     return hit
 
 
+def _attention_fp8(q, k, v, qv, kv, vv, mask, window, scale, kv_lens, k_scale, v_scale):
+    """attention() over an FP8 KV cache: the decode family with kv_dtype = e4m3 (not in the warm
+    records yet: the first call of a shape compiles)."""
+    from .autoschedule import _pick_decode
+    from .errors import RuntimeInputError
+    from .kv_fp8 import granularity
+    from .spec import DECODE_MAX_QUERIES, Problem
+    if kv.dtype is not DType.E4M3 or vv.dtype is not DType.E4M3:
+        raise RuntimeInputError("attention: k_scale / v_scale go with an FP8 KV cache: k and v both float8_e4m3fn; "
+                                f"got k {getattr(kv.dtype, 'value', kv.dtype)}, v {getattr(vv.dtype, 'value', vv.dtype)}")
+    q_len = qv.shape[2]
+    if not 1 <= q_len <= DECODE_MAX_QUERIES:
+        raise RuntimeInputError(f"attention: an FP8 KV cache is served by the decode kernel, 1..{DECODE_MAX_QUERIES} "
+                                f"queries per sequence; q has {q_len} (prefill over FP8 K/V is not implemented)")
+    if len(kv.shape) != 4:
+        raise RuntimeInputError(f"attention: k must be 4-d (batch, kv_heads, seqlen, head_dim), got {kv.shape}")
+    problem = Problem(qv.shape[-1], vv.shape[-1], qv.dtype, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=None if scale is None else float(scale),
+                      kv_dtype=DType.E4M3, kv_scale=granularity(k_scale, v_scale, kv.shape[1]))
+    spec = _pick_decode(problem, q_len)
+    if spec is None:
+        raise RuntimeInputError(f"attention: no decode kernel for an FP8 KV cache at head dims {qv.shape[-1]} / "
+                                f"{vv.shape[-1]} (FP8 needs multiples of 32)")
+    return kernel_for(spec)(q, k, v, kv_lens=kv_lens, k_scale=k_scale, v_scale=v_scale)
+
+
 def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
     """attention's refusals of q and v by dtype and rank (eager here; the fake op repeats them at
     trace time, tiledsl/autograd.py)."""
@@ -148,15 +174,21 @@ def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
 
 
 def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-            kv_lens=None):
-    """(O, LSE) of attention with the tuned spec: the path `attention` takes for CuPy inputs and
-    the custom op's implementation for torch tensors (which must not need grad: DLPack refuses them)."""
+            kv_lens=None, k_scale=None, v_scale=None):
+    """(O, LSE) of attention with the tuned spec: the path `attention` takes for CuPy inputs and FP8
+    KV caches, and the custom op's implementation for torch tensors (which must not need grad: DLPack
+    refuses them). float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16),
+    dequantized on chip with `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats /
+    1-element tensors; None: 1.0)."""
     from .runtime import device_arch
     from .tensors import view
     qv, vv = view(q, "q"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
+    kv8 = view(k, "k")
+    if DType.E4M3 in (kv8.dtype, vv.dtype) or k_scale is not None or v_scale is not None:
+        return _attention_fp8(q, k, v, qv, kv8, vv, mask, window, scale, kv_lens, k_scale, v_scale)
     arch = device_arch()
     kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
                             None if scale is None else float(scale), qv.shape[2])
