@@ -49,10 +49,13 @@ class TensorView:
 def view(x, name: str) -> TensorView:
     """A TensorView of `x` (PyTorch tensor, CuPy array, anything with DLPack or the CUDA array
     interface). Host arrays and unsupported dtypes are refused with a message naming `name`."""
-    if hasattr(x, "__cuda_array_interface__") and not _is_torch(x):
+    # torch first: its __cuda_array_interface__ property raises KeyError (not AttributeError) for
+    # float8 tensors, so hasattr() on one would raise
+    if _is_torch(x):
+        if str(getattr(x, "dtype", "")) == "torch.float8_e4m3fn":
+            return _from_torch_fp8(x, name)
+    elif hasattr(x, "__cuda_array_interface__"):
         return _from_cai(x, name)
-    if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.float8_e4m3fn":
-        return _from_torch_fp8(x, name)
     if hasattr(x, "__dlpack__"):
         return _from_dlpack(x, name)
     raise RuntimeInputError(f"{name}: expected a GPU tensor (PyTorch, CuPy or anything with DLPack), got {type(x).__name__}")
