@@ -106,8 +106,8 @@ def _check_gradients(c: dict, q, k, v, do, lens, o, grads):
     errors.update({name: ref.max_relative_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)})
     tolerance = ref.grad_tolerance(c["dtype"])
     assert max(errors.values()) < tolerance, (errors, tolerance)
-    blind = ~ref.visible_keys(c["q_len"], c["kv_len"], c["batch"], kv_lens=lens, device="cuda", **mask).any(-1)
-    blind = blind.expand(-1, c["heads"], -1)   # rows that see no key: O and dQ exactly 0
+    seen = ref.visible_keys(c["q_len"], c["kv_len"], c["batch"], kv_lens=lens, device="cuda", **mask)
+    blind = ~seen.any(-1).expand(-1, c["heads"], c["q_len"])   # rows that see no key: O and dQ exactly 0
     assert bool((o[blind] == 0).all()) and bool((grads[0][blind] == 0).all())
     return errors
 
