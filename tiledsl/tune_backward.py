@@ -145,9 +145,12 @@ def reference_grads(spec: KernelSpec, q, k, v, do):
     elif p.mask is Mask.WINDOW:
         visible = (cols >= rows + diag - p.window_left) & (cols <= rows + diag + p.window_right)
     s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    prob = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    o = prob @ ve
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # a fully masked row: zeros, never NaN
+    e = torch.exp(s - m) * visible
+    total = e.sum(-1, keepdim=True)
+    o = (e / total.clamp_min(1e-300)) @ ve
+    lse = torch.where(total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.full_like(m[..., 0], float("-inf")))
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     return o.detach(), lse.detach(), dq, dk, dv
 
