@@ -469,6 +469,7 @@ struct C {
     static constexpr int DQ_M_TILES = 1;   // dQ_i = dS K_j: 16-row tiles per warp
     static constexpr int DQ_ROW_GROUPS = 2;   // warps along dQ_i's rows
     static constexpr int DQ_COLS = 32;   // dQ_i columns per warp
+    static constexpr int DQ_VECTOR = 4;   // fp32 per dQ atomic (red.global.add.v4 / .v2)
     static constexpr int PRE_ROWS = 64;   // preprocess / convert: q rows per block
     static constexpr int PRE_THREADS = 256;
     static constexpr MaskKind MASK = MASK_CAUSAL;
@@ -509,6 +510,10 @@ __device__ __forceinline__ float2 load_shared_f2(u32 address) {
 // Two adjacent fp32 adds to global memory in one vector reduction (sm_90).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+}
+// Four adjacent fp32 adds (16-byte aligned) in one vector reduction (sm_90).
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 // The address of 16-byte chunk `row`, chunk + `chunk2` of a tile, from `base` = the address of
@@ -838,19 +843,40 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_ma
             zero(acc_dq);
             mma_atb<C::DQ_M_TILES, C::DQ_COLS / 8, C::BC / 16, C::DS_ROW_BYTES, C::DS_SWIZZLE, C::QK_ROW_BYTES, C::QK_SWIZZLE>(
                 acc_dq, smem_base + C::DS_OFFSET, rows0, k_tile, cols0 / 8, lane);
-        // [backward_d128.tile:18] dQ_accum += dQ_i (red.global.add.v2.f32; scale at the convert)
+        // [backward_d128.tile:18] dQ_accum += dQ_i (red.global.add.v4.f32 or .v2; scale at the convert)
             const int head = kv_head * kv_group + s / tiles;
             float* dq_rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D + cols0;
+            if constexpr (C::DQ_VECTOR == 4) {
+                // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3 (its pair and the odd
+                // lane's), the odd lane row r + 8; one 16-byte reduction where the mma layout gives two 8-byte ones
+                const int odd = lane & 1, col = ((lane & 3) >> 1) * 4;
 #pragma unroll
-            for (int mt = 0; mt < C::DQ_M_TILES; ++mt)
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt) {
+                    const int row = rows0 + mt * 16 + (lane >> 2) + 8 * odd;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = rows0 + mt * 16 + (lane >> 2) + 8 * h;
-                    if (q0 + row < q_len)
-#pragma unroll
-                        for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
-                            red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[mt][nt][2 * h], acc_dq[mt][nt][2 * h + 1]);
+                    for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
+                        const float* a = acc_dq[mt][nt];
+                        const float x = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
+                        const float y = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
+                        if (q0 + row < q_len) {
+                            if (odd) red_add4(dq_rows + row * C::D + nt * 8 + col, x, y, a[2], a[3]);
+                            else red_add4(dq_rows + row * C::D + nt * 8 + col, a[0], a[1], x, y);
+                        }
+                    }
                 }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = rows0 + mt * 16 + (lane >> 2) + 8 * h;
+                        if (q0 + row < q_len)
+#pragma unroll
+                            for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
+                                red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[mt][nt][2 * h],
+                                         acc_dq[mt][nt][2 * h + 1]);
+                    }
+            }
         }
     }
     cp_async_wait<0>();

@@ -70,7 +70,7 @@ def short(c: Candidate) -> str:
             + (" wgmma" if s.mma.value == "wgmma" else ""))
 
 
-def rows_of(candidates: list[Candidate]) -> list[dict]:
+def rows_of(candidates: list[Candidate], label=short) -> list[dict]:
     """One dict per config: measured ones by speed, then the rest by model rank."""
     def order(c):
         measured = c.tflops is not None and c.status in ("timed", "stored")
@@ -78,7 +78,7 @@ def rows_of(candidates: list[Candidate]) -> list[dict]:
     rows = []
     for c in sorted(candidates, key=order):
         p, r = c.prediction, c.resources
-        rows.append({"kernel": c.name, "config": short(c), "status": c.status, "reason": c.reason,
+        rows.append({"kernel": c.name, "config": label(c), "status": c.status, "reason": c.reason,
                      "ms": c.ms, "tflops": c.tflops, "model_rank": c.model_rank,
                      "predicted_ms": p.time_ms if p else None, "predicted_tflops": p.tflops if p else None,
                      "registers": r.registers if r else None, "spills": (r.spill_stores + r.spill_loads) if r else None,
@@ -136,15 +136,20 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def run(args) -> int:
-    from .tune import plan_candidates, spec_to_dsl
+    from .tune import plan_candidates, spec_to_dsl, tune
+    from . import tune_backward
     space = load_space(args.space, args.causal)
     shape = shape_of(args, space)
-    title = (f"{space.name} {space.problem.mask.value} d{space.problem.head_dim_qk} {space.problem.dtype.value}: "
-             f"batch {shape.batch}, heads {shape.heads}, seqlen {shape.seqlen_q}")
+    backward = tune_backward.is_backward_space(space)   # choices inside `backward { }`: search the backward module
+    plan_candidates = tune_backward.plan_backward_candidates if backward else plan_candidates
+    tune = tune_backward.tune_backward if backward else tune
+    label = tune_backward.label if backward else short
+    title = (f"{space.name} {space.problem.mask.value} d{space.problem.head_dim_qk} {space.problem.dtype.value}"
+             f"{' backward' if backward else ''}: batch {shape.batch}, heads {shape.heads}, seqlen {shape.seqlen_q}")
     if args.dry_run:
         candidates, rejected, budget = plan_candidates(space, shape, budget=args.budget, exhaustive=args.exhaustive,
                                                        progress=not args.json)
-        rows = rows_of(candidates)
+        rows = rows_of(candidates, label)
         if args.json:
             print(json.dumps({"space": space.name, "shape": shape.key(), "configs": len(candidates) + len(rejected),
                               "legal": len(candidates), "budget": budget, "rows": rows}, indent=1))
@@ -154,12 +159,11 @@ def run(args) -> int:
                   f"{len(candidates)} legal; would time {would} (budget {budget}); dry run: nothing timed\n")
             print(table(rows))
         return 0
-    from .tune import tune
     from .tune_store import TuneStore
     store = TuneStore(args.store)
     result = tune(space, shape, budget=args.budget, exhaustive=args.exhaustive, store=store,
                   progress=not args.json, fresh=args.fresh)
-    rows = rows_of(result.candidates)
+    rows = rows_of(result.candidates, label)
     winner = result.winner
     output = Path(args.output or f"{Path(args.space).stem}_tuned.tile")
     if winner is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .device_limits import H200
 from .errors import SpecError
 from .graph_backward import build_backward_graph
-from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
+from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
                      backward_layout, tile_row_bytes)
 from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, graph_loop_body, make_plan,
                     smem_constants, softmax_constants, tile_row_constants)
@@ -30,7 +30,7 @@ _TEXT = {
     "mma_dk": "dK += dS^T Q_i   (scale at the store)",
     "stage_ds": "dS^T -> shared memory for dQ_i = dS K_j",
     "mma_dq": "dQ_i = dS K_j (this warp's rows and columns)",
-    "accumulate": "dQ_accum += dQ_i (red.global.add.v2.f32; scale at the convert)",
+    "accumulate": "dQ_accum += dQ_i (red.global.add.v4.f32 or .v2; scale at the convert)",
 }
 
 
@@ -73,8 +73,11 @@ def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
     return body
 
 
-def lower_backward(spec: KernelSpec) -> BackwardPlan:
-    """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it."""
+def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0]) -> BackwardPlan:
+    """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it.
+    `dq_vector`: fp32 values per dQ atomic (4 or 2; bench/backward_ab.py compares them)."""
+    if dq_vector not in BACKWARD_DQ_VECTORS:
+        raise ValueError(f"dq_vector must be one of {BACKWARD_DQ_VECTORS}, got {dq_vector}")
     why = backward_has_template(spec)
     if why:
         key = "backward.order" if "kv outer" in why else "backward.mma" if "mma.sync" in why else \
@@ -116,6 +119,7 @@ def lower_backward(spec: KernelSpec) -> BackwardPlan:
         Constant("DQ_M_TILES", "int", lay.dq_m_tiles, "dQ_i = dS K_j: 16-row tiles per warp"),
         Constant("DQ_ROW_GROUPS", "int", lay.dq_row_groups, "warps along dQ_i's rows"),
         Constant("DQ_COLS", "int", lay.dq_cols, "dQ_i columns per warp"),
+        Constant("DQ_VECTOR", "int", dq_vector, "fp32 per dQ atomic (red.global.add.v4 / .v2)"),
         Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
         Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
         *softmax_constants(p),
