@@ -13,6 +13,7 @@ import functools
 import numpy as np
 import pytest
 
+from tiledsl.autoschedule import FP8_DECODE_SCHEDULE
 from tiledsl.errors import RuntimeInputError
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 
@@ -28,12 +29,18 @@ def torch():
     return pytest.importorskip("torch")
 
 
-def spec_of(d, queries, page, dtype, kv_scale, split=5):
+BUNDLED = (128, 1)   # specs/decode_d128.tile's (tile kv, stages)
+# The schedule the API runs for FP8 (autoschedule.FP8_DECODE_SCHEDULE), when it is another one.
+API_PICKS = [s for s in (FP8_DECODE_SCHEDULE,) if s is not None and s != BUNDLED]
+
+
+def spec_of(d, queries, page, dtype, kv_scale, split=5, schedule=BUNDLED):
     mask = Mask.CAUSAL if queries > 1 else Mask.NONE
     problem = Problem(d, d, dtype, mask, queries_per_seq=queries, kv_page_size=page, kv_dtype=DType.E4M3,
                       kv_scale=kv_scale)
-    return KernelSpec(f"fp8_d{d}", problem, Schedule(tile_q=16, tile_kv=128, warps=4, warp_axis=Axis.KV, stages=1,
-                                                     split_kv=split))
+    tile_kv, stages = schedule
+    return KernelSpec(f"fp8_d{d}", problem, Schedule(tile_q=16, tile_kv=tile_kv, warps=4, warp_axis=Axis.KV,
+                                                     stages=stages, split_kv=split))
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,9 +89,9 @@ def host_scale(s):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("queries", [1, 4, 16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_contiguous(torch, d, queries, group, dtype, kind):
+def test_fp8_contiguous(torch, d, queries, group, dtype, kind, schedule=BUNDLED):
     from tiledsl.fp8_reference import attention_fp8
-    spec = spec_of(d, queries, None, dtype, kind)
+    spec = spec_of(d, queries, None, dtype, kind, schedule=schedule)
     batch, kv_heads = len(LENS), 2
     heads, n = kv_heads * group, max(LENS)
     tdt = getattr(torch, DTYPES_TORCH[dtype])
@@ -109,10 +116,10 @@ DTYPES_TORCH = {DType.BF16: "bfloat16", DType.FP16: "float16"}
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("queries", [1, 4, 16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_paged(torch, d, queries, group, dtype, kind):
+def test_fp8_paged(torch, d, queries, group, dtype, kind, schedule=BUNDLED):
     from tiledsl.fp8_reference import paged_attention_fp8
     page, kv_heads = 16, 2
-    spec = spec_of(d, queries, page, dtype, kind)
+    spec = spec_of(d, queries, page, dtype, kind, schedule=schedule)
     batch, heads = len(LENS), kv_heads * group
     rng = np.random.default_rng()
     need = [-(-n // page) for n in LENS]
@@ -135,6 +142,18 @@ def test_fp8_paged(torch, d, queries, group, dtype, kind):
     ref_o, ref_lse = paged_attention_fp8(q.double().cpu().numpy(), host_bytes(kc), host_bytes(vc), host_scale(ks),
                                          host_scale(vs), table, np.asarray(LENS, dtype=np.int32), mask=spec.problem.mask)
     check(errors(out.float().cpu().numpy(), lse.transpose(1, 2).cpu().numpy(), ref_o, ref_lse))
+
+
+# The API's FP8 schedule (a smaller sweep: per-head scales, 1 and 16 queries).
+@pytest.mark.parametrize("schedule", API_PICKS)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("queries", [1, 16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_api_schedule(torch, d, queries, group, dtype, paged, schedule):
+    test = test_fp8_paged if paged else test_fp8_contiguous
+    test(torch, d, queries, group, dtype, KvScale.PER_HEAD, schedule=schedule)
 
 
 def test_api_contiguous_and_paged(torch):

@@ -7,7 +7,7 @@ and ranked without a GPU.
                  ranked by the tuner's model (tune_model.predict) on REPRESENTATIVE_SHAPE with the
                  layout's register estimate (no ptxas), configs whose estimate exceeds the
                  register limit (they would spill) last.
-  decode:        the bundled decode schedule (specs/decode_d128.tile: q16, kv128, 4 warps along kv,
+  decode:        (FP8 KV: FP8_DECODE_SCHEDULE first) the bundled decode schedule (specs/decode_d128.tile: q16, kv128, 4 warps along kv,
                  1 stage, split kv auto) first, then smaller kv tiles and 2 stages; the first the
                  layout accepts wins (the tuner's model prices FA2 only).
 
@@ -40,6 +40,11 @@ _SYNC_TILES = ((64, 4), (128, 4), (128, 8))   # (tile q, warps): 16 or 32 rows p
 _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
+# FP8 (e4m3) KV decode: (tile kv, stages) tried before _DECODE. FP8 halves a tile's bytes, so the
+# bf16 schedule keeps half the bytes in flight (1.26-1.40x bf16, bench/results/2026-11-30-fp8-decode-1.json);
+# kv 64 x 4 stages keeps 3 tiles (48 KB) in flight per block at 2 blocks per SM (100 KB shared).
+# None: the bf16 order. bench/fp8_decode_bench.py times the variants; flip this to its winner.
+FP8_DECODE_SCHEDULE: tuple[int, int] | None = (64, 4)
 
 
 def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
@@ -118,7 +123,11 @@ def _pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
     """The first decode schedule (bundled one first) that the layout pass and lowering accept."""
     from dataclasses import replace
     decode_problem = replace(problem, queries_per_seq=q_len)
-    for schedule in _DECODE:
+    schedules = _DECODE
+    if problem.kv_fp8 and FP8_DECODE_SCHEDULE is not None:
+        kv, stages = FP8_DECODE_SCHEDULE
+        schedules = (replace(_DECODE[0], tile_kv=kv, stages=stages),) + _DECODE
+    for schedule in schedules:
         spec = KernelSpec(f"auto_decode_{problem.dtype.value}_d{problem.head_dim_qk}_nq{q_len}", decode_problem,
                           schedule)
         if _legal(spec) is not None and _lowers(spec):
