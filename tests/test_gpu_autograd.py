@@ -213,6 +213,7 @@ def test_opcheck_both_ops():
     make = lambda h, n: torch.randn(1, h, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q, k, v = make(2, 33).requires_grad_(), make(1, 40).requires_grad_(), make(1, 40).requires_grad_()
     scalars = (True, False, 0, 0, None, True)   # causal, no window, default scale, deterministic
+    import tiledsl.autograd   # noqa: F401 - registers the ops (tiledsl.attention imports it on first use)
     fwd, bwd = torch.ops.tiledsl.attention_forward.default, torch.ops.tiledsl.attention_backward.default
     opcheck(fwd, (q, k, v, None) + scalars)
     opcheck(fwd, (q, k, v, torch.tensor([40], device="cuda", dtype=torch.int32), False, True, 8, 2, 0.2, True))

@@ -40,11 +40,12 @@ _SYNC_TILES = ((64, 4), (128, 4), (128, 8))   # (tile q, warps): 16 or 32 rows p
 _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
-# FP8 (e4m3) KV decode: (tile kv, stages) tried before _DECODE. FP8 halves a tile's bytes, so the
-# bf16 schedule keeps half the bytes in flight (1.26-1.40x bf16, bench/results/2026-11-30-fp8-decode-1.json);
-# kv 64 x 4 stages keeps 3 tiles (48 KB) in flight per block at 2 blocks per SM (100 KB shared).
-# None: the bf16 order. bench/fp8_decode_bench.py times the variants; flip this to its winner.
-FP8_DECODE_SCHEDULE: tuple[int, int] | None = (64, 4)
+# FP8 (e4m3) KV decode: (tile kv, stages) tried before _DECODE; None: the bf16 order. Measured on
+# the H200 (bench/results/2026-11-30-fp8-decode-2.json, every variant validated first): the bf16
+# schedule (kv128 x 1) is the fastest FP8 variant, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged;
+# kv64 x 4 1.20-1.30x, kv256 x 1 0.82-0.90x, kv128 x 2/3 0.78-0.98x (more shared memory, fewer blocks).
+# The gap to 1.8x is the shared-memory conversion pass, not bytes in flight.
+FP8_DECODE_SCHEDULE: tuple[int, int] | None = None
 
 
 def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
