@@ -469,7 +469,7 @@ struct C {
     static constexpr int DQ_M_TILES = 1;   // dQ_i = dS K_j: 16-row tiles per warp
     static constexpr int DQ_ROW_GROUPS = 4;   // warps along dQ_i's rows
     static constexpr int DQ_COLS = 32;   // dQ_i columns per warp
-    static constexpr int DQ_VECTOR = 4;   // fp32 per dQ atomic (red.global.add.v4 / .v2)
+    static constexpr int DQ_VECTOR = 2;   // fp32 per dQ atomic (red.global.add.v4 / .v2)
     static constexpr int PRE_ROWS = 64;   // preprocess / convert: q rows per block
     static constexpr int PRE_THREADS = 256;
     static constexpr MaskKind MASK = MASK_CAUSAL;

@@ -611,7 +611,7 @@ BACKWARD_PRE_ROWS = 64         # preprocess / convert: q rows per block
 BACKWARD_PRE_THREADS = 256
 BACKWARD_DQ_TILE_KV = 64       # `dq accumulate separate`: keys per kv tile of the q-outer dQ kernel
 BACKWARD_MAX_DIM = 256         # preprocess: a warp's lanes take 2 columns per 64 (u32 loads)
-BACKWARD_DQ_VECTORS = (4, 2)   # atomic dQ: fp32 per red.global.add (v4: lane pairs swap halves); the first is the default
+BACKWARD_DQ_VECTORS = (2, 4)   # atomic dQ: fp32 per red.global.add (v4: lane pairs swap halves); the first is the default (v2: the measured one, backward-bench-1; v4 validated on the H200, untimed)
 
 
 @dataclass(frozen=True)
