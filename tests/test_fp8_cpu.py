@@ -170,3 +170,14 @@ def test_api_picks_fp8_schedule(d):
     assert (s.tile_kv, s.stages) == (FP8_DECODE_SCHEDULE or (128, 1))
     s = _pick_decode(Problem(d, d, DType.BF16, Mask.NONE), 1).schedule
     assert (s.tile_kv, s.stages) == (128, 1)
+
+
+def test_traffic_counts_kv_bytes_in_the_cache_dtype():
+    """explain's HBM traffic: an e4m3 cache reads one byte per K, V element, Q and O keep two."""
+    from tiledsl.passes import run_passes
+    from tiledsl.traffic import hbm_traffic
+    fp8, plain = (hbm_traffic(run_passes(s), 2, 8, 1, 4096) for s in (spec_of("    kv_dtype = e4m3"), spec_of()))
+    by = lambda t: {(o.tensor, o.mode): o.bytes for o in t.ops}   # noqa: E731
+    for tensor in ("K", "V"):
+        assert by(fp8)[(tensor, "read")] * 2 == by(plain)[(tensor, "read")] == 2 * 8 * 4096 * 128 * 2
+    assert by(fp8)[("Q", "read")] == by(plain)[("Q", "read")] and by(fp8)[("O", "write")] == by(plain)[("O", "write")]

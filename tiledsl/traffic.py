@@ -14,7 +14,7 @@ Closed forms per head, in elements, Nq queries, Nk keys, no mask (ragged tiles i
     split-KV     S Nq d + ceil(Nq/Br) Nk (d + dv) + 2 S Nq (dv + 1) + Nq (dv + 1)
 Paged KV adds the block table: every (q tile, kv tile) step reads the kv tile's page indices,
 ceil(Nq/Br) Nk/page int32 per head when pages hold whole tiles' worth of keys or less.
-Element sizes: Q, K, V, O in the spec's dtype; block-table entries int32; FA1's O state, split partials, m, l and lse in
+Element sizes: Q, O in the spec's dtype, K and V in the KV cache's (kv_dtype: 1 byte for e4m3); block-table entries int32; FA1's O state, split partials, m, l and lse in
 fp32 (accumulator precision: rounding them to 16 bits at every step would compound).
 """
 from __future__ import annotations
@@ -92,6 +92,7 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     spec, z = graph.spec, graph.sizes
     p = spec.problem
     d, dv, elem = p.head_dim_qk, p.head_dim_v, DTYPE_BYTES[p.dtype]
+    kv_elem = DTYPE_BYTES[p.kv_dtype or p.dtype]
     q0, q1 = _tiles(seqlen_q, z["Br"])
     k0, k1 = _tiles(seqlen_kv, z["Bc"])
     rows = {"q": q1 - q0, "kv": k1 - k0}
@@ -125,7 +126,8 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
             count = row_sum(set(graph.loop_vars(name)), access.rows) * cols[access.cols]
             count *= splits if access.times == "splits" else 1
             count *= batch * heads
-            size = 4 if access.tensor in FP32_TENSORS or access.tensor in INT32_TENSORS else elem
+            size = (4 if access.tensor in FP32_TENSORS or access.tensor in INT32_TENSORS
+                    else kv_elem if access.tensor in ("K", "V") else elem)
             ops.append(OpTraffic(name, access.tensor, access.mode, count, count * size))
     executed = int((seen * rows["q"][:, None] * rows["kv"][None, :]).sum())
     std = standard_elements(seqlen_q, seqlen_kv, d, dv) * batch * heads
