@@ -1,0 +1,72 @@
+"""The paged kernels' shared input checks and views (tiledsl/paged_views.py), on the CPU: NumPy
+arrays stand in for GPU tensors (the test's `view` reads their shape and strides), so the stride
+re-ordering, the shapes and every refusal are checked without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiledsl import paged_views
+from tiledsl.errors import RuntimeInputError
+from tiledsl.spec import DType, Problem
+from tiledsl.tensors import TensorView
+
+PROBLEM = Problem(64, 64, DType.BF16, kv_page_size=16, queries_per_seq=4)
+
+
+@pytest.fixture(autouse=True)
+def host_views(monkeypatch):
+    def view(x, name):
+        dtype = {np.int32: "int32", np.int64: "int64", np.float32: DType.FP32, np.float16: DType.BF16}[x.dtype.type]   # fp16 plays bf16
+        return TensorView(name, 4096, x.shape, tuple(s // x.itemsize for s in x.strides), dtype, 0, x)
+    monkeypatch.setattr(paged_views, "view", view)
+    monkeypatch.setattr(paged_views, "_capturing", lambda q: False)
+
+
+def inputs(batch=2, q_len=4, heads=8, kv_heads=2, pages=10, page=16, d=64, max_pages=4):
+    rng = np.random.default_rng(0)
+    q = np.zeros((batch, q_len, heads, d), np.float16)
+    k, v = (np.zeros((pages, page, kv_heads, d), np.float16) for _ in range(2))
+    table = rng.permutation(pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    lens = np.array([page * max_pages, 17][:batch], np.int32)
+    return q, k, v, table, lens
+
+
+def test_views_swap_the_middle_axes_and_shapes_come_from_the_lengths():
+    q, k, v, table, lens = inputs()
+    (qv, kv, vv, tv, lv), shapes = paged_views.paged_views("kern", PROBLEM, q, k, v, table, lens)
+    assert (shapes.batch, shapes.heads, shapes.kv_heads, shapes.q_len, shapes.kv_len) == (2, 8, 2, 4, 64)
+    assert qv.shape == (2, 8, 4, 64) and qv.strides == (4 * 8 * 64, 64, 8 * 64, 1)   # (batch, head, query)
+    assert kv.shape == k.shape and kv.strides == (16 * 2 * 64, 64, 2 * 64, 1)         # (page, kv head, slot)
+    assert tv.shape == table.shape and lv.shape == (2,)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda a: {**a, "k": a["k"][:, :8]}, "built for pages of 16 keys"),
+    (lambda a: {**a, "q": a["q"][..., :32]}, "built for head dims 64"),
+    (lambda a: {**a, "v": a["v"][:, :, :1]}, "disagree"),
+    (lambda a: {**a, "q": a["q"][:, :, :7]}, "not a multiple of 2 kv heads"),
+    (lambda a: {**a, "table": a["table"].astype(np.int64)}, "block_table must be int32"),
+    (lambda a: {**a, "lens": a["lens"][:1]}, "kv_lens must be a contiguous int32 array of shape (2,)"),
+    (lambda a: {**a, "lens": np.array([65, 1], np.int32)}, "kv_lens"),             # over the table's 4 pages
+    (lambda a: {**a, "table": np.full((2, 4), 10, np.int32)}, "block_table"),      # page 10 of 10
+    (lambda a: {**a, "q": a["q"][0]}, "must be 4-d"),
+])
+def test_bad_inputs_are_refused_naming_the_tensor(change, words):
+    q, k, v, table, lens = inputs()
+    a = change({"q": q, "k": k, "v": v, "table": table, "lens": lens})
+    with pytest.raises(RuntimeInputError, match=None) as err:
+        paged_views.paged_views("kern", PROBLEM, a["q"], a["k"], a["v"], a["table"], a["lens"])
+    assert words in str(err.value)
+
+
+def test_outputs_are_checked_and_viewed_in_the_kernel_order():
+    q, k, v, table, lens = inputs()
+    _, shapes = paged_views.paged_views("kern", PROBLEM, q, k, v, table, lens)
+    out, lse = np.zeros((2, 4, 8, 64), np.float16), np.zeros((2, 8, 4), np.float32)
+    _, _, ov, lv = paged_views.paged_outputs("kern", PROBLEM, q, shapes, out, lse)
+    assert ov.shape == (2, 8, 4, 64) and ov.strides == (4 * 8 * 64, 64, 8 * 64, 1) and lv.shape == (2, 8, 4)
+    with pytest.raises(RuntimeInputError, match="lse must be a contiguous fp32"):
+        paged_views.paged_outputs("kern", PROBLEM, q, shapes, out, lse.transpose(0, 2, 1))
+    with pytest.raises(RuntimeInputError, match="out must be"):
+        paged_views.paged_outputs("kern", PROBLEM, q, shapes, out[:, :2], lse)
