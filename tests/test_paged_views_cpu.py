@@ -70,3 +70,17 @@ def test_outputs_are_checked_and_viewed_in_the_kernel_order():
         paged_views.paged_outputs("kern", PROBLEM, q, shapes, out, lse.transpose(0, 2, 1))
     with pytest.raises(RuntimeInputError, match="out must be"):
         paged_views.paged_outputs("kern", PROBLEM, q, shapes, out[:, :2], lse)
+
+
+def test_api_views_refuse_by_name_and_build_the_mask():
+    q, k, v, _, _ = inputs()
+    qv, kv, vv, mask, window = paged_views.api_views("paged_attention", q, k, v, False, [100, 0])
+    assert mask.value == "window" and window == (100, 0) and kv.shape == k.shape
+    assert paged_views.api_views("paged_prefill", q, k, v, True, None)[3].value == "causal"
+    with pytest.raises(ValueError, match="paged_attention: pass causal=True or window"):
+        paged_views.api_views("paged_attention", q, k, v, True, (1, 0))
+    with pytest.raises(RuntimeInputError, match=r"paged_prefill: the page size \(k_cache.shape\[1\]\) must be a power "
+                                                 r"of two in 1..256, got 12"):
+        paged_views.api_views("paged_prefill", q, k[:, :12], v[:, :12], False, None)
+    with pytest.raises(RuntimeInputError, match="paged_attention: q must be fp16 or bf16"):
+        paged_views.api_views("paged_attention", q.astype(np.float32), k, v, False, None)

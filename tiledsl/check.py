@@ -22,7 +22,7 @@ from . import ast
 from . import check_backward
 from .errors import SpecError
 from .layout import backward_has_template, backward_layout, layout_of
-from .spec import (AUTO, COMPUTE_DTYPES, KV_DTYPES, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family,
+from .spec import (AUTO, COMPUTE_DTYPES, KV_DTYPES, KV_PAGE_SIZES, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family,
                    KernelSpec, KvScale, LoopOrder, Mask, Mma, Problem, Schedule, SeqLayout, Span)
 
 EXAMPLES = {
@@ -334,7 +334,7 @@ class _Checker:
             self.fail("paged(...) takes one argument, page", value.args[1].span, "write e.g. `kv_cache = paged(page = 16)`")
         self.word(value.args[0].name, "paged argument", {"page": "page"})
         return self.integer(value.args[0].value, "kv_cache page size",
-                            lambda v: 1 <= v <= 256 and v & (v - 1) == 0, "a power of two in 1..256")
+                            lambda v: v in KV_PAGE_SIZES, "a power of two in 1..256")
 
     # -- schedule statements: each returns {Schedule field: (values, is_choice)} --
     def order(self, node: ast.Order) -> dict:

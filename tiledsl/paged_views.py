@@ -16,7 +16,7 @@ from dataclasses import replace
 from .errors import RuntimeInputError
 from .runtime import Shapes, _capturing
 from .serving_checks import check_paged
-from .spec import DType, Problem
+from .spec import KV_PAGE_SIZES, DType, Mask, Problem
 from .tensors import TensorView, view
 
 
@@ -98,3 +98,22 @@ def paged_outputs(name: str, p: Problem, q, shapes: Shapes, out, lse):
     if lv.shape != lse_shape or lv.dtype is not DType.FP32 or lv.strides != (shapes.heads * shapes.q_len, shapes.q_len, 1):
         raise RuntimeInputError(f"{name}: lse must be a contiguous fp32 array of shape {lse_shape}")
     return out, lse, _kernel_order(ov, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v)), lv
+
+
+def api_views(api: str, q, k_cache, v_cache, causal: bool, window):
+    """The Python API's first checks of a paged call (`api` names the function in messages):
+    (q, k_cache, v_cache views, the Mask, the window as ints or None)."""
+    if causal and window is not None:
+        raise ValueError(f"{api}: pass causal=True or window=(left, right), not both "
+                         "(a causal window is window=(left, 0))")
+    qv, kv, vv = view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache")
+    if qv.dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"{api}: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
+    if len(qv.shape) != 4 or len(kv.shape) != 4 or len(vv.shape) != 4:
+        raise RuntimeInputError(f"{api}: q must be (batch, queries, heads, d) and the caches (pages, page "
+                                f"size, kv heads, d); got shapes {qv.shape}, {kv.shape}, {vv.shape}")
+    if kv.shape[1] not in KV_PAGE_SIZES:
+        raise RuntimeInputError(f"{api}: the page size (k_cache.shape[1]) must be a power of two in 1..256, "
+                                f"got {kv.shape[1]}")
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    return qv, kv, vv, mask, tuple(int(w) for w in window) if window is not None else None

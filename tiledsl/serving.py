@@ -46,17 +46,9 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     `k_scale` / `v_scale` float32 (kv_heads,) tensors, or Python floats / 1-element tensors (None: 1.0);
     decode only (up to DECODE_MAX_QUERIES queries)."""
     from .autoschedule import DECODE_MAX_QUERIES
-    from .tensors import view
+    from .paged_views import api_views
     from .tuned import kernel_for
-    if causal and window is not None:
-        raise ValueError("paged_attention: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
-    qv, kv, vv = view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache")
-    if qv.dtype not in (DType.FP16, DType.BF16):
-        raise RuntimeInputError(f"paged_attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
-    if len(qv.shape) != 4 or len(kv.shape) != 4 or len(vv.shape) != 4:
-        raise RuntimeInputError(f"paged_attention: q must be (batch, queries, heads, d) and the caches (pages, page "
-                                f"size, kv heads, d); got shapes {qv.shape}, {kv.shape}, {vv.shape}")
+    qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
     q_len = qv.shape[1]
     fp8 = DType.E4M3 in (kv.dtype, vv.dtype)
     if fp8 and q_len > DECODE_MAX_QUERIES:
@@ -73,11 +65,6 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     if q_len == 0:
         raise RuntimeInputError("paged_attention: q has no queries (q.shape[1] == 0)")
     page_size = kv.shape[1]
-    if page_size < 1 or page_size > 256 or page_size & (page_size - 1):
-        raise RuntimeInputError(f"paged_attention: the page size (k_cache.shape[1]) must be a power of two in "
-                                f"1..256, got {page_size}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
     kv_dtype = kv_scale = None
     if fp8:
         from .kv_fp8 import granularity

@@ -13,16 +13,15 @@ query i sees key j iff j <= kv_len - q_len + i (causal), or j in [kv_len - q_len
 from __future__ import annotations
 
 from .errors import RuntimeInputError
-from .spec import DType, KernelSpec, Mask, Problem
+from .spec import KV_PAGE_SIZES, DType, KernelSpec, Mask, Problem
 
-PAGE_SIZES = tuple(1 << i for i in range(9))   # 1..256: a key's page and slot are a shift and a mask
 
 
 def prefill_spec(arch: str, dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int,
                  window: tuple[int, int] | None = None, scale: float | None = None) -> KernelSpec:
     """The paged fa2 spec of a chunked-prefill call (pure: no GPU)."""
     from .autoschedule import pick
-    if page_size not in PAGE_SIZES:
+    if page_size not in KV_PAGE_SIZES:
         raise RuntimeInputError(f"paged_prefill: the page size (k_cache.shape[1]) must be a power of two in 1..256, "
                                 f"got {page_size}")
     problem = Problem(head_dim, head_dim_v, dtype, mask, window_left=window[0] if window else 0,
@@ -36,20 +35,10 @@ def paged_prefill(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = F
     with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and kv_lens
     are checked on the host first (serving_checks.check_paged): bad ones are refused by name.
     Launches on the caller's stream (runtime.caller_stream)."""
+    from .paged_views import api_views
     from .runtime import device_arch
-    from .tensors import view
     from .tuned import kernel_for
-    if causal and window is not None:
-        raise ValueError("paged_prefill: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
-    qv, kv, vv = view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache")
-    if qv.dtype not in (DType.FP16, DType.BF16):
-        raise RuntimeInputError(f"paged_prefill: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
-    if len(qv.shape) != 4 or len(kv.shape) != 4 or len(vv.shape) != 4:
-        raise RuntimeInputError(f"paged_prefill: q must be (batch, queries, heads, d) and the caches (pages, page "
-                                f"size, kv heads, d); got shapes {qv.shape}, {kv.shape}, {vv.shape}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
+    qv, kv, vv, mask, window = api_views("paged_prefill", q, k_cache, v_cache, causal, window)
     spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window,
                         None if scale is None else float(scale))
     out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens)

@@ -155,6 +155,8 @@ class Problem:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim_qk)
 
 
+KV_PAGE_SIZES = tuple(1 << i for i in range(9))   # keys per page, 1..256: a key's page and slot are a shift and a mask
+
 # Problem fields left out of config() (and so of the hash) while they hold these defaults.
 SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED, "kv_dtype": None, "kv_scale": None}
 
