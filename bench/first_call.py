@@ -1,7 +1,8 @@
 """First-call latency: `import tiledsl`, spec -> CUDA, and the first `tiledsl.attention` call of a
-process with a cold disk cache (front end, NVRTC compile, load, launch) and with a warm one (the warm
-record and cubin the cold call left: tiledsl/warm.py), per kernel family; then `tiledsl warmup`'s wall time. Each measurement runs in a fresh
-Python process so nothing is cached in memory.
+process (torch tensors: through the autograd op) with a cold disk cache (front end, NVRTC compile,
+load, launch) and with a warm one (the warm record and cubin the cold call left: tiledsl/warm.py), per
+kernel family; the first training step (forward + backward), cold and warm; then `tiledsl warmup`'s
+wall time. Each measurement runs in a fresh Python process so nothing is cached in memory.
 
     python bench/first_call.py OUT.json
 """
@@ -35,6 +36,19 @@ t3 = time.perf_counter()
 tiledsl.attention(q, k, v, causal=causal); torch.cuda.synchronize()
 t4 = time.perf_counter()
 print(json.dumps({{"first_call_s": t3 - t2, "second_call_s": t4 - t3}}))
+"""
+
+# The first training step: forward and backward through the autograd op (tiledsl/autograd.py).
+TRAIN_CALL = """
+import time, json
+import torch, tiledsl
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+d, causal = {d}, {causal}
+q, k, v = (torch.randn(1, 8, 4096, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+def step():
+    tiledsl.attention(q, k, v, causal=causal).sum().backward(); torch.cuda.synchronize()
+t0 = time.perf_counter(); step(); t1 = time.perf_counter(); step(); t2 = time.perf_counter()
+print(json.dumps({{"first_call_s": t1 - t0, "second_call_s": t2 - t1}}))
 """
 
 CASES = [("hopper", 128, True, 4096), ("hopper", 64, False, 4096), ("fa2 (autoschedule)", 96, False, 4096),
@@ -91,6 +105,15 @@ print(json.dumps({"s": t1 - t0}))
                          "dtype": "bf16", "head_dim": d, "seqlen": q_len, "causal": causal, "peers": {},
                          "what": f"first attention call, {label}", "s": r["first_call_s"], "second_call_s": r["second_call_s"]})
             print(family, d, causal, label, f"{r['first_call_s']:.3f} s first, {r['second_call_s'] * 1e3:.2f} ms second", flush=True)
+    for d, causal in ((128, True), (64, False)):
+        cache = tempfile.mkdtemp(prefix="tiledsl-cold-train-")
+        for label in ("cold disk cache", "warm disk cache"):
+            r = run(TRAIN_CALL.format(d=d, causal=causal), cache)
+            rows.append({"kernel": f"attention forward+backward d{d} {'causal' if causal else 'none'} seqlen 4096",
+                         "family": "autograd op (tuned forward + backward module)", "dtype": "bf16", "head_dim": d,
+                         "seqlen": 4096, "causal": causal, "peers": {}, "what": f"first training step, {label}",
+                         "s": r["first_call_s"], "second_call_s": r["second_call_s"]})
+            print("train step", d, causal, label, f"{r['first_call_s']:.3f} s first, {r['second_call_s'] * 1e3:.2f} ms second", flush=True)
     cache = tempfile.mkdtemp(prefix="tiledsl-warmup-")
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tiledsl.cli", "warmup", "--dtype", "bf16", "--head-dim", "128"],

@@ -1,7 +1,7 @@
 """tiledsl/autograd.py without a GPU: it imports without torch and `import tiledsl` pulls no torch;
 the scalar encoding of window and scale; and, where torch is installed, the custom ops' plumbing
 with the GPU kernels replaced by a float64 CPU stand-in (tests/attention_reference.py): the
-gradients through `tiledsl.attention` land on the right inputs, the fakes match the real ops
+gradients through `tiledsl.attention` land on the right inputs, eager calls import no dynamo, the fakes match the real ops
 (torch.library.opcheck), torch.compile(fullgraph=True) traces a module with no graph break, and
 the gradient error bound of the GPU tests fails for typical kernel bugs."""
 from __future__ import annotations
@@ -150,6 +150,22 @@ def test_only_some_inputs_need_grad(torch_stubbed):
     k, v = k.detach(), v.detach()
     tiledsl.attention(q, k, v).sum().backward()   # do is an expanded scalar: made contiguous for the kernel
     assert q.grad is not None and k.grad is None and v.grad is None
+
+
+def test_eager_training_step_does_not_import_dynamo():
+    """Eager calls take EagerAttention, not the custom op, whose first call imports torch._dynamo
+    (3.5 s of a first call on the H200 machine); the kernels are CPU stand-ins here."""
+    pytest.importorskip("torch")
+    done = _python("""
+import sys, types, torch, tiledsl
+from tiledsl import tuned
+tuned.forward = lambda q, k, v, *a: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
+sys.modules["tiledsl.backward"] = types.SimpleNamespace(attention_backward=lambda q, k, v, *a, **kw: (q, k, v))
+q = torch.randn(1, 2, 4, 8, requires_grad=True)
+tiledsl.attention(q, q, q, causal=True).sum().backward()
+print(q.grad is not None, "torch._dynamo" in sys.modules)
+""")
+    assert done.stdout.split() == ["True", "False"], done.stderr
 
 
 def test_fake_refuses_like_the_eager_path(torch_stubbed):

@@ -12,6 +12,13 @@ implementations are the forward of tuned.py and tiledsl.backward.attention_backw
 caller's current stream. The LSE is returned as a constant (marked non-differentiable): a loss
 that uses it gets no gradient through it, rather than a wrong one.
 
+Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
+imports torch._dynamo on the op's first call (1.5 s on a CPU box, ~3.5 s on the H200 machine:
+bench/results/2026-12-01-first-call-3.json), more than the rest of a warm first call. So outside
+torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same two
+implementations (`run_forward`, `run_backward`) the ops call; under torch.compile (dynamo has been
+imported by then) it calls the forward op, which dynamo traces as one node.
+
 `import tiledsl` does not import torch; this module imports it when torch is installed and
 registers the ops then (api.attention imports this module on its first torch call, and under
 torch.compile that import runs for real, not traced). Without torch the pure helpers below still
@@ -52,9 +59,32 @@ def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)   # e.g. a CuPy array, zero-copy
     has_window, left, right = encode_window(window)
-    o, lse = torch.ops.tiledsl.attention_forward(q, k, v, kv_lens, bool(causal), has_window, left, right,
-                                                 encode_scale(scale), bool(deterministic))
+    args = (q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale), bool(deterministic))
+    if torch.compiler.is_compiling():
+        o, lse = torch.ops.tiledsl.attention_forward(*args)
+    else:
+        o, lse = EagerAttention.apply(*args)
     return (o, lse) if return_lse else o
+
+
+def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation."""
+    from .tuned import forward
+    # The autograd layer hands in the caller's tensors; DLPack refuses ones that need grad.
+    lens = None if kv_lens is None else kv_lens.detach()
+    return forward(q.detach(), k.detach(), v.detach(), causal, decode_window(has_window, window_left, window_right),
+                   scale, lens)
+
+
+def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    """(dQ, dK, dV) by tiledsl.backward: the backward op's and EagerAttention's implementation."""
+    from .backward import attention_backward as backward
+    lens = None if kv_lens is None else kv_lens.detach()
+    grads = backward(*(x.detach() for x in (q, k, v, o, lse, do)), causal=causal,
+                     window=decode_window(has_window, window_left, window_right), scale=scale, kv_lens=lens,
+                     deterministic=deterministic)
+    # The backward op's fake promises contiguous gradients (a no-op when they already are).
+    return tuple(g.contiguous() for g in grads)
 
 
 def _dtype_name(torch, dtype):
@@ -73,11 +103,7 @@ def _register(torch):
     def attention_forward(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor], causal: bool,
                           has_window: bool, window_left: int, window_right: int, scale: Optional[float],
                           deterministic: bool) -> Tuple[Tensor, Tensor]:
-        from .tuned import forward
-        # The autograd layer hands in the caller's tensors; DLPack refuses ones that need grad.
-        lens = None if kv_lens is None else kv_lens.detach()
-        return forward(q.detach(), k.detach(), v.detach(), causal, decode_window(has_window, window_left, window_right),
-                       scale, lens)
+        return run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic)
 
     @attention_forward.register_fake
     def _(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
@@ -91,13 +117,8 @@ def _register(torch):
                            kv_lens: Optional[Tensor], causal: bool, has_window: bool, window_left: int,
                            window_right: int, scale: Optional[float], deterministic: bool
                            ) -> Tuple[Tensor, Tensor, Tensor]:
-        from .backward import attention_backward as backward
-        lens = None if kv_lens is None else kv_lens.detach()
-        grads = backward(*(x.detach() for x in (q, k, v, o, lse, do)), causal=causal,
-                         window=decode_window(has_window, window_left, window_right), scale=scale, kv_lens=lens,
-                         deterministic=deterministic)
-        # The fake below promises contiguous gradients (a no-op when they already are).
-        return tuple(g.contiguous() for g in grads)
+        return run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale,
+                            deterministic)
 
     @attention_backward.register_fake
     def _(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
@@ -116,11 +137,28 @@ def _register(torch):
         return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))   # kv_lens and the scalars: no gradient
 
     attention_forward.register_autograd(backward, setup_context=setup_context)
-    return attention_forward, attention_backward
+
+    class EagerAttention(torch.autograd.Function):
+        """The forward op's autograd formula without the op (see the module docstring: why)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, kv_lens, *scalars):
+            o, lse = run_forward(q, k, v, kv_lens, *scalars)
+            setup_context(ctx, (q, k, v, kv_lens, *scalars), (o, lse))
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            q, k, v, o, lse, kv_lens = ctx.saved_tensors
+            dq, dk, dv = run_backward(q, k, v, o, lse, grad_o.contiguous(), kv_lens, *ctx.scalars)
+            return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))
+
+    return attention_forward, attention_backward, EagerAttention
 
 
 try:
     import torch as _torch
 except ImportError:
     _torch = None
-OPS = _register(_torch) if _torch is not None else None   # (forward op, backward op); None without torch
+OPS = _register(_torch) if _torch is not None else None   # (forward op, backward op, EagerAttention); None without torch
+EagerAttention = OPS[2] if OPS is not None else None
