@@ -7,9 +7,11 @@ history (the chunk's queries are the sequence's last q_len positions, masks bott
 
 bf16, head dim 128, GQA 32 / 8 heads, batch 2, q_len 512 after 8k keys of history. The paged O is
 checked against the contiguous kernel's O (validated against float64 by tests/test_gpu_fa2.py)
-before it is timed. --ab adds, per row, the paged kernel on a block table in page order (in_order_ms)
-and that kernel with the block-table reads patched out (page = key >> PAGE_SHIFT, right for an
-in-order table: no_lookup_ms), pricing the page order and the table reads. TFLOP/s count the visible (query, key) pairs only: 4 d per pair.
+before it is timed. --ab adds, per row, the kernel reading its block-table entries inline instead
+of from the shared ring they are copied to a step ahead (inline_ms: the kernel before the ring), the
+paged kernel on a block table in page order (in_order_ms) and that kernel with the block-table reads
+patched out (page = key >> PAGE_SHIFT, right for an in-order table: no_lookup_ms), pricing the ring,
+the page order and the table reads. TFLOP/s count the visible (query, key) pairs only: 4 d per pair.
 """
 from __future__ import annotations
 
@@ -42,22 +44,35 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
     return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2 if causal else q_len * kv_len
 
 
-def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want) -> dict:
-    """The paged kernel on an in-order block table, with and without its table reads (ms)."""
+def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want, random_inputs) -> dict:
+    """The paged kernel with its block-table entries read inline (the table read in front of each
+    load, as before the shared ring; random-order table: inline_ms), and on an in-order block table
+    with and without any table reads (in_order_ms, no_lookup_ms) (ms)."""
     from tiledsl.bench import patch_source
     from tiledsl.families import compile
     table = torch.arange(BATCH * (k_tok.shape[1] // page), device="cuda", dtype=torch.int32).view(BATCH, -1)
-    k_cache, v_cache = (x.reshape(-1, page, KV_HEADS, HEAD_DIM) for x in (k_tok, v_tok))
+    in_order = tuple(x.reshape(-1, page, KV_HEADS, HEAD_DIM) for x in (k_tok, v_tok)) + (table,)
+    from tiledsl.layout import fa2_page_ring
+    ring = f"static constexpr int PAGE_RING = {fa2_page_ring(page, spec.schedule.tile_kv, spec.schedule.stages)[0]};"
     out = {}
     # Lookup-free: `pages` carries the sequence's first page number (batch * table_stride in an
-    # in-order table) instead of pointing at its table row.
-    for name, patches in (("in_order_ms", []), ("no_lookup_ms", [
-            ("const int* pages = block_table + batch * table_stride;",
-             "const int* pages = (const int*)(i64)(batch * table_stride);"),
-            ("return pages[key >> C::PAGE_SHIFT];", "return (int)(i64)pages + (key >> C::PAGE_SHIFT);")])):
+    # in-order table) instead of pointing at its table row; no entries are copied.
+    for name, inputs, patches in (
+            ("inline_ms", random_inputs, [(ring, "static constexpr int PAGE_RING = 0;")]),
+            ("in_order_ms", in_order, []),
+            ("no_lookup_ms", in_order, [
+                ("const int* pages = block_table + batch * table_stride;",
+                 "const int* pages = (const int*)(i64)(batch * table_stride);"),
+                ("        if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE) return first;\n"
+                 "        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4);\n"
+                 "        else return table[key >> C::PAGE_SHIFT];",
+                 "        return (int)(i64)table + (key >> C::PAGE_SHIFT);"),
+                ("return {table, slot, tile * C::BC < seq_kv ? load_shared_s32(slot) : 0};",
+                 "return {table, slot, (int)(i64)table + ((tile * C::BC) >> C::PAGE_SHIFT)};"),
+                ("if (threadIdx.x < C::TILE_PAGES)", "if (false)")])):
         kernel = compile(spec)
         patch_source(kernel, patches)
-        run, o, _ = kernel.bind(q, k_cache, v_cache, table, lens)
+        run, o, _ = kernel.bind(q, *inputs, lens)
         run()
         torch.cuda.synchronize()
         if not float((o.float() - want.float()).abs().max()) < 1e-2:
@@ -118,7 +133,7 @@ def main(argv=None) -> int:
                          "contiguous_kernel": contiguous.name, "contiguous_ms": ms_c, "contiguous_token_major_ms": ms_t},
                "vs_contiguous": ms_c / ms_p, "vs_contiguous_token_major": ms_t / ms_p}
         if args.ab:
-            row.update(ab_rows(torch, paged_spec, k_tok, v_tok, q, lens, page, out_p))
+            row.update(ab_rows(torch, paged_spec, k_tok, v_tok, q, lens, page, out_p, (k_cache, v_cache, table)))
         rows.append(row)
         print(f"page {page} causal {causal}: paged {ms_p:.3f} ms ({row['tflops']:.0f} TFLOP/s), contiguous {ms_c:.3f} ms, "
               f"token-major {ms_t:.3f} ms; x{row['vs_contiguous']:.3f} / x{row['vs_contiguous_token_major']:.3f} (max |dO| {diff})", flush=True)

@@ -123,6 +123,19 @@ def test_fp16_and_head_dim_64(torch, mask):
     check(run_checked(torch, spec_for(DType.FP16, 64, mask, 16), *inputs))
 
 
+@pytest.mark.parametrize("page, tile_kv, stages", [(16, 64, 3), (64, 64, 4), (32, 48, 2), (64, 48, 2), (64, 48, 1)])
+def test_schedules_ring_and_tiles_across_pages(torch, page, tile_kv, stages):
+    """Other schedules than prefill_spec's: a deeper block-table ring (3, 4 stages), and 48-key tiles
+    that start mid-page (each row looks its page up; with 1 stage inline from the table)."""
+    from dataclasses import replace
+    base = spec_for(DType.BF16, 128, "causal", page)
+    spec = replace(base, name=f"{base.name}_kv{tile_kv}_s{stages}",
+                   schedule=replace(base.schedule, tile_q=64, tile_kv=tile_kv, stages=stages))
+    rng = np.random.default_rng(page * 7 + tile_kv + stages)
+    inputs = paged_inputs(torch, rng, DType.BF16, 300, 8, 2, 128, page, lengths(page, 300))
+    check(run_checked(torch, spec, *inputs))
+
+
 def test_api_routes_long_chunks_here_and_returns_lse(torch):
     from tiledsl.serving import paged_attention
     from tiledsl.serving_reference import paged_attention as reference

@@ -24,6 +24,7 @@ import networkx as nx
 from .graph_ops import MASK_TEXT as _MASK_TEXT
 from .graph_ops import Access, Barrier, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space  # noqa: F401  (re-exported)
 from .graph_hopper import consumer_tile_math
+from .layout import fa2_page_ring
 from .spec import AUTO, Axis, DType, Family, KernelSpec, Mma
 
 
@@ -181,9 +182,13 @@ class _Builder:
         page = self.spec.problem.kv_page_size
         if page is None:
             return None
-        self.g.add("page_lookup", Op(OpKind.PAGE_LOOKUP, Space.REGISTERS, ("pages",), loops, self.role(True), "kv_cache",
+        s = self.spec.schedule
+        ahead = self.kv_scope == "block" and self.spec.family is Family.FA2 and fa2_page_ring(page, s.tile_kv, s.stages)[0]
+        where = (f"   -> shared ring, copied with K_(j-{s.stages - 1})'s cp.async group" if ahead else "")
+        self.g.add("page_lookup", Op(OpKind.PAGE_LOOKUP, Space.SHARED if ahead else Space.REGISTERS, ("pages",), loops,
+                                     self.role(True), "kv_cache",
                                      f"pages_j = block_table[b, j*Bc/{page} : (j+1)*Bc/{page}]   ({page} keys a page; "
-                                     "only the pages kv_len needs)",
+                                     "only the pages kv_len needs)" + where,
                                      hbm=(Access("block_table", "read", "pages", "1"),)))
         return "page_lookup"
 

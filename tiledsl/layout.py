@@ -232,6 +232,11 @@ def _fa2(spec: KernelSpec, limits: DeviceLimits, min_blocks_per_sm: int | None =
     buffers = _qkv_buffers(spec, s.tile_q, s.tile_kv, s.stages, qk_row, v_row, SMEM_ALIGN)
     end = _end(buffers)
     end = _stage_o(spec, buffers, end)
+    slots, entries = fa2_page_ring(p.kv_page_size, s.tile_kv, s.stages)
+    if slots:
+        buffers.append(Buffer("block-table entries", end, slots * entries * 4, SMEM_ALIGN, slots, entries * 4,
+                              "int32 page indices, a slot per kv tile", f"{slots}x {entries}x4"))
+        end = _end(buffers)
 
     acc_o, acc_s = m_tiles * dv_mma // 2, m_tiles * s.tile_kv // 2
     q_regs, k_frag = m_tiles * d_mma // 4, s.tile_kv // 4
@@ -519,6 +524,26 @@ def fa2_page_walk(page_size: int | None, tile_kv: int) -> str:
     if page_size is None:
         return ""
     return "slice" if page_size % tile_kv == 0 else "rows"
+
+
+FA2_PAGE_RING_MIN = 16   # smaller pages give a row or two per entry: a shared read per row cost registers (ptxas
+                         # spilled 60 B at d=128, page 1), so those read the table inline
+
+
+def fa2_page_ring(page_size: int | None, tile_kv: int, stages: int) -> tuple[int, int]:
+    """(slots, entries per slot) of the shared-memory ring that holds an fa2 block's block-table
+    entries ahead of its K/V loads; (0, 0) when the loads read the table themselves (contiguous
+    cache; one stage: nothing to overlap the read with; pages under FA2_PAGE_RING_MIN keys). A slot holds one kv tile's entries (one
+    per page it touches). The copy of tile j + stages - 1's entries rides in tile j's K cp.async
+    group, so the entries are in shared memory a whole pipeline step before the loads that use
+    them (a table read in front of the prefetch cost 8-11%: paged-prefill-3). The prologue issues
+    stages - 1 tiles and copies the entries of the next stages - 1 with no barrier between, so the
+    ring holds 2 (stages - 1) tiles; the loop needs `stages` (reads tile j + stages - 1's slot, writes
+    tile j + 2 stages - 2's, after a barrier). Entries: the most pages one tile's keys touch."""
+    if page_size is None or stages < 2 or page_size < FA2_PAGE_RING_MIN:
+        return 0, 0
+    straddles = tile_kv % page_size != 0 and page_size % tile_kv != 0   # a tile may start mid-page
+    return max(stages, 2 * (stages - 1)), -(-tile_kv // page_size) + straddles
 
 
 def decode_page_walk(page_size: int | None, keys_per_warp: int) -> str:

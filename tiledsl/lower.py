@@ -15,7 +15,7 @@ from .device_limits import H200
 from .version import __version__
 from .errors import SpecError
 from .graph import Op, ScheduleGraph, build_graph
-from .layout import Layout, cp_async_pending, fa2_page_walk, layout_of, mma_width, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
+from .layout import Layout, cp_async_pending, fa2_page_ring, fa2_page_walk, layout_of, mma_width, tile_row_bytes  # noqa: F401  (tile_row_bytes: re-exported)
 from .passes import emission_order, run_passes
 from .spec import DTYPE_PTX, DType, Family, KernelSpec, Mask
 
@@ -311,10 +311,16 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
     paged = {}
     if p.kv_page_size is not None:
         walk = fa2_page_walk(p.kv_page_size, s.tile_kv)
+        slots, entries = fa2_page_ring(p.kv_page_size, s.tile_kv, s.stages)
         consts += fa2_page_constants(p.kv_page_size, walk)
+        consts += [Constant("PAGE_RING", "int", slots, "tiles of block-table entries held ahead in shared memory (0: read inline)"),
+                   Constant("TILE_PAGES", "int", entries, "block-table entries of one kv tile"),
+                   Constant("PAGES_OFFSET", "u32", lay.buffer("block-table entries").offset if slots else 0,
+                            "the entries' ring")]
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + f"; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
-                                          "one entry per kv tile)" if walk == "slice" else "one entry per page a thread's rows touch)"))
+                                          "one entry per kv tile" if walk == "slice" else "one entry per page of the tile") + (
+                                          f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots else ", read inline)"))
         paged = {"plan_class": PagedFa2Plan, "kv_pages": walk}
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
