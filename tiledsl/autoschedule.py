@@ -40,12 +40,19 @@ _SYNC_TILES = ((64, 4), (128, 4), (128, 8))   # (tile q, warps): 16 or 32 rows p
 _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
-# FP8 (e4m3) KV decode: (tile kv, stages) tried before _DECODE; None: the bf16 order. Measured on
-# the H200 (bench/results/2026-11-30-fp8-decode-2.json, every variant validated first): the bf16
-# schedule (kv128 x 1) is the fastest FP8 variant, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged;
+# FP8 (e4m3) KV decode: Schedule fields over _DECODE[0] (e.g. tile_kv, stages, fp8_convert,
+# min_blocks), tried before _DECODE; None: the bf16 order. Measured on the H200 with the `shared`
+# conversion (bench/results/2026-11-30-fp8-decode-2.json, every variant validated first): the bf16
+# schedule (kv128 x 1) is the fastest, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged;
 # kv64 x 4 1.20-1.30x, kv256 x 1 0.82-0.90x, kv128 x 2/3 0.78-0.98x (more shared memory, fewer blocks).
-# The gap to 1.8x is the shared-memory conversion pass, not bytes in flight.
-FP8_DECODE_SCHEDULE: tuple[int, int] | None = None
+# The gap to 1.8x was the shared-memory conversion pass, not bytes in flight.
+FP8_DECODE_SCHEDULE: dict | None = None
+
+
+def fp8_decode_schedule() -> Schedule:
+    """The decode schedule the API runs first for an FP8 KV cache."""
+    from dataclasses import replace
+    return replace(_DECODE[0], **(FP8_DECODE_SCHEDULE or {}))
 
 
 def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
@@ -126,8 +133,7 @@ def _pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
     decode_problem = replace(problem, queries_per_seq=q_len)
     schedules = _DECODE
     if problem.kv_fp8 and FP8_DECODE_SCHEDULE is not None:
-        kv, stages = FP8_DECODE_SCHEDULE
-        schedules = (replace(_DECODE[0], tile_kv=kv, stages=stages),) + _DECODE
+        schedules = (fp8_decode_schedule(),) + _DECODE
     for schedule in schedules:
         spec = KernelSpec(f"auto_decode_{problem.dtype.value}_d{problem.head_dim_qk}_nq{q_len}", decode_problem,
                           schedule)
