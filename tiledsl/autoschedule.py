@@ -41,12 +41,16 @@ _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
 # FP8 (e4m3) KV decode: Schedule fields over _DECODE[0] (e.g. tile_kv, stages, fp8_convert,
-# min_blocks), tried before _DECODE; None: the bf16 order. Measured on the H200 with the `shared`
-# conversion (bench/results/2026-11-30-fp8-decode-2.json, every variant validated first): the bf16
-# schedule (kv128 x 1) is the fastest, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged;
-# kv64 x 4 1.20-1.30x, kv256 x 1 0.82-0.90x, kv128 x 2/3 0.78-0.98x (more shared memory, fewer blocks).
-# The gap to 1.8x was the shared-memory conversion pass, not bytes in flight.
-FP8_DECODE_SCHEDULE: dict | None = None
+# min_blocks), tried before _DECODE; None: the bf16 order. Measured on the H200, every variant
+# validated against the float64 reference first:
+#   2026-11-30-fp8-decode-2.json, the `shared` conversion: the bf16 schedule (kv128 x 1) was the
+#   fastest, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged; kv64 x 4 1.20-1.30x, kv256 x 1
+#   0.82-0.90x, kv128 x 2/3 0.78-0.98x. The conversion pass through shared memory was the limit.
+#   2026-12-01-fp8-decode-1.json, the `fragments` conversion (no 16-bit tile: 36 KB of shared
+#   memory instead of 100 KB at d128): the bf16 schedule again wins, 1.72-1.88x contiguous and
+#   1.70-1.84x paged (0.81-0.99 of the device copy rate); kv256 x 1 1.66-1.88x, 2-3 stages
+#   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2.
+FP8_DECODE_SCHEDULE: dict | None = {"fp8_convert": "fragments"}
 
 
 def fp8_decode_schedule() -> Schedule:
