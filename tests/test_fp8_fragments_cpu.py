@@ -280,7 +280,7 @@ def test_fragments_plan_and_source(page, dtype):
     plan = lower(spec(page=page, dtype=dtype))
     assert plan.fp8_convert == "fragments" and constant(plan, "K8_SWIZZLE") and constant(plan, "K8_ROW_BYTES") == 128
     cuda = render(plan)
-    for piece in ("mma_qk_fp8(acc_s, q_regs, k_ring, lane)", "mma_pv_fp8(acc_o, acc_s, v_ring, lane)",
+    for piece in ("mma_qk_fp8(acc_s, q_regs, q_tile, k_ring, lane)", "mma_pv_fp8(acc_o, acc_s, v_ring, lane)",
                   "load_q_fragments_fp8(q_regs, q_tile, lane)", "combine_warp_states<C, true>", "fp8_o_quad_columns(acc_o)",
                   "scale_scores(acc_s, k_dequant)", "v_dequant / l", "C::K8_SWIZZLE"):
         assert piece in cuda, piece

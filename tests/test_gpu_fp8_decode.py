@@ -175,16 +175,17 @@ def test_fp8_api_schedule(torch, d, queries, group, dtype, paged, schedule):
 
 
 # The fragments path's other e4m3 row layouts: 32-byte rows (swizzled across 4 rows of a line),
-# 96 (padded to 7 chunks), 256 (swizzled like 128; a 64-key tile: with 128 keys ptxas spills at
-# d256, as the shared path does); GQA 4, both scale kinds.
+# 96, 160, 192, 224 (padded to an odd number of chunks), 256 (swizzled like 128); from 192 Q's
+# fragments come from shared memory (layout.FP8_FRAGMENT_REGISTERS); the API's tile kv
+# (autoschedule.fp8_decode_schedule: 64 above 192); GQA 4, both scale kinds.
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("kind", [KvScale.PER_HEAD, KvScale.PER_TENSOR])
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
 @pytest.mark.parametrize("queries", [1, 16])
-@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("d", [32, 96, 160, 192, 224, 256])
 def test_fp8_fragments_head_dims(torch, d, queries, dtype, kind, paged):
     test = test_fp8_paged if paged else test_fp8_contiguous
-    test(torch, "fragments", d, queries, 4, dtype, kind, schedule=(64, 1) if d > 128 else BUNDLED)
+    test(torch, "fragments", d, queries, 4, dtype, kind, schedule=(fp8_decode_schedule(d).tile_kv, 1))
 
 
 # The fragments path with 2 stages and a 64-key tile (16 keys a warp: one ldmatrix per k pair),

@@ -51,12 +51,18 @@ _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stag
 #   1.70-1.84x paged (0.81-0.99 of the device copy rate); kv256 x 1 1.66-1.88x, 2-3 stages
 #   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2.
 FP8_DECODE_SCHEDULE: dict | None = {"fp8_convert": "fragments"}
+# Above this head dim the FP8 schedule takes 64-key tiles: at 224 with 128 keys ptxas spilled
+# 112 bytes (fragments, contiguous, bf16; 2026-12-01), at 64 keys nothing from 160 to 256.
+FP8_DECODE_KV128_MAX_HEAD_DIM = 192
 
 
-def fp8_decode_schedule() -> Schedule:
-    """The decode schedule the API runs first for an FP8 KV cache."""
+def fp8_decode_schedule(head_dim: int = 128) -> Schedule:
+    """The decode schedule the API runs first for an FP8 KV cache of this head dim (the larger of k's and v's)."""
     from dataclasses import replace
-    return replace(_DECODE[0], **(FP8_DECODE_SCHEDULE or {}))
+    schedule = replace(_DECODE[0], **(FP8_DECODE_SCHEDULE or {}))
+    if head_dim > FP8_DECODE_KV128_MAX_HEAD_DIM and schedule.tile_kv > 64:
+        schedule = replace(schedule, tile_kv=64)
+    return schedule
 
 
 def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
@@ -137,7 +143,7 @@ def _pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
     decode_problem = replace(problem, queries_per_seq=q_len)
     schedules = _DECODE
     if problem.kv_fp8 and FP8_DECODE_SCHEDULE is not None:
-        schedules = (fp8_decode_schedule(),) + _DECODE
+        schedules = (fp8_decode_schedule(max(problem.head_dim_qk, problem.head_dim_v)),) + _DECODE
     for schedule in schedules:
         spec = KernelSpec(f"auto_decode_{problem.dtype.value}_d{problem.head_dim_qk}_nq{q_len}", decode_problem,
                           schedule)

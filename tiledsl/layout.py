@@ -467,6 +467,8 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
                  Registers("S/P accumulator", m_tiles * keys_per_warp // 2, f"M_TILES*keys/2 = {m_tiles}*{keys_per_warp}/2",
                            True),
                  Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
+    if convert == "fragments":
+        registers.append(Registers("e4m3 conversion", FP8_FRAGMENT_REGISTERS, "allowance (ptxas ballpark)"))
     q_regs = m_tiles * p.head_dim_qk // 4
     q_in_registers = sum(r.amount for r in registers) + q_regs <= limits.max_registers_per_thread
     if q_in_registers:
@@ -489,6 +491,11 @@ def _decode(spec: KernelSpec, limits: DeviceLimits, stages: int | None = None, t
 #              fragment), and the lanes convert in registers; no 16-bit tile.
 FP8_CONVERTS = ("shared", "fragments")
 FP8_CONVERT_DEFAULT = FP8_CONVERTS[0]
+# Registers the fragments path's ldmatrix words and converted pairs hold beyond the shared path's,
+# a ballpark from ptxas (sm_90a, 2026-12-01): with it Q leaves the registers (mma_qk_fp8 reads its
+# fragments from shared memory per k step) from head dim 192 at 128-key tiles and 224 at 64, where
+# ptxas spilled 8-288 bytes with Q in registers; at 128 and 160 Q stays, spill-free.
+FP8_FRAGMENT_REGISTERS = 56
 
 
 def fp8_convert_of(spec: KernelSpec) -> str:
