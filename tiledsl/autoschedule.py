@@ -49,7 +49,9 @@ _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stag
 #   2026-12-01-fp8-decode-1.json, the `fragments` conversion (no 16-bit tile: 36 KB of shared
 #   memory instead of 100 KB at d128): the bf16 schedule again wins, 1.72-1.88x contiguous and
 #   1.70-1.84x paged (0.81-0.99 of the device copy rate); kv256 x 1 1.66-1.88x, 2-3 stages
-#   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2.
+#   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2. Timed again in
+#   -2.json and -3.json: kv128 x 1 1.72-1.89x contiguous, 1.70-1.83x paged; kv256 x 1 paged
+#   1.73-1.88x (ahead at n = 128k, behind contiguous): a paged-only default left untried.
 FP8_DECODE_SCHEDULE: dict | None = {"fp8_convert": "fragments"}
 # Above this head dim the FP8 schedule takes 64-key tiles: at 224 with 128 keys ptxas spilled
 # 112 bytes (fragments, contiguous, bf16; 2026-12-01), at 64 keys nothing from 160 to 256.
