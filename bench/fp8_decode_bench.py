@@ -1,6 +1,6 @@
 """FP8 (e4m3) KV decode vs bf16 KV decode (specs/decode_d128.tile's schedule), contiguous and paged
-(page 16), on decode_bench's shapes, for several FP8 schedule variants (VARIANTS: kv tile x
-pipeline stages x warps; the layout pass accepts each): time ratio to bf16 (issue 15's target:
+(page 16), on decode_bench's shapes, for several FP8 schedule variants (VARIANTS: conversion path x
+kv tile x pipeline stages x warps x min blocks per SM; the layout pass accepts each): time ratio to bf16 (issue 15's target:
 >= 1.8x) and the bytes/s each reads next to the device copy rate.
 
     python bench/fp8_decode_bench.py OUT.json [--variants spec,kv64_s4,...]
@@ -31,20 +31,28 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode_bench import HEAD_DIM, SHAPES, SPEC, copy_gbps  # noqa: E402
 
 PAGE = 16
-# FP8 schedule variants: same bytes per block as bf16 (kv 256), more tiles in flight (stages),
-# the bundled schedule ("spec"). Names are tile kv _ stages [_ warps].
+# FP8 schedule variants (Schedule fields over the bundled spec's): same bytes per block as bf16
+# (kv 256), more tiles in flight (stages), the bundled schedule ("spec"); and the `fragments`
+# conversion (ldmatrix on the e4m3 ring, converted in registers: no 16-bit tile, so far less shared
+# memory) over tile kv, stages, warps and a min-blocks-per-SM promise. Names: [fr_] tile kv _
+# stages [_ warps] [_ min blocks].
+FR = dict(fp8_convert="fragments")
 VARIANTS = {"spec": {}, "kv256_s1": dict(tile_kv=256, stages=1), "kv128_s2": dict(stages=2),
             "kv128_s3": dict(stages=3), "kv64_s4": dict(tile_kv=64, stages=4), "kv64_s2": dict(tile_kv=64, stages=2),
-            "kv256_s1_w8": dict(tile_kv=256, stages=1, warps=8)}
+            "kv256_s1_w8": dict(tile_kv=256, stages=1, warps=8),
+            "fr_kv128_s1": dict(FR), "fr_kv128_s2": dict(FR, stages=2), "fr_kv128_s3": dict(FR, stages=3),
+            "fr_kv64_s2": dict(FR, tile_kv=64, stages=2), "fr_kv64_s4": dict(FR, tile_kv=64, stages=4),
+            "fr_kv256_s1": dict(FR, tile_kv=256, stages=1), "fr_kv256_s2_w8": dict(FR, tile_kv=256, stages=2, warps=8),
+            "fr_kv128_s1_mb3": dict(FR, min_blocks=3), "fr_kv64_s2_mb3": dict(FR, tile_kv=64, stages=2, min_blocks=3)}
 
 
 def variant_of(schedule: dict) -> str | None:
-    """The VARIANTS name of autoschedule's FP8 pick (tile kv, stages), or None."""
+    """The VARIANTS name of autoschedule's FP8 pick (Schedule fields over the bundled schedule), or None."""
     if FP8_DECODE_SCHEDULE is None:
         return "spec"
-    kv, stages = FP8_DECODE_SCHEDULE
+    want = {**schedule, **FP8_DECODE_SCHEDULE}
     for name, v in VARIANTS.items():
-        if (v.get("tile_kv", schedule["tile_kv"]), v.get("stages", schedule["stages"]), v.get("warps", 4)) == (kv, stages, 4):
+        if {**schedule, **v} == want:
             return name
     return None
 
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
     import torch
 
     base, variant_specs = specs(names)
-    api_pick = variant_of({"tile_kv": base.schedule.tile_kv, "stages": base.schedule.stages})
+    api_pick = variant_of({"tile_kv": base.schedule.tile_kv, "stages": base.schedule.stages, "warps": base.schedule.warps})
     ceiling = copy_gbps(torch)
     print(f"device-to-device copy: {ceiling:.0f} GB/s; API pick (autoschedule.FP8_DECODE_SCHEDULE = "
           f"{FP8_DECODE_SCHEDULE}): {api_pick}", flush=True)

@@ -159,15 +159,15 @@ def test_fp8_renders_and_halves_the_ring(page, dtype):
     assert "dequant_slice" not in render(lower_decode(plain))
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 224, 256])
 def test_api_picks_fp8_schedule(d):
     """attention / paged_attention over an FP8 cache run autoschedule.FP8_DECODE_SCHEDULE (the
     bundled bf16 schedule when it is None); 16-bit caches keep the bundled one."""
-    from tiledsl.autoschedule import FP8_DECODE_SCHEDULE, _pick_decode
+    from tiledsl.autoschedule import fp8_decode_schedule, _pick_decode
     from tiledsl.spec import Mask, Problem
     fp8 = Problem(d, d, DType.BF16, Mask.NONE, kv_dtype=DType.E4M3, kv_scale=KvScale.PER_HEAD)
     s = _pick_decode(fp8, 1).schedule
-    assert (s.tile_kv, s.stages) == (FP8_DECODE_SCHEDULE or (128, 1))
+    assert s == fp8_decode_schedule(d) and s.fp8_convert == "fragments" and s.tile_kv == (64 if d > 192 else 128)
     s = _pick_decode(Problem(d, d, DType.BF16, Mask.NONE), 1).schedule
     assert (s.tile_kv, s.stages) == (128, 1)
 

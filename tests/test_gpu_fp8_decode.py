@@ -1,20 +1,29 @@
 """FP8 (e4m3) KV cache decode on the GPU, against the float64 reference that dequantizes the same
 bytes (tiledsl.fp8_reference): contiguous and paged (page 16) caches, per-head and per-tensor
-scales, 1/4/16 queries, GQA 1/4/8, head dims 64/128, bf16 and fp16 q, kv_lens of 0, a page
-boundary +- 1 and long; NaN-poisoned outputs; the same tolerances as the bf16 decode tests.
+scales, 1/4/16 queries, GQA 1/4/8, head dims 64/128 (and 32/96/256 for the fragments path's other
+row layouts), bf16 and fp16 q, kv_lens of 0, a page boundary +- 1 and long; both conversion paths
+(layout.FP8_CONVERTS: through a shared 16-bit tile, straight into MMA fragments); NaN-poisoned
+outputs; the same tolerances as the bf16 decode tests; a compute-sanitizer memcheck.
 The API (tiledsl.attention / tiledsl.paged_attention with k_scale / v_scale) and its refusals.
 
     python -m pytest -m gpu tests/test_gpu_fp8_decode.py
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
-from tiledsl.autoschedule import FP8_DECODE_SCHEDULE
+from tiledsl.autoschedule import FP8_DECODE_SCHEDULE, fp8_decode_schedule
 from tiledsl.errors import RuntimeInputError
+from tiledsl.layout import FP8_CONVERTS
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu
@@ -30,17 +39,24 @@ def torch():
 
 
 BUNDLED = (128, 1)   # specs/decode_d128.tile's (tile kv, stages)
-# The schedule the API runs for FP8 (autoschedule.FP8_DECODE_SCHEDULE), when it is another one.
-API_PICKS = [s for s in (FP8_DECODE_SCHEDULE,) if s is not None and s != BUNDLED]
+# The schedule the API runs for FP8 (autoschedule.fp8_decode_schedule), when it is another one.
+API_PICKS = [fp8_decode_schedule()] if FP8_DECODE_SCHEDULE is not None else []
 
 
-def spec_of(d, queries, page, dtype, kv_scale, split=5, schedule=BUNDLED):
+def spec_of(d, queries, page, dtype, kv_scale, split=5, schedule=BUNDLED, convert=None):
+    """`schedule`: (tile kv, stages) or autoschedule's FP8 schedule (a Schedule); `convert`:
+    layout.FP8_CONVERTS (None: the default, or the Schedule's)."""
     mask = Mask.CAUSAL if queries > 1 else Mask.NONE
     problem = Problem(d, d, dtype, mask, queries_per_seq=queries, kv_page_size=page, kv_dtype=DType.E4M3,
                       kv_scale=kv_scale)
-    tile_kv, stages = schedule
-    return KernelSpec(f"fp8_d{d}", problem, Schedule(tile_q=16, tile_kv=tile_kv, warps=4, warp_axis=Axis.KV,
-                                                     stages=stages, split_kv=split))
+    if isinstance(schedule, Schedule):
+        sch = replace(schedule, split_kv=split)
+    else:
+        tile_kv, stages = schedule
+        sch = Schedule(tile_q=16, tile_kv=tile_kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=split)
+    if convert is not None:
+        sch = replace(sch, fp8_convert=convert)
+    return KernelSpec(f"fp8_d{d}", problem, sch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,9 +105,10 @@ def host_scale(s):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("queries", [1, 4, 16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_contiguous(torch, d, queries, group, dtype, kind, schedule=BUNDLED):
+@pytest.mark.parametrize("convert", FP8_CONVERTS)
+def test_fp8_contiguous(torch, convert, d, queries, group, dtype, kind, schedule=BUNDLED):
     from tiledsl.fp8_reference import attention_fp8
-    spec = spec_of(d, queries, None, dtype, kind, schedule=schedule)
+    spec = spec_of(d, queries, None, dtype, kind, schedule=schedule, convert=convert)
     batch, kv_heads = len(LENS), 2
     heads, n = kv_heads * group, max(LENS)
     tdt = getattr(torch, DTYPES_TORCH[dtype])
@@ -116,10 +133,11 @@ DTYPES_TORCH = {DType.BF16: "bfloat16", DType.FP16: "float16"}
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("queries", [1, 4, 16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_paged(torch, d, queries, group, dtype, kind, schedule=BUNDLED):
+@pytest.mark.parametrize("convert", FP8_CONVERTS)
+def test_fp8_paged(torch, convert, d, queries, group, dtype, kind, schedule=BUNDLED):
     from tiledsl.fp8_reference import paged_attention_fp8
     page, kv_heads = 16, 2
-    spec = spec_of(d, queries, page, dtype, kind, schedule=schedule)
+    spec = spec_of(d, queries, page, dtype, kind, schedule=schedule, convert=convert)
     batch, heads = len(LENS), kv_heads * group
     rng = np.random.default_rng()
     need = [-(-n // page) for n in LENS]
@@ -153,7 +171,60 @@ def test_fp8_paged(torch, d, queries, group, dtype, kind, schedule=BUNDLED):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp8_api_schedule(torch, d, queries, group, dtype, paged, schedule):
     test = test_fp8_paged if paged else test_fp8_contiguous
-    test(torch, d, queries, group, dtype, KvScale.PER_HEAD, schedule=schedule)
+    test(torch, None, d, queries, group, dtype, KvScale.PER_HEAD, schedule=schedule)
+
+
+# The fragments path's other e4m3 row layouts: 32-byte rows (swizzled across 4 rows of a line),
+# 96, 160, 192, 224 (padded to an odd number of chunks), 256 (swizzled like 128); from 192 Q's
+# fragments come from shared memory (layout.FP8_FRAGMENT_REGISTERS); the API's tile kv
+# (autoschedule.fp8_decode_schedule: 64 above 192); GQA 4, both scale kinds.
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("kind", [KvScale.PER_HEAD, KvScale.PER_TENSOR])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("queries", [1, 16])
+@pytest.mark.parametrize("d", [32, 96, 160, 192, 224, 256])
+def test_fp8_fragments_head_dims(torch, d, queries, dtype, kind, paged):
+    test = test_fp8_paged if paged else test_fp8_contiguous
+    test(torch, "fragments", d, queries, 4, dtype, kind, schedule=(fp8_decode_schedule(d).tile_kv, 1))
+
+
+# The fragments path with 2 stages and a 64-key tile (16 keys a warp: one ldmatrix per k pair),
+# and with a min-blocks-per-SM promise of 3.
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
+@pytest.mark.parametrize("schedule", [(64, 2), (64, 4), (128, 2)])
+def test_fp8_fragments_schedules(torch, schedule, dtype, paged):
+    test = test_fp8_paged if paged else test_fp8_contiguous
+    test(torch, "fragments", 128, 4, 4, dtype, KvScale.PER_HEAD, schedule=schedule)
+
+
+def test_fp8_fragments_min_blocks(torch):
+    sch = Schedule(tile_q=16, tile_kv=64, warps=4, warp_axis=Axis.KV, stages=2, split_kv=5, min_blocks=3)
+    test_fp8_contiguous(torch, "fragments", 128, 4, 4, DType.BF16, KvScale.PER_HEAD, schedule=sch)
+    test_fp8_paged(torch, "fragments", 128, 4, 4, DType.FP16, KvScale.PER_TENSOR, schedule=sch)
+
+
+def test_fp8_memcheck_clean(tmp_path):
+    """compute-sanitizer memcheck over both conversion paths, contiguous and paged, ragged kv_lens."""
+    script = tmp_path / "small.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from tests import test_gpu_fp8_decode as t
+        from tiledsl.spec import DType, KvScale
+        for convert in ("shared", "fragments"):
+            for d in (64, 128):
+                t.test_fp8_contiguous(torch, convert, d, 4, 4, DType.BF16, KvScale.PER_HEAD)
+                t.test_fp8_paged(torch, convert, d, 1, 8, DType.FP16, KvScale.PER_TENSOR)
+    """))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    except FileNotFoundError:
+        pytest.skip("compute-sanitizer not on PATH")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout
 
 
 def test_api_contiguous_and_paged(torch):

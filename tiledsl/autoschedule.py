@@ -40,12 +40,31 @@ _SYNC_TILES = ((64, 4), (128, 4), (128, 8))   # (tile q, warps): 16 or 32 rows p
 _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
-# FP8 (e4m3) KV decode: (tile kv, stages) tried before _DECODE; None: the bf16 order. Measured on
-# the H200 (bench/results/2026-11-30-fp8-decode-2.json, every variant validated first): the bf16
-# schedule (kv128 x 1) is the fastest FP8 variant, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged;
-# kv64 x 4 1.20-1.30x, kv256 x 1 0.82-0.90x, kv128 x 2/3 0.78-0.98x (more shared memory, fewer blocks).
-# The gap to 1.8x is the shared-memory conversion pass, not bytes in flight.
-FP8_DECODE_SCHEDULE: tuple[int, int] | None = None
+# FP8 (e4m3) KV decode: Schedule fields over _DECODE[0] (e.g. tile_kv, stages, fp8_convert,
+# min_blocks), tried before _DECODE; None: the bf16 order. Measured on the H200, every variant
+# validated against the float64 reference first:
+#   2026-11-30-fp8-decode-2.json, the `shared` conversion: the bf16 schedule (kv128 x 1) was the
+#   fastest, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged; kv64 x 4 1.20-1.30x, kv256 x 1
+#   0.82-0.90x, kv128 x 2/3 0.78-0.98x. The conversion pass through shared memory was the limit.
+#   2026-12-01-fp8-decode-1.json, the `fragments` conversion (no 16-bit tile: 36 KB of shared
+#   memory instead of 100 KB at d128): the bf16 schedule again wins, 1.72-1.88x contiguous and
+#   1.70-1.84x paged (0.81-0.99 of the device copy rate); kv256 x 1 1.66-1.88x, 2-3 stages
+#   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2. Timed again in
+#   -2.json and -3.json: kv128 x 1 1.72-1.89x contiguous, 1.70-1.83x paged; kv256 x 1 paged
+#   1.73-1.88x (ahead at n = 128k, behind contiguous): a paged-only default left untried.
+FP8_DECODE_SCHEDULE: dict | None = {"fp8_convert": "fragments"}
+# Above this head dim the FP8 schedule takes 64-key tiles: at 224 with 128 keys ptxas spilled
+# 112 bytes (fragments, contiguous, bf16; 2026-12-01), at 64 keys nothing from 160 to 256.
+FP8_DECODE_KV128_MAX_HEAD_DIM = 192
+
+
+def fp8_decode_schedule(head_dim: int = 128) -> Schedule:
+    """The decode schedule the API runs first for an FP8 KV cache of this head dim (the larger of k's and v's)."""
+    from dataclasses import replace
+    schedule = replace(_DECODE[0], **(FP8_DECODE_SCHEDULE or {}))
+    if head_dim > FP8_DECODE_KV128_MAX_HEAD_DIM and schedule.tile_kv > 64:
+        schedule = replace(schedule, tile_kv=64)
+    return schedule
 
 
 def prefill_candidates(problem: Problem, arch: str) -> list[Schedule]:
@@ -126,8 +145,7 @@ def _pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
     decode_problem = replace(problem, queries_per_seq=q_len)
     schedules = _DECODE
     if problem.kv_fp8 and FP8_DECODE_SCHEDULE is not None:
-        kv, stages = FP8_DECODE_SCHEDULE
-        schedules = (replace(_DECODE[0], tile_kv=kv, stages=stages),) + _DECODE
+        schedules = (fp8_decode_schedule(max(problem.head_dim_qk, problem.head_dim_v)),) + _DECODE
     for schedule in schedules:
         spec = KernelSpec(f"auto_decode_{problem.dtype.value}_d{problem.head_dim_qk}_nq{q_len}", decode_problem,
                           schedule)

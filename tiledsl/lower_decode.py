@@ -17,36 +17,45 @@ from .device_limits import H200, resident_blocks
 from dataclasses import dataclass, replace
 
 from .graph import Op, build_graph
-from .layout import DECODE_COMBINE_PAD_FLOATS, cp_async_pending, decode_page_walk, kv_stage_row_bytes, layout_of
+from .layout import (DECODE_COMBINE_PAD_FLOATS, cp_async_pending, decode_page_walk, fp8_convert_of, kv_stage_row_bytes,
+                     kv_stage_swizzled, layout_of)
 from .lower import (LOOP_TEXT, Constant, KernelPlan, Launch, LoopOp, Region, _require, _where, graph_loop_body,
                     kv_buffer_constants, make_plan, smem_constants, softmax_constants, tile_row_bytes, tile_row_constants)
 from .passes import run_passes
-from .spec import DType, Family, KernelSpec, KvScale
+from .spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
 
 
 @dataclass(frozen=True)
 class DecodePlan(KernelPlan):
     kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" | "pages" | "rows"
     kv_fp8: bool = False   # K/V stored as e4m3: loaded as bytes, dequantized by each warp before its MMA
+    fp8_convert: str = ""  # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
 
 
-def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, qk_row: int, v_row: int) -> list[Constant]:
-    """An FP8 KV cache: the rings hold e4m3 rows as loaded (kv_stage_row_bytes); each warp
-    dequantizes its slice into one 16-bit tile (the mma.sync layout of K_OFFSET's usual tile)."""
+def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> list[Constant]:
+    """An FP8 KV cache: the rings hold e4m3 rows as loaded (kv_stage_row_bytes). With `shared` each
+    warp dequantizes its slice into one 16-bit tile (the mma.sync layout of K_OFFSET's usual tile);
+    with `fragments` ldmatrix reads the rings (swizzled or padded rows) and the lanes convert."""
     p = spec.problem
-    k8, v8 = kv_stage_row_bytes(p.head_dim_qk, p.kv_dtype), kv_stage_row_bytes(p.head_dim_v, p.kv_dtype)
-    return [Constant("K8_ROW_BYTES", "int", k8, "e4m3 K row in the ring: the HBM row as it is"),
-            Constant("V8_ROW_BYTES", "int", v8),
-            Constant("K8_CHUNKS", "int", k8 // 16, "16-byte chunks of an e4m3 K row"),
-            Constant("V8_CHUNKS", "int", v8 // 16),
-            Constant("WARP_K8_BYTES", "u32", keys_per_warp * k8, "offset of a warp's key slice in an e4m3 K tile"),
-            Constant("WARP_V8_BYTES", "u32", keys_per_warp * v8),
-            Constant("KD_OFFSET", "u32", lay.buffer("K dequantized").offset, "the warps' dequantized K slices"),
-            Constant("VD_OFFSET", "u32", lay.buffer("V dequantized").offset),
-            Constant("KV_SCALE_PER_HEAD", "bool", p.kv_scale is KvScale.PER_HEAD,
-                     "k_scale / v_scale hold one float per kv head (else one)"),
-            Constant("DEQUANT_VIA_F32", "bool", p.dtype is DType.BF16,
-                     "e4m3 -> f16 is one cvt; bf16 goes through f32 (exact either way)")]
+    k8, v8 = (kv_stage_row_bytes(d, p.kv_dtype, convert) for d in (p.head_dim_qk, p.head_dim_v))
+    consts = [Constant("K8_ROW_BYTES", "int", k8, "e4m3 K row in the ring: the HBM row as it is"
+                       + ("" if convert == "shared" else " (padded to an odd number of chunks where not swizzled)")),
+              Constant("V8_ROW_BYTES", "int", v8),
+              Constant("K8_CHUNKS", "int", p.head_dim_qk * DTYPE_BYTES[p.kv_dtype] // 16, "16-byte chunks of an e4m3 K row"),
+              Constant("V8_CHUNKS", "int", p.head_dim_v * DTYPE_BYTES[p.kv_dtype] // 16),
+              Constant("WARP_K8_BYTES", "u32", keys_per_warp * k8, "offset of a warp's key slice in an e4m3 K tile"),
+              Constant("WARP_V8_BYTES", "u32", keys_per_warp * v8)]
+    if convert == "shared":
+        consts += [Constant("KD_OFFSET", "u32", lay.buffer("K dequantized").offset, "the warps' dequantized K slices"),
+                   Constant("VD_OFFSET", "u32", lay.buffer("V dequantized").offset)]
+    else:
+        consts += [Constant("K8_SWIZZLE", "bool", kv_stage_swizzled(k8), "ldmatrix reads 8 rows: XOR-swizzled chunks, "
+                            "else an odd number of chunks a row"),
+                   Constant("V8_SWIZZLE", "bool", kv_stage_swizzled(v8))]
+    return consts + [Constant("KV_SCALE_PER_HEAD", "bool", p.kv_scale is KvScale.PER_HEAD,
+                              "k_scale / v_scale hold one float per kv head (else one)"),
+                     Constant("DEQUANT_VIA_F32", "bool", p.dtype is DType.BF16,
+                              "e4m3 -> f16 is one cvt; bf16 goes through f32 (exact either way)")]
 
 
 def paged_constants(page_size: int, walk: str) -> list[Constant]:
@@ -181,7 +190,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
     if walk:
         consts += paged_constants(p.kv_page_size, walk)
     if p.kv_fp8:
-        consts += fp8_constants(spec, lay, keys_per_warp, qk_row, v_row)
+        consts += fp8_constants(spec, lay, keys_per_warp, fp8_convert_of(spec))
     tile_where, pipe_where = _where(spec, "tile"), _where(spec, "pipeline")
     regions = {
         "kv_range": Region(_where(spec, "split"), "this split's kv tiles: an even share of the sequence's tiles "
@@ -215,7 +224,7 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm, lay.register_estimate,
                      kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope,
                      mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk,
-                     kv_fp8=p.kv_fp8)
+                     kv_fp8=p.kv_fp8, fp8_convert=fp8_convert_of(spec))
 
 
 def decode_blocks_per_sm(plan: KernelPlan) -> int:

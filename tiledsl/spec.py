@@ -179,6 +179,15 @@ class Schedule:
     pingpong: bool = False
     intra_overlap: bool = False
     split_kv: int | str = 1         # 1: no split; N: N splits; AUTO: chosen at launch
+    # Decode with an FP8 KV cache: how e4m3 becomes MMA operands (layout.FP8_CONVERTS; None: the
+    # default, layout.FP8_CONVERT_DEFAULT), and a min-blocks-per-SM promise to ptxas (None: the
+    # layout's). Both enter config, hash and kernel name only when set (SCHEDULE_DEFAULTS).
+    fp8_convert: str | None = None
+    min_blocks: int | None = None
+
+
+# Schedule fields left out of config() (and so of the hash) while they hold these defaults.
+SCHEDULE_DEFAULTS = {"fp8_convert": None, "min_blocks": None}
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,10 @@ class KernelSpec:
         """The full config as JSON-ready plain data (enums by value)."""
         problem = {k: v for k, v in asdict(self.problem).items()
                    if not (k in SERVING_DEFAULTS and v == SERVING_DEFAULTS[k])}
+        schedule = {k: v for k, v in asdict(self.schedule).items()
+                    if not (k in SCHEDULE_DEFAULTS and v == SCHEDULE_DEFAULTS[k])}
         config = {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
-                  "problem": _plain(problem), "schedule": _plain(asdict(self.schedule))}
+                  "problem": _plain(problem), "schedule": _plain(schedule)}
         if self.backward is not None:   # absent otherwise: forward-only hashes stay as they were
             config["backward"] = _plain(asdict(self.backward))
         return config
@@ -309,6 +320,10 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append("wgmma")
     if s.split_kv != 1:
         parts.append(f"split{s.split_kv}")
+    if s.fp8_convert is not None:
+        parts.append(f"cv{s.fp8_convert}")
+    if s.min_blocks is not None:
+        parts.append(f"mb{s.min_blocks}")
     if spec.backward is not None:
         parts += backward_name_parts(spec.backward)
     return "_".join(parts)
