@@ -730,6 +730,13 @@ def backward_wgmma_dq_split(tile_q: int, head_dim: int) -> str:
     return "n" if head_dim % (2 * PANEL_COLUMNS) == 0 else "k"
 
 
+def backward_wgmma_dv_schedule(tile_q: int, head_dim: int) -> tuple[str, bool]:
+    """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS): "early" overlaps it
+    with dS^T's arithmetic; at tile q 128 that keeps P^T's 32 fragment registers alive over dS^T and
+    ptxas spills (d64: 255 registers + 12 B), so there dS^T also waits for dV ("early", True)."""
+    return ("early", tile_q > WGMMA_ROWS)
+
+
 def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
     """The wgmma backward's main kernel: 2 warpgroups, each owning 64 kv rows of the 128-row kv tile
     (check_backward's rule); K, V, Q, dO as 128-byte-swizzled 64-column panels (wgmma.cuh.j2)."""

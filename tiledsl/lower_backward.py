@@ -13,6 +13,7 @@ from .errors import SpecError
 from .lower_wgmma import WgmmaAsm
 from .graph_backward import build_backward_graph
 from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
+                     backward_wgmma_dv_schedule,
                      backward_layout, tile_row_bytes)
 from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, graph_loop_body, make_plan,
                     smem_constants, softmax_constants, tile_row_constants)
@@ -46,6 +47,7 @@ class BackwardPlan(KernelPlan):
     dq_launch: Launch | None = None                     # separate: the q-outer dQ kernel's launch
     wgmma_ops: tuple = ()                               # wgmma: the BackwardWgmma wrappers the template declares
     wgmma: dict = field(default_factory=dict)           # wgmma: role (s, dv, dk, dq) -> wrapper name
+    dp_wait_note: str = ""                              # wgmma: what is in flight when dS^T starts
 
     @property
     def loop_bodies(self):
@@ -77,14 +79,14 @@ def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
     return body
 
 
-def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0]) -> BackwardPlan:
+def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], **wgmma_options) -> BackwardPlan:
     """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it.
     `dq_vector`: fp32 values per dQ atomic (4 or 2; bench/backward_ab.py compares them)."""
     if dq_vector not in BACKWARD_DQ_VECTORS:
         raise ValueError(f"dq_vector must be one of {BACKWARD_DQ_VECTORS}, got {dq_vector}")
     why = backward_has_template(spec)
     if not why and spec.backward.mma is Mma.WGMMA:
-        return lower_backward_wgmma(spec, dq_vector)
+        return lower_backward_wgmma(spec, dq_vector, **wgmma_options)
     if why:
         key = "backward.order" if "kv outer" in why else "backward.dq" if "wgmma" in why else \
             "backward.dq" if "dq" in why else "dtype" if "fp16" in why else "backward"
@@ -179,10 +181,16 @@ def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv, 
 
 # ---- wgmma (templates/backward_wgmma.cu.j2) -------------------------------------------------------
 
-# The wgmma main kernel's q-loop order: both S^T and dP^T are issued before P^T is computed (dP^T
-# runs while the exps do), dV's wgmma runs while dS^T is computed, dK's while dS^T is staged.
-_WGMMA_ORDER = ("mma_qk", "mma_dp", "mask", "recompute_p", "mma_dv", "softmax_grad", "mma_dk", "stage_ds", "mma_dq",
-                "accumulate_dq")
+# The wgmma main kernel's q-loop orders: both S^T and dP^T are issued before P^T is computed (dP^T
+# runs while the exps do). "early": dV's wgmma is issued next and runs while dS^T is computed
+# (P^T's fragments live through it); "late": dV's and dK's are issued together after dS^T (fewer
+# live registers: P^T's fp32 values die as its fragments are packed).
+_WGMMA_ORDERS = {
+    "early": ("mma_qk", "mma_dp", "mask", "recompute_p", "mma_dv", "softmax_grad", "mma_dk", "stage_ds", "mma_dq",
+              "accumulate_dq"),
+    "late": ("mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv", "mma_dk", "stage_ds", "mma_dq",
+             "accumulate_dq"),
+}
 
 
 @dataclass(frozen=True)
@@ -208,9 +216,18 @@ def _wrappers(br: int, d: int, dv: int, dq_cols: int) -> tuple[tuple[BackwardWgm
     return tuple(wrappers.values()), names
 
 
-def lower_backward_wgmma(spec: KernelSpec, dq_vector: int) -> BackwardPlan:
+def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None = None,
+                         dv_waited: bool | None = None) -> BackwardPlan:
+    """`dv_order` ("early" | "late") and `dv_waited` (early only: dS^T waits for dV's wgmma too, so
+    P^T's fragments die first): layout.backward_wgmma_dv_schedule's choice unless given (A/B)."""
     p, b = spec.problem, spec.backward
     lay = backward_layout(spec, H200)
+    chosen = backward_wgmma_dv_schedule(b.tile_q, p.head_dim_qk)
+    dv_order = dv_order or chosen[0]
+    dv_waited = chosen[1] if dv_waited is None else dv_waited
+    if dv_order not in _WGMMA_ORDERS:
+        raise ValueError(f"dv_order must be one of {sorted(_WGMMA_ORDERS)}, got {dv_order!r}")
+    pending = 1 if dv_order == "early" and not dv_waited else 0
     main, split = lay.main, lay.dq_split
     buf = {x.name: x for x in main.buffers}
     d, bc = p.head_dim_qk, b.tile_kv
@@ -247,12 +264,16 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int) -> BackwardPlan:
         Constant("DQ_WARPGROUP_COLS", "int", dq_cols0, "warpgroup 1's first column of dQ_i"),
         Constant("DQ_BLOCK_BARRIER", "bool", split != "k", "dQ_i reads the other warpgroup's dS^T"),
         Constant("DQ_VECTOR", "int", dq_vector, "fp32 per dQ atomic (red.global.add.v4 / .v2)"),
+        Constant("DP_WAIT_PENDING", "int", pending, f"wgmma groups left in flight when dS^T starts (dV {dv_order}"
+                 + (", waited" if dv_waited and dv_order == "early" else "") + ")"),
         Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
         Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
         *softmax_constants(p),
     ]
     names = {"preprocess": f"{backward_kernel_name(spec)}_preprocess", "main": f"{backward_kernel_name(spec)}_main",
              "convert": f"{backward_kernel_name(spec)}_convert"}
+    dp_note = "dV still running" if pending else ("dV's wgmma waited for too" if dv_order == "early"
+                                                   else "dV, dK are issued after it")
     w = lambda key: _where(spec, key)   # noqa: E731
     regions = {
         "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum"),
@@ -266,7 +287,8 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int) -> BackwardPlan:
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
     }
     body = {op.kind: op for op in _loop_body(spec, True)}
-    assert set(body) == set(_WGMMA_ORDER), sorted(body)
+    order = _WGMMA_ORDERS[dv_order]
+    assert set(body) == set(order), sorted(body)
     ops, wgmma = _wrappers(b.tile_q, d, p.head_dim_v, lay.dq_cols)
-    return _make(spec, consts, regions, [body[k] for k in _WGMMA_ORDER], main, names, True, None, bc,
-                 template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma")
+    return _make(spec, consts, regions, [body[k] for k in order], main, names, True, None, bc,
+                 template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note)
