@@ -1,6 +1,6 @@
 """A/B of backward variants in ONE GPU call: each variant is checked against float64 autograd on a
 small shape (tune_backward.check_backward; a wrong one is reported and not timed), then timed with
-SDPA's flash and cuDNN backward in the same process, bf16, d 64/128, seqlen 1k/4k/16k (16k tokens
+SDPA's flash and cuDNN backward in the same process, bf16, d 64/128, seqlen 1k-16k (16k tokens
 per shape), causal and not. The lead picks winners into backward.BACKWARD_TUNED from the JSON.
 
     python bench/backward_ab.py OUT.json [--seqlen 1024 4096 16384] [--heads-dims 64 128]
@@ -18,19 +18,19 @@ import subprocess
 import sys
 import time
 
-# (name, (tile q, tile kv, warps, stages), dq_vector, mma)
+# (name, (tile q, tile kv, warps, stages), dq_vector, mma, wgmma lowering options)
+# wgmma options (lower_backward_wgmma): dv_order early | late, dv_waited, dq_staged; unnamed = layout's choice.
 VARIANTS = {
-    64: [("current_q128_kv128_w8_s2_v2", (128, 128, 8, 2), 2, "mma.sync"),
-         ("q128_kv128_w8_s2", (128, 128, 8, 2), 4, "mma.sync"),
-         ("q64_kv128_w8_s2", (64, 128, 8, 2), 4, "mma.sync"),
-         ("wgmma_q64_kv128_s2_v2", (64, 128, 8, 2), 2, "wgmma"),
-         ("wgmma_q64_kv128_s2", (64, 128, 8, 2), 4, "wgmma"),
-         ("wgmma_q128_kv128_s2", (128, 128, 8, 2), 4, "wgmma")],
-    128: [("current_q64_kv128_w8_s2_v2", (64, 128, 8, 2), 2, "mma.sync"),
-          ("q64_kv128_w8_s2", (64, 128, 8, 2), 4, "mma.sync"),
-          ("wgmma_q64_kv128_s2_v2", (64, 128, 8, 2), 2, "wgmma"),
-          ("wgmma_q64_kv128_s2", (64, 128, 8, 2), 4, "wgmma"),
-          ("wgmma_q64_kv128_s1", (64, 128, 8, 1), 4, "wgmma")],
+    64: [("current_q128_kv128_w8_s2_v2", (128, 128, 8, 2), 2, "mma.sync", {}),
+         ("wgmma_q128_run1", (128, 128, 8, 2), 4, "wgmma", {"dv_waited": False, "dq_staged": False}),
+         ("wgmma_q128_unstaged", (128, 128, 8, 2), 4, "wgmma", {"dq_staged": False}),
+         ("wgmma_q128", (128, 128, 8, 2), 4, "wgmma", {}),
+         ("wgmma_q128_late", (128, 128, 8, 2), 4, "wgmma", {"dv_order": "late"})],
+    128: [("current_q64_kv128_w8_s2_v2", (64, 128, 8, 2), 2, "mma.sync", {}),
+          ("wgmma_q64_run1", (64, 128, 8, 2), 2, "wgmma", {"dq_staged": False}),
+          ("wgmma_q64", (64, 128, 8, 2), 4, "wgmma", {}),
+          ("wgmma_q64_late", (64, 128, 8, 2), 4, "wgmma", {"dv_order": "late"}),
+          ("wgmma_q64_s1", (64, 128, 8, 1), 4, "wgmma", {})],
 }
 
 
@@ -68,7 +68,7 @@ def main() -> int:
     from tiledsl.tune_model import Shape
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--commit", default="")
@@ -82,9 +82,9 @@ def main() -> int:
     for d in args.head_dims:   # NVRTC in threads first (cubins are cached on disk; functions() then only loads)
         for causal in (False, True):
             base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
-            for name, tile, vector, mma in VARIANTS[d]:
+            for name, tile, vector, mma, options in VARIANTS[d]:
                 spec = variant_spec(base, tile, mma)
-                plan = lower_backward(spec, dq_vector=vector)
+                plan = lower_backward(spec, dq_vector=vector, **options)
                 built.append((BackwardKernel(spec, plan).source, plan.kernel_name))
     with ThreadPoolExecutor(16) as pool:
         for f in [pool.submit(compile_cubin, src, name, device_arch()) for src, name in built]:
@@ -93,10 +93,10 @@ def main() -> int:
     for d in args.head_dims:   # build and check every variant first (small shape, float64 autograd)
         for causal in (False, True):
             base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
-            for name, tile, vector, mma in VARIANTS[d]:
+            for name, tile, vector, mma, options in VARIANTS[d]:
                 spec = variant_spec(base, tile, mma)
                 try:
-                    kern = BackwardKernel(spec, lower_backward(spec, dq_vector=vector))
+                    kern = BackwardKernel(spec, lower_backward(spec, dq_vector=vector, **options))
                     ok, errors, why = check_backward(kern)
                 except Exception as err:
                     kern, ok, errors, why = None, False, {}, f"build: {str(err).splitlines()[0][:200]}"
@@ -115,7 +115,7 @@ def main() -> int:
                 shape = Shape(batch, heads, n, n)
                 base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
                 flops = backward_flops(base, shape)
-                row = {"kernel": base.kernel_name, "family": "backward kv-outer mma.sync", "dtype": "bf16", "head_dim": d,
+                row = {"kernel": base.kernel_name, "family": "backward kv-outer (mma.sync, wgmma_*)", "dtype": "bf16", "head_dim": d,
                        "seqlen": n, "batch": batch, "heads": heads, "causal": causal, "tflops": {}, "checks": {},
                        "peers": {}}
                 for label, ms in peers(q, k, v, do, causal).items():

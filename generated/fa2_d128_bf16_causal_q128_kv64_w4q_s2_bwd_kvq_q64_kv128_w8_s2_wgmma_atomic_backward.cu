@@ -456,7 +456,7 @@ struct C {
     static constexpr u32 LSE_OFFSET = 147456;
     static constexpr u32 DROW_OFFSET = 148480;
     static constexpr u32 ROW_STAGE_BYTES = 256;
-    static constexpr u32 SMEM_BYTES = 149504;
+    static constexpr u32 SMEM_BYTES = 184320;
     static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int DQ_COLS = 64;   // dQ_i = dS K_j split n (layout.backward_wgmma_dq_split): columns per warpgroup
     static constexpr int DQ_K16 = 8;   // 16-key steps of a warpgroup's dQ_i
@@ -465,7 +465,11 @@ struct C {
     static constexpr int DQ_WARPGROUP_ROWS = 0;   // warpgroup 1's first row of dQ_i
     static constexpr int DQ_WARPGROUP_COLS = 64;   // warpgroup 1's first column of dQ_i
     static constexpr bool DQ_BLOCK_BARRIER = true;   // dQ_i reads the other warpgroup's dS^T
-    static constexpr int DQ_VECTOR = 2;   // fp32 per dQ atomic (red.global.add.v4 / .v2)
+    static constexpr int DQ_VECTOR = 2;   // fp32 per dQ atomic from registers (red.global.add.v4 / .v2)
+    static constexpr bool DQ_STAGED = true;   // dQ_i -> fp32 staging, atomics after the next step's S^T, dP^T issue
+    static constexpr u32 DQ_STAGE_OFFSET = 149504;
+    static constexpr int DQ_STAGE_ROW_BYTES = 544;   // padded: conflict-free float2 stores
+    static constexpr int DP_WAIT_PENDING = 1;   // wgmma groups left in flight when dS^T starts (dV early)
     static constexpr int PRE_ROWS = 64;   // preprocess / convert: q rows per block
     static constexpr int PRE_THREADS = 256;
     static constexpr MaskKind MASK = MASK_CAUSAL;
@@ -675,6 +679,27 @@ __device__ __forceinline__ void pack_fragments(u32 (&frag)[K16][4], const float 
     }
 }
 
+// The staged dQ_i of step `s` (fp32 rows in shared memory) -> dQ_accum: consecutive threads take
+// consecutive 16 bytes of a row (coalesced red.global.add.v4), rows past q_len skipped.
+template <class C>
+__device__ __forceinline__ void flush_dq(u32 stage, float* dq_accum, int s, int tiles, int tile_begin, int batch, int heads,
+                                         int kv_head, int kv_group, int q_len) {
+    const int head = kv_head * kv_group + s / tiles, q0 = (tile_begin + s % tiles) * C::BR;
+    float* rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D;
+    constexpr int VECTORS = C::D / 4;   // float4 per row
+    static_assert((C::BR * VECTORS) % C::THREADS == 0, "whole passes over dQ_i");
+#pragma unroll 2   // few live registers: S^T and dP^T accumulators are in flight
+    for (int i = 0; i < C::BR * VECTORS / C::THREADS; ++i) {
+        const int index = i * C::THREADS + (int)threadIdx.x, row = index / VECTORS, col = (index % VECTORS) * 4;
+        if (q0 + row < q_len) {
+            float4 x;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                         : "r"(stage + row * C::DQ_STAGE_ROW_BYTES + col * 4));
+            red_add4(rows + row * C::D + col, x.x, x.y, x.z, x.w);
+        }
+    }
+}
+
 // This warpgroup's barrier (ids 1, 2), or the block's.
 template <bool BLOCK>
 __device__ __forceinline__ void dq_barrier(int warpgroup) {
@@ -816,6 +841,9 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         issue_abt<C::BR / 8, C::D / 16, C::BC, wgmma_ss_n64>(acc_s, k_tile, warpgroup * 64, q_tile);
         // [backward_wgmma_d128.tile:15] dP^T = V_j dO_i^T
         issue_abt<C::BR / 8, C::DV / 16, C::BC, wgmma_ss_n64>(acc_dp, v_tile, warpgroup * 64, do_tile);
+        if constexpr (C::DQ_STAGED)   // the last step's dQ_i (staged; the barrier above made it visible) while they run
+            if (s > 0) flush_dq<C>(smem_base + C::DQ_STAGE_OFFSET, dq_accum, s - 1, tiles, tile_begin, batch, heads, kv_head,
+                                   kv_group, q_len);
         wgmma_wait<1>();   // S^T has landed; dP^T may still be running
         fence_accumulators(flat(acc_s));
         // [backward_wgmma_d128.tile:6] mask keys outside the sequence / diagonal / window and rows past q_len (only tiles that need it)
@@ -851,9 +879,9 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         pack_fragments(p_frag, acc_s);
         wgmma_fence();
         issue_ab<C::DV / 8, C::BR / 16, wgmma_rs_n128>(acc_dv, p_frag, do_tile);
-        wgmma_wait<1>();   // dP^T has landed; dV may still be running
-        fence_accumulators(flat(acc_dp));
         // [backward_wgmma_d128.tile:13] dS^T = P^T * (dP^T - D_i)
+        wgmma_wait<C::DP_WAIT_PENDING>();   // dP^T has landed (dV still running)
+        fence_accumulators(flat(acc_dp));
 #pragma unroll
         for (int nt = 0; nt < C::BR / 8; ++nt) {
             const float2 dr = load_shared_f2(drow_tile + (nt * 8 + (lane & 3) * 2) * 4);
@@ -895,7 +923,17 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             const int head = kv_head * kv_group + s / tiles;
             const int rows0 = warpgroup * C::DQ_WARPGROUP_ROWS + (warp % 4) * 16;   // this warp's 16 rows of dQ_i
             float* dq_rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D + warpgroup * C::DQ_WARPGROUP_COLS;
-            if constexpr (C::DQ_VECTOR == 4) {
+            if constexpr (C::DQ_STAGED) {   // every thread's rows and columns, fp32, into the staging rows
+                const u32 stage = smem_base + C::DQ_STAGE_OFFSET + warpgroup * C::DQ_WARPGROUP_COLS * 4 + (lane & 3) * 8;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = rows0 + (lane >> 2) + 8 * h;
+#pragma unroll
+                    for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
+                        asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(stage + row * C::DQ_STAGE_ROW_BYTES + nt * 32),
+                                     "f"(acc_dq[0][nt][2 * h]), "f"(acc_dq[0][nt][2 * h + 1]) : "memory");
+                }
+            } else if constexpr (C::DQ_VECTOR == 4) {
                 // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3, the odd lane row r + 8
                 const int odd = lane & 1, col = ((lane & 3) >> 1) * 4;
                 const int row = rows0 + (lane >> 2) + 8 * odd;
@@ -922,6 +960,12 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         }
     }
     cp_async_wait<0>();
+    if constexpr (C::DQ_STAGED)
+        if (steps > 0) {
+            __syncthreads();   // the last step's dQ_i staging is complete
+            flush_dq<C>(smem_base + C::DQ_STAGE_OFFSET, dq_accum, steps - 1, tiles, tile_begin, batch, heads, kv_head, kv_group,
+                        q_len);
+        }
 
     // [backward_wgmma_d128.tile:15] dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)
     {

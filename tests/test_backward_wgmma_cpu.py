@@ -38,7 +38,7 @@ def test_layout_buffers_and_dq_split(tile_q, head_dim, split):
     for b in lay.main.buffers:
         assert b.offset % SWIZZLE_ATOM == 0 and (b.stage_bytes or b.bytes) % 128 == 0, b
     names = [b.name for b in lay.main.buffers]
-    assert names == ["K", "V", "Q", "dO", "dS^T", "LSE", "D"]
+    assert names == ["K", "V", "Q", "dO", "dS^T", "LSE", "D"] + (["dQ_i staging"] if split != "k" else [])
     assert lay.main.smem_bytes <= lay.main.smem_limit
 
 
@@ -94,3 +94,18 @@ def test_bundled_wgmma_main_kernel_is_spill_free(spec):
     plan = lower_backward(spec)
     res = nvcc.resources(render(plan), plan.kernel_names["main"])
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res.report
+
+
+def test_dq_staging_and_dv_schedule_options():
+    from tiledsl.layout import backward_wgmma_dv_schedule
+    consts = lambda plan: {c.name: c.value for c in plan.constants}   # noqa: E731
+    staged = consts(lower_backward(wgmma(64, 128)))
+    assert staged["DQ_STAGED"] and staged["DQ_STAGE_ROW_BYTES"] == 128 * 4 + 32 and staged["DP_WAIT_PENDING"] == 1
+    assert not consts(lower_backward(wgmma(64, 128), dq_staged=False))["DQ_STAGED"]
+    assert not consts(lower_backward(wgmma(64, 64)))["DQ_STAGED"]   # split k: no staging buffer
+    with pytest.raises(ValueError, match="staging"):
+        lower_backward(wgmma(64, 64), dq_staged=True)
+    assert backward_wgmma_dv_schedule(128, 64) == ("early", True)
+    assert consts(lower_backward(wgmma(128, 64)))["DP_WAIT_PENDING"] == 0
+    late = lower_backward(wgmma(64, 128), dv_order="late")
+    assert [op.kind for op in late.loop_body][4:6] == ["softmax_grad", "mma_dv"] and consts(late)["DP_WAIT_PENDING"] == 0

@@ -35,7 +35,9 @@ _FALLBACK_TILES = ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8
 # everything else keeps the mma.sync kernel. Off until an H200 run shows it validated and faster.
 BACKWARD_WGMMA = False
 # (head dim) -> (tile q, tile kv, warps, stages) of the wgmma kernel: 2 warpgroups x 64 keys.
-BACKWARD_WGMMA_TUNED: dict[int, tuple[int, int, int, int]] = {64: (64, 128, 8, 2), 128: (64, 128, 8, 2)}
+# d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns): bench/results/2026-12-01-backward-ab-1.json
+# (d64 q64 splits dQ by keys, twice the atomics: no faster than mma.sync there).
+BACKWARD_WGMMA_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
 MAX_GRID_Y = 65535
 
 
@@ -273,14 +275,21 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
         raise RuntimeInputError(f"attention_backward: head dims must be multiples of 16, got q {d}, v {dv}")
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
-    arch = device_arch()
+    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
+                                bool(deterministic), mma)
+    return kernel_for(spec)(q, k, v, o, lse, do, kv_lens)
+
+
+def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+                         window: tuple[int, int] | None = None, scale: float | None = None, deterministic: bool = False,
+                         mma: str | None = None) -> KernelSpec:
+    """The spec attention_backward runs: `mma` "wgmma" / "mma.sync" forced, or None: wgmma when
+    BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync."""
     if mma is None:
-        chosen = Mma.WGMMA if BACKWARD_WGMMA and not wgmma_refusal(arch, d, dv, bool(deterministic)) else Mma.SYNC
+        chosen = Mma.WGMMA if BACKWARD_WGMMA and not wgmma_refusal(arch, head_dim, head_dim_v, deterministic) else Mma.SYNC
     else:
         table = {m.value: m for m in Mma}
         if mma not in table:
             raise ValueError(f"attention_backward: mma must be one of {sorted(table)} or None, got {mma!r}")
         chosen = table[mma]
-    spec = backward_spec(arch, qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
-                         bool(deterministic), chosen)
-    return kernel_for(spec)(q, k, v, o, lse, do, kv_lens)
+    return backward_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, deterministic, chosen)

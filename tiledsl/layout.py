@@ -730,6 +730,13 @@ def backward_wgmma_dq_split(tile_q: int, head_dim: int) -> str:
     return "n" if head_dim % (2 * PANEL_COLUMNS) == 0 else "k"
 
 
+BACKWARD_WGMMA_DQ_STAGE_PAD = 32   # bytes after each fp32 dQ_i staging row: a half-warp's float2 stores (4 rows) hit distinct banks
+
+
+def backward_wgmma_dq_stage_row_bytes(head_dim: int) -> int:
+    return head_dim * 4 + BACKWARD_WGMMA_DQ_STAGE_PAD
+
+
 def backward_wgmma_dv_schedule(tile_q: int, head_dim: int) -> tuple[str, bool]:
     """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS): "early" overlaps it
     with dS^T's arithmetic; at tile q 128 that keeps P^T's 32 fragment registers alive over dS^T and
@@ -765,6 +772,9 @@ def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
     add("dS^T", Bc * Br * 2, 1, f"Bc*Br*2 = {Bc}*{Br}*2 (A operand, MN-major, of dQ_i = dS K_j)")
     add("LSE", Br * 4, S, f"{S}x Br*4")
     add("D", Br * 4, S, f"{S}x Br*4")
+    if split != "k":   # dQ_i in fp32, flushed to dQ_accum by coalesced atomics while the next step's wgmmas run
+        add("dQ_i staging", Br * backward_wgmma_dq_stage_row_bytes(d), 1,
+            f"Br*(d*4+{BACKWARD_WGMMA_DQ_STAGE_PAD}) = {Br}*({d}*4+{BACKWARD_WGMMA_DQ_STAGE_PAD})")
     dq_cols = d // 2 if split == "n" else d
     acc = [Registers("dK accumulator", d // 2, f"d/2 = {d}/2 (64 x d over a warpgroup)", True),
            Registers("dV accumulator", dv // 2, f"dv/2 = {dv}/2", True),
@@ -773,6 +783,14 @@ def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
            Registers("P^T, dS^T fragments", Br // 2, f"2 x Br/4 = 2 x {Br}/4"),
            Registers("dQ_i accumulator", dq_cols // 2, f"{dq_cols}/2 (dQ split {split}; after S^T, dP^T die)"),
            Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
+    live = [r for r in acc if r.accumulator]
+    estimate = sum(r.amount for r in live)
+    _require(estimate <= _register_limit(threads, limits), spec, tile_key,
+             f"registers: ~{estimate} per thread estimated (" + " + ".join(f"{r.name} {r.amount}" for r in live)
+             + f") > {_register_limit(threads, limits)} available", "use tile q = 64")
+    _require(end <= limits.max_shared_per_block, spec, tile_key if S == 1 else "backward.pipeline",
+             f"shared memory: {end} bytes needed (" + " + ".join(f"{b.name} {b.bytes}" for b in buffers)
+             + f") > {limits.max_shared_per_block} available", "use fewer stages or a smaller tile q")
     main = _finish(spec, "backward_wgmma", limits, buffers, end, acc, threads, 1, stages=S, rows_per_warp=16)
     return BackwardLayout(main, 1, 1, 2 if split == "m" else 1, dq_cols, dq_split=split)
 

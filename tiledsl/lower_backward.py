@@ -13,7 +13,7 @@ from .errors import SpecError
 from .lower_wgmma import WgmmaAsm
 from .graph_backward import build_backward_graph
 from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
-                     backward_wgmma_dv_schedule,
+                     backward_wgmma_dq_stage_row_bytes, backward_wgmma_dv_schedule,
                      backward_layout, tile_row_bytes)
 from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, graph_loop_body, make_plan,
                     smem_constants, softmax_constants, tile_row_constants)
@@ -217,11 +217,18 @@ def _wrappers(br: int, d: int, dv: int, dq_cols: int) -> tuple[tuple[BackwardWgm
 
 
 def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None = None,
-                         dv_waited: bool | None = None) -> BackwardPlan:
+                         dv_waited: bool | None = None, dq_staged: bool | None = None) -> BackwardPlan:
     """`dv_order` ("early" | "late") and `dv_waited` (early only: dS^T waits for dV's wgmma too, so
-    P^T's fragments die first): layout.backward_wgmma_dv_schedule's choice unless given (A/B)."""
+    P^T's fragments die first): layout.backward_wgmma_dv_schedule's choice unless given (A/B).
+    `dq_staged`: dQ_i goes through the layout's fp32 staging buffer and its atomics are issued, row-
+    coalesced, after the next step's S^T, dP^T wgmmas (default: where the layout has the buffer); else
+    each thread's accumulators are added straight from registers (dq_vector wide)."""
     p, b = spec.problem, spec.backward
     lay = backward_layout(spec, H200)
+    staging = next((x for x in lay.main.buffers if x.name == "dQ_i staging"), None)
+    dq_staged = staging is not None if dq_staged is None else dq_staged
+    if dq_staged and staging is None:
+        raise ValueError(f"dq_staged: the layout has no dQ_i staging buffer (dQ split {lay.dq_split})")
     chosen = backward_wgmma_dv_schedule(b.tile_q, p.head_dim_qk)
     dv_order = dv_order or chosen[0]
     dv_waited = chosen[1] if dv_waited is None else dv_waited
@@ -263,7 +270,10 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         Constant("DQ_WARPGROUP_ROWS", "int", dq_rows, "warpgroup 1's first row of dQ_i"),
         Constant("DQ_WARPGROUP_COLS", "int", dq_cols0, "warpgroup 1's first column of dQ_i"),
         Constant("DQ_BLOCK_BARRIER", "bool", split != "k", "dQ_i reads the other warpgroup's dS^T"),
-        Constant("DQ_VECTOR", "int", dq_vector, "fp32 per dQ atomic (red.global.add.v4 / .v2)"),
+        Constant("DQ_VECTOR", "int", dq_vector, "fp32 per dQ atomic from registers (red.global.add.v4 / .v2)"),
+        Constant("DQ_STAGED", "bool", dq_staged, "dQ_i -> fp32 staging, atomics after the next step's S^T, dP^T issue"),
+        Constant("DQ_STAGE_OFFSET", "u32", staging.offset if dq_staged else 0),
+        Constant("DQ_STAGE_ROW_BYTES", "int", backward_wgmma_dq_stage_row_bytes(d), "padded: conflict-free float2 stores"),
         Constant("DP_WAIT_PENDING", "int", pending, f"wgmma groups left in flight when dS^T starts (dV {dv_order}"
                  + (", waited" if dv_waited and dv_order == "early" else "") + ")"),
         Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
