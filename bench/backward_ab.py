@@ -22,15 +22,13 @@ import time
 # wgmma options (lower_backward_wgmma): dv_order early | late, dv_waited, dq_staged; unnamed = layout's choice.
 VARIANTS = {
     64: [("current_q128_kv128_w8_s2_v2", (128, 128, 8, 2), 2, "mma.sync", {}),
-         ("wgmma_q128_run1", (128, 128, 8, 2), 4, "wgmma", {"dv_waited": False, "dq_staged": False}),
-         ("wgmma_q128_unstaged", (128, 128, 8, 2), 4, "wgmma", {"dq_staged": False}),
+         ("wgmma_q128_early", (128, 128, 8, 2), 4, "wgmma", {"dv_order": "early", "dv_waited": True}),
          ("wgmma_q128", (128, 128, 8, 2), 4, "wgmma", {}),
-         ("wgmma_q128_late", (128, 128, 8, 2), 4, "wgmma", {"dv_order": "late"})],
+         ("wgmma_q128_s3", (128, 128, 8, 3), 4, "wgmma", {})],
     128: [("current_q64_kv128_w8_s2_v2", (64, 128, 8, 2), 2, "mma.sync", {}),
-          ("wgmma_q64_run1", (64, 128, 8, 2), 2, "wgmma", {"dq_staged": False}),
+          ("wgmma_q64_early", (64, 128, 8, 2), 4, "wgmma", {"dv_order": "early"}),
           ("wgmma_q64", (64, 128, 8, 2), 4, "wgmma", {}),
-          ("wgmma_q64_late", (64, 128, 8, 2), 4, "wgmma", {"dv_order": "late"}),
-          ("wgmma_q64_s1", (64, 128, 8, 1), 4, "wgmma", {})],
+          ("wgmma_q64_s3", (64, 128, 8, 3), 4, "wgmma", {})],
 }
 
 

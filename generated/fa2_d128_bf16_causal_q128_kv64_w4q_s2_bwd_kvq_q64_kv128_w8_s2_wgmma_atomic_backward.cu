@@ -469,7 +469,7 @@ struct C {
     static constexpr bool DQ_STAGED = true;   // dQ_i -> fp32 staging, atomics after the next step's S^T, dP^T issue
     static constexpr u32 DQ_STAGE_OFFSET = 149504;
     static constexpr int DQ_STAGE_ROW_BYTES = 544;   // padded: conflict-free float2 stores
-    static constexpr int DP_WAIT_PENDING = 1;   // wgmma groups left in flight when dS^T starts (dV early)
+    static constexpr int DP_WAIT_PENDING = 0;   // wgmma groups left in flight when dS^T starts (dV late)
     static constexpr int PRE_ROWS = 64;   // preprocess / convert: q rows per block
     static constexpr int PRE_THREADS = 256;
     static constexpr MaskKind MASK = MASK_CAUSAL;
@@ -875,12 +875,8 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = fast_exp2(fmaf(acc_s[0][nt][e], C::SCALE_LOG2, -((e & 1) ? l1 : l0)));
         }
-        // [backward_wgmma_d128.tile:15] dV += P^T dO_i
-        pack_fragments(p_frag, acc_s);
-        wgmma_fence();
-        issue_ab<C::DV / 8, C::BR / 16, wgmma_rs_n128>(acc_dv, p_frag, do_tile);
         // [backward_wgmma_d128.tile:13] dS^T = P^T * (dP^T - D_i)
-        wgmma_wait<C::DP_WAIT_PENDING>();   // dP^T has landed (dV still running)
+        wgmma_wait<C::DP_WAIT_PENDING>();   // dP^T has landed (dV, dK are issued after it)
         fence_accumulators(flat(acc_dp));
 #pragma unroll
         for (int nt = 0; nt < C::BR / 8; ++nt) {
@@ -889,6 +885,10 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - ((e & 1) ? dr.y : dr.x));
         }
         pack_fragments(ds_frag, acc_dp);
+        // [backward_wgmma_d128.tile:15] dV += P^T dO_i
+        pack_fragments(p_frag, acc_s);
+        wgmma_fence();
+        issue_ab<C::DV / 8, C::BR / 16, wgmma_rs_n128>(acc_dv, p_frag, do_tile);
         // [backward_wgmma_d128.tile:15] dK += dS^T Q_i   (scale at the store)
         wgmma_fence();
         issue_ab<C::D / 8, C::BR / 16, wgmma_rs_n128>(acc_dk, ds_frag, q_tile);

@@ -56,7 +56,7 @@ def test_refusals_name_the_backward_line():
 def test_plan_order_and_wrappers():
     plan = lower_backward(wgmma(64, 128))
     assert plan.template == WGMMA_TEMPLATE and plan.mma == "wgmma"
-    assert [op.kind for op in plan.loop_body] == ["mma_qk", "mma_dp", "mask", "recompute_p", "mma_dv", "softmax_grad",
+    assert [op.kind for op in plan.loop_body] == ["mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv",
                                                   "mma_dk", "stage_ds", "mma_dq", "accumulate_dq"]
     ops = {w.name: w for w in plan.wgmma_ops}
     s, dv, dq = ops[plan.wgmma["s"]], ops[plan.wgmma["dv"]], ops[plan.wgmma["dq"]]
@@ -100,12 +100,12 @@ def test_dq_staging_and_dv_schedule_options():
     from tiledsl.layout import backward_wgmma_dv_schedule
     consts = lambda plan: {c.name: c.value for c in plan.constants}   # noqa: E731
     staged = consts(lower_backward(wgmma(64, 128)))
-    assert staged["DQ_STAGED"] and staged["DQ_STAGE_ROW_BYTES"] == 128 * 4 + 32 and staged["DP_WAIT_PENDING"] == 1
+    assert staged["DQ_STAGED"] and staged["DQ_STAGE_ROW_BYTES"] == 128 * 4 + 32 and staged["DP_WAIT_PENDING"] == 0
     assert not consts(lower_backward(wgmma(64, 128), dq_staged=False))["DQ_STAGED"]
     assert not consts(lower_backward(wgmma(64, 64)))["DQ_STAGED"]   # split k: no staging buffer
     with pytest.raises(ValueError, match="staging"):
         lower_backward(wgmma(64, 64), dq_staged=True)
-    assert backward_wgmma_dv_schedule(128, 64) == ("early", True)
-    assert consts(lower_backward(wgmma(128, 64)))["DP_WAIT_PENDING"] == 0
-    late = lower_backward(wgmma(64, 128), dv_order="late")
-    assert [op.kind for op in late.loop_body][4:6] == ["softmax_grad", "mma_dv"] and consts(late)["DP_WAIT_PENDING"] == 0
+    assert backward_wgmma_dv_schedule(128, 64) == backward_wgmma_dv_schedule(64, 128) == ("late", False)
+    early = lower_backward(wgmma(64, 128), dv_order="early")
+    assert [op.kind for op in early.loop_body][4:6] == ["mma_dv", "softmax_grad"] and consts(early)["DP_WAIT_PENDING"] == 1
+    assert consts(lower_backward(wgmma(128, 64), dv_order="early", dv_waited=True))["DP_WAIT_PENDING"] == 0

@@ -32,8 +32,9 @@ _FALLBACK_TILES = ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8
 
 # The wgmma main kernel (templates/backward_wgmma.cu.j2): attention_backward uses it when this is on,
 # the GPU is a Hopper (sm_90a) and BACKWARD_WGMMA_TUNED has the head dim (same qk and v head dims, atomic dQ);
-# everything else keeps the mma.sync kernel. Off until an H200 run shows it validated and faster.
-BACKWARD_WGMMA = False
+# everything else keeps the mma.sync kernel. On: validated on the H200 (tests/test_gpu_backward_wgmma.py) and
+# 1.3-1.5x the mma.sync kernel at 1k-16k (bench/results/2026-12-01-backward-ab-2.json).
+BACKWARD_WGMMA = True
 # (head dim) -> (tile q, tile kv, warps, stages) of the wgmma kernel: 2 warpgroups x 64 keys.
 # d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns): bench/results/2026-12-01-backward-ab-1.json
 # (d64 q64 splits dQ by keys, twice the atomics: no faster than mma.sync there).

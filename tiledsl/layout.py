@@ -738,10 +738,12 @@ def backward_wgmma_dq_stage_row_bytes(head_dim: int) -> int:
 
 
 def backward_wgmma_dv_schedule(tile_q: int, head_dim: int) -> tuple[str, bool]:
-    """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS): "early" overlaps it
-    with dS^T's arithmetic; at tile q 128 that keeps P^T's 32 fragment registers alive over dS^T and
-    ptxas spills (d64: 255 registers + 12 B), so there dS^T also waits for dV ("early", True)."""
-    return ("early", tile_q > WGMMA_ROWS)
+    """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS). "late" (dV and dK
+    issued together after dS^T) was the fastest at every shape of bench/results/2026-12-01-backward-ab-2.json
+    (d64 q128 +3-5%, d128 q64 +1-3% over "early") and the lightest on registers; "early" overlaps dV with
+    dS^T's arithmetic but keeps P^T's fragments alive over it (at tile q 128 it spills unless dS^T waits
+    for dV: ("early", True))."""
+    return ("late", False)
 
 
 def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
