@@ -23,8 +23,10 @@ def device_ms(torch, fn, calls=20) -> tuple[float, dict]:
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.events():
-        if e.device_type.name == "CUDA" and e.device_time_total > 0 and "Memset" not in e.name and "Memcpy" not in e.name:
-            kernels[e.name[:80]] = kernels.get(e.name[:80], 0.0) + e.device_time_total / 1000.0 / calls
+        us = getattr(e, "device_time_total", None)
+        us = getattr(e, "cuda_time_total", 0) if us is None else us
+        if e.device_type.name == "CUDA" and us > 0 and "Memset" not in e.name and "Memcpy" not in e.name:
+            kernels[e.name[:80]] = kernels.get(e.name[:80], 0.0) + us / 1000.0 / calls
     return sum(kernels.values()), kernels
 
 
