@@ -1,12 +1,13 @@
 """A/B of backward variants in ONE GPU call: each variant is checked against float64 autograd on a
 small shape (tune_backward.check_backward; a wrong one is reported and not timed), then timed with
-SDPA's flash and cuDNN backward in the same process, bf16, d 64/128, seqlen 1k/4k/16k (16k tokens
+SDPA's flash and cuDNN backward in the same process, bf16, d 64/128, seqlen 1k-16k (16k tokens
 per shape), causal and not. The lead picks winners into backward.BACKWARD_TUNED from the JSON.
 
     python bench/backward_ab.py OUT.json [--seqlen 1024 4096 16384] [--heads-dims 64 128]
 
 Variants: "current" = main's tuned config with v2 dQ atomics (what shipped before this change);
-the rest use lower_backward's default (v4 atomics) unless named _v2. TFLOP/s = 2.5 x forward FLOPs.
+the rest use v4 dQ atomics unless named _v2; wgmma_* are templates/backward_wgmma.cu.j2's main kernel
+(two warpgroups x 64 keys). TFLOP/s = 2.5 x forward FLOPs.
 """
 from __future__ import annotations
 
@@ -17,15 +18,24 @@ import subprocess
 import sys
 import time
 
-# (name, (tile q, tile kv, warps, stages), dq_vector)
+# (name, (tile q, tile kv, warps, stages), dq_vector, mma, wgmma lowering options)
+# wgmma options (lower_backward_wgmma): dv_order early | late, dv_waited, dq_staged; unnamed = layout's choice.
 VARIANTS = {
-    64: [("current_q128_kv128_w8_s2_v2", (128, 128, 8, 2), 2), ("q128_kv128_w8_s2", (128, 128, 8, 2), 4),
-         ("q64_kv128_w8_s2", (64, 128, 8, 2), 4), ("q128_kv64_w4_s2", (128, 64, 4, 2), 4),
-         ("q64_kv128_w8_s1", (64, 128, 8, 1), 4)],
-    128: [("current_q64_kv128_w8_s2_v2", (64, 128, 8, 2), 2), ("q64_kv128_w8_s2", (64, 128, 8, 2), 4),
-          ("q32_kv128_w8_s2", (32, 128, 8, 2), 4), ("q64_kv64_w4_s2", (64, 64, 4, 2), 4),
-          ("q64_kv128_w8_s1", (64, 128, 8, 1), 4)],
+    64: [("current_q128_kv128_w8_s2_v2", (128, 128, 8, 2), 2, "mma.sync", {}),
+         ("wgmma_q128_early", (128, 128, 8, 2), 4, "wgmma", {"dv_order": "early", "dv_waited": True}),
+         ("wgmma_q128", (128, 128, 8, 2), 4, "wgmma", {}),
+         ("wgmma_q128_s3", (128, 128, 8, 3), 4, "wgmma", {})],
+    128: [("current_q64_kv128_w8_s2_v2", (64, 128, 8, 2), 2, "mma.sync", {}),
+          ("wgmma_q64_early", (64, 128, 8, 2), 4, "wgmma", {"dv_order": "early"}),
+          ("wgmma_q64", (64, 128, 8, 2), 4, "wgmma", {}),
+          ("wgmma_q64_s3", (64, 128, 8, 3), 4, "wgmma", {})],
 }
+
+
+def variant_spec(base, tile, mma):
+    from tiledsl.spec import BackwardSchedule, DqAccumulate, KernelSpec, LoopOrder, Mma
+    return KernelSpec(base.name, base.problem, base.schedule,
+                      backward=BackwardSchedule(LoopOrder.KV_OUTER, *tile, mma=Mma(mma), dq=DqAccumulate.ATOMIC))
 
 
 def peers(q, k, v, do, causal):
@@ -51,15 +61,16 @@ def main() -> int:
     import tiledsl
     from tiledsl.backward import BackwardKernel, backward_spec
     from tiledsl.lower_backward import lower_backward
-    from tiledsl.spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask
+    from tiledsl.spec import DType, Mask
     from tiledsl.tune_backward import backward_flops, check_backward, time_backward_ms
     from tiledsl.tune_model import Shape
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--commit-note", default="")
     args = ap.parse_args()
     started = time.time()
     kernels, checks = {}, {}
@@ -69,10 +80,9 @@ def main() -> int:
     for d in args.head_dims:   # NVRTC in threads first (cubins are cached on disk; functions() then only loads)
         for causal in (False, True):
             base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
-            for name, tile, vector in VARIANTS[d]:
-                spec = KernelSpec(base.name, base.problem, base.schedule,
-                                  backward=BackwardSchedule(LoopOrder.KV_OUTER, *tile, dq=DqAccumulate.ATOMIC))
-                plan = lower_backward(spec, dq_vector=vector)
+            for name, tile, vector, mma, options in VARIANTS[d]:
+                spec = variant_spec(base, tile, mma)
+                plan = lower_backward(spec, dq_vector=vector, **options)
                 built.append((BackwardKernel(spec, plan).source, plan.kernel_name))
     with ThreadPoolExecutor(16) as pool:
         for f in [pool.submit(compile_cubin, src, name, device_arch()) for src, name in built]:
@@ -81,11 +91,10 @@ def main() -> int:
     for d in args.head_dims:   # build and check every variant first (small shape, float64 autograd)
         for causal in (False, True):
             base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
-            for name, tile, vector in VARIANTS[d]:
-                spec = KernelSpec(base.name, base.problem, base.schedule,
-                                  backward=BackwardSchedule(LoopOrder.KV_OUTER, *tile, dq=DqAccumulate.ATOMIC))
+            for name, tile, vector, mma, options in VARIANTS[d]:
+                spec = variant_spec(base, tile, mma)
                 try:
-                    kern = BackwardKernel(spec, lower_backward(spec, dq_vector=vector))
+                    kern = BackwardKernel(spec, lower_backward(spec, dq_vector=vector, **options))
                     ok, errors, why = check_backward(kern)
                 except Exception as err:
                     kern, ok, errors, why = None, False, {}, f"build: {str(err).splitlines()[0][:200]}"
@@ -104,12 +113,12 @@ def main() -> int:
                 shape = Shape(batch, heads, n, n)
                 base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
                 flops = backward_flops(base, shape)
-                row = {"kernel": base.kernel_name, "family": "backward kv-outer mma.sync", "dtype": "bf16", "head_dim": d,
+                row = {"kernel": base.kernel_name, "family": "backward kv-outer (mma.sync, wgmma_*)", "dtype": "bf16", "head_dim": d,
                        "seqlen": n, "batch": batch, "heads": heads, "causal": causal, "tflops": {}, "checks": {},
                        "peers": {}}
                 for label, ms in peers(q, k, v, do, causal).items():
                     row["peers"][label] = flops / ms / 1e9 if isinstance(ms, float) else ms
-                for name, _, _ in VARIANTS[d]:
+                for name, *_ in VARIANTS[d]:
                     kern = kernels[d, causal, name]
                     row["checks"][name] = checks[d, causal, name]
                     if kern is None:
@@ -125,6 +134,7 @@ def main() -> int:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "commit": commit,
+              "commit_note": args.commit_note,
               "command": "python bench/backward_ab.py " + " ".join(sys.argv[1:]), "seconds": time.time() - started,
               "rows": rows}
     with open(args.out, "w") as f:

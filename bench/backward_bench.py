@@ -40,8 +40,8 @@ def kernels(d: int, causal: bool) -> tuple[str, str, str]:
     mask = Mask.CAUSAL if causal else Mask.NONE
     spec, _ = tuned.tuned_spec(runtime.device_arch(), DType.BF16, d, mask, d, None, None, None)
     try:   # tiledsl/backward.py's table; its name is recorded when it offers one
-        from tiledsl.backward import backward_spec
-        backward = backward_spec(runtime.device_arch(), DType.BF16, d, mask).kernel_name
+        from tiledsl.backward import chosen_backward_spec
+        backward = chosen_backward_spec(runtime.device_arch(), DType.BF16, d, mask).kernel_name
     except Exception as err:   # an older or newer entry point: the row still records the forward
         backward = f"unknown ({type(err).__name__})"
     return spec.kernel_name, spec.family.value, backward

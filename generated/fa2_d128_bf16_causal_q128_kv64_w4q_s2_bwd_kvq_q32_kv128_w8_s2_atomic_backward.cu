@@ -528,6 +528,38 @@ __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, fl
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
+// LSE in log2 units; a row that saw no key (LSE = -inf) gets +inf so that exp2(s - lse) is 0, not NaN.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == NEG_INF ? -NEG_INF : lse * 1.4426950408889634f;
+}
+
+// Rows r of acc (16 per m-tile, from row0) as 16-bit values to global rows < rows_valid, times `scale`.
+template <int MT, int NT>
+__device__ __forceinline__ void store_rows(const float (&acc)[MT][NT][4], u16* rows, i64 row_stride, int row0, int rows_valid,
+                                           float scale, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + mt * 16 + (lane >> 2) + 8 * h;
+            if (row < rows_valid)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    *reinterpret_cast<u32*>(rows + row * row_stride + nt * 8 + (lane & 3) * 2) =
+                        pack2(acc[mt][nt][2 * h] * scale, acc[mt][nt][2 * h + 1] * scale);
+        }
+}
+
 // The address of 16-byte chunk `row`, chunk + `chunk2` of a tile, from `base` = the address of
 // (row, chunk) with chunk in {0, 1} and `chunk2` even: swizzled rows (a multiple of 128 bytes, tiles
 // 128-byte aligned) XOR bits 4-6 only, so the per-thread base is computed once and every fragment
@@ -619,37 +651,6 @@ __device__ __forceinline__ void mma_atb(float (&acc)[MT][NT][4], u32 a_tile, int
     }
 }
 
-template <int MT, int NT>
-__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-}
-
-// LSE in log2 units; a row that saw no key (LSE = -inf) gets +inf so that exp2(s - lse) is 0, not NaN.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == NEG_INF ? -NEG_INF : lse * 1.4426950408889634f;
-}
-
-// Rows r of acc (16 per m-tile, from row0) as 16-bit values to global rows < rows_valid, times `scale`.
-template <int MT, int NT>
-__device__ __forceinline__ void store_rows(const float (&acc)[MT][NT][4], u16* rows, i64 row_stride, int row0, int rows_valid,
-                                           float scale, int lane) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + mt * 16 + (lane >> 2) + 8 * h;
-            if (row < rows_valid)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    *reinterpret_cast<u32*>(rows + row * row_stride + nt * 8 + (lane & 3) * 2) =
-                        pack2(acc[mt][nt][2 * h] * scale, acc[mt][nt][2 * h + 1] * scale);
-        }
-}
 
 // ---- preprocess ------------------------------------------------------------------------------------
     // [backward_d128.tile:13] D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum (atomic dQ)

@@ -89,7 +89,7 @@ def test_check_refuses_what_does_not_fit_at_the_backward_line(backward, line, me
 
 
 @pytest.mark.parametrize("backward,why", [("order q, kv", "kv outer"), ("dq accumulate ordered", "ordered"),
-                                          ("tile q = 64, kv = 128; warps 8; mma wgmma", "mma.sync")])
+                                          ("tile q = 64, kv = 128; warps 8; mma wgmma; dq accumulate separate", "wgmma")])
 def test_backwards_without_a_template_check_but_do_not_lower(backward, why):
     spec = load_spec(kernel(backward, 128))   # the checker takes it (explain, reference_backward)
     assert why in backward_has_template(spec)

@@ -59,7 +59,7 @@ def rel(x, ref):
 
 
 def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=128, causal=False, window=None,
-        kv_lens=None, deterministic=False, from_forward=False, seed=0):
+        kv_lens=None, deterministic=False, from_forward=False, seed=0, mma=None, poison=False):
     import torch
     from tiledsl.backward import attention_backward
     torch.manual_seed(seed)
@@ -76,9 +76,12 @@ def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=1
         o, lse = tiledsl.attention(q, k, v, causal=causal, window=window, kv_lens=lens, return_lse=True)
     else:
         o, lse = o_ref.to(dt), lse_ref.float()
+    if poison:   # NaN blocks of dQ's, dK's, dV's sizes freed into torch's caching allocator: the outputs reuse them
+        blocks = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+        del blocks
     torch.cuda.synchronize()
     out = attention_backward(q, k, v, o, lse, do, causal=causal, window=window, kv_lens=lens,
-                             deterministic=deterministic)
+                             deterministic=deterministic, mma=mma)
     torch.cuda.synchronize()
     for x, like in zip(out, (q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype

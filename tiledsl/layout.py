@@ -708,6 +708,7 @@ class BackwardLayout:
     dq_kernel: tuple[Buffer, ...] = ()
     dq_kernel_smem: int = 0
     dq_kernel_threads: int = 0
+    dq_split: str = ""         # wgmma: how the warpgroups share dQ_i (backward_wgmma_dq_split)
 
 
 def backward_has_template(spec: KernelSpec) -> str:
@@ -720,8 +721,8 @@ def backward_has_template(spec: KernelSpec) -> str:
         return f"the backward template computes in fp16 or bf16, not {p.dtype.value}"
     if b.order is not LoopOrder.KV_OUTER:
         return "the backward template is kv outer (`order kv, q`)"
-    if b.mma is not Mma.SYNC:
-        return "the backward template runs on mma.sync"
+    if b.mma is Mma.WGMMA and b.dq.value != "atomic":
+        return "the wgmma backward sums dQ with fp32 atomics only (`dq accumulate atomic`)"
     if b.dq.value == "ordered":
         return "`dq accumulate ordered` has no template yet (`separate` is deterministic)"
     return ""
@@ -731,6 +732,8 @@ def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLa
     """Shared memory, registers and warps of the backward kernels (templates/backward.cu.j2); SpecError
     at the backward block's line when they do not fit."""
     b, p = spec.backward, spec.problem
+    if b.mma is Mma.WGMMA:
+        return _backward_wgmma(spec, limits)
     d, dv, Br, Bc, S = p.head_dim_qk, p.head_dim_v, b.tile_q, b.tile_kv, b.stages
     tile_key = "backward.tile" if spec.span_of("backward.tile") else "backward"
     _require(d % 16 == 0 and dv % 16 == 0 and max(d, dv) <= BACKWARD_MAX_DIM, spec, "head_dim",
@@ -792,6 +795,88 @@ def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLa
         _require(dq_regs <= limits.max_registers_per_thread, spec, tile_key,
                  f"registers of the dQ kernel: ~{dq_regs} per thread > {limits.max_registers_per_thread}")
     return BackwardLayout(main, kv_m_tiles, dq_m_tiles, dq_row_groups, dq_cols, tuple(dq_buffers), dq_end, dq_threads)
+
+
+# ---- the backward on wgmma (templates/backward_wgmma.cu.j2) -----------------------------------------
+
+BACKWARD_WGMMA_TILE_Q = (64, 128)   # q rows per step: one or two 64-column panels of dS^T (wgmma m64 reads one)
+
+
+def backward_wgmma_dq_split(tile_q: int, head_dim: int) -> str:
+    """How the two warpgroups share dQ_i = dS K_j (tile q x head dim): "m" each its 64 query rows
+    (tile q 128); "n" each half the columns (tile q 64, head dim a multiple of 128: whole panels of
+    K); "k" each its own 64 keys over every column (tile q 64, head dim 64: twice the atomics, but no
+    block barrier)."""
+    if tile_q == 2 * WGMMA_ROWS:
+        return "m"
+    return "n" if head_dim % (2 * PANEL_COLUMNS) == 0 else "k"
+
+
+BACKWARD_WGMMA_DQ_STAGE_PAD = 32   # bytes after each fp32 dQ_i staging row: a half-warp's float2 stores (4 rows) hit distinct banks
+
+
+def backward_wgmma_dq_stage_row_bytes(head_dim: int) -> int:
+    return head_dim * 4 + BACKWARD_WGMMA_DQ_STAGE_PAD
+
+
+def backward_wgmma_dv_schedule(tile_q: int, head_dim: int) -> tuple[str, bool]:
+    """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS). "late" (dV and dK
+    issued together after dS^T) was the fastest at every shape of bench/results/2026-12-01-backward-ab-2.json
+    (d64 q128 +3-5%, d128 q64 +1-3% over "early") and the lightest on registers; "early" overlaps dV with
+    dS^T's arithmetic but keeps P^T's fragments alive over it (at tile q 128 it spills unless dS^T waits
+    for dV: ("early", True))."""
+    return ("late", False)
+
+
+def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
+    """The wgmma backward's main kernel: 2 warpgroups, each owning 64 kv rows of the 128-row kv tile
+    (check_backward's rule); K, V, Q, dO as 128-byte-swizzled 64-column panels (wgmma.cuh.j2)."""
+    b, p = spec.backward, spec.problem
+    d, dv, Br, Bc, S = p.head_dim_qk, p.head_dim_v, b.tile_q, b.tile_kv, b.stages
+    tile_key = "backward.tile" if spec.span_of("backward.tile") else "backward"
+    _require(Br in BACKWARD_WGMMA_TILE_Q, spec, tile_key,
+             f"tile q = {Br}: the wgmma backward steps 64 or 128 query rows (dS^T's 64-column panels)",
+             "use tile q = 64 or 128")
+    threads = 32 * b.warps
+    for dim in (d, dv):
+        _require(threads % (dim // 8) == 0 and (threads // (dim // 8)) % 8 == 0, spec, "head_dim",
+                 f"{threads} threads do not copy whole groups of 8 rows of a {dim}-wide tile per pass")
+    split = backward_wgmma_dq_split(Br, d)
+    buffers, end = [], 0
+
+    def add(name, nbytes, stages=1, formula=""):
+        nonlocal end
+        buffers.append(Buffer(name, end, nbytes * stages, SWIZZLE_ATOM, stages, nbytes if stages > 1 else 0,
+                              "wgmma 64-col panels" if name not in ("LSE", "D") else "fp32", formula))
+        end = align(end + nbytes * stages, SWIZZLE_ATOM)
+    add("K", Bc * d * 2, 1, f"Bc*d*2 = {Bc}*{d}*2 (kept for the whole q loop)")
+    add("V", Bc * dv * 2, 1, f"Bc*dv*2 = {Bc}*{dv}*2 (kept for the whole q loop)")
+    add("Q", Br * d * 2, S, f"{S}x Br*d*2 = {S}x {Br}*{d}*2")
+    add("dO", Br * dv * 2, S, f"{S}x Br*dv*2 = {S}x {Br}*{dv}*2")
+    add("dS^T", Bc * Br * 2, 1, f"Bc*Br*2 = {Bc}*{Br}*2 (A operand, MN-major, of dQ_i = dS K_j)")
+    add("LSE", Br * 4, S, f"{S}x Br*4")
+    add("D", Br * 4, S, f"{S}x Br*4")
+    if split != "k":   # dQ_i in fp32, flushed to dQ_accum by coalesced atomics while the next step's wgmmas run
+        add("dQ_i staging", Br * backward_wgmma_dq_stage_row_bytes(d), 1,
+            f"Br*(d*4+{BACKWARD_WGMMA_DQ_STAGE_PAD}) = {Br}*({d}*4+{BACKWARD_WGMMA_DQ_STAGE_PAD})")
+    dq_cols = d // 2 if split == "n" else d
+    acc = [Registers("dK accumulator", d // 2, f"d/2 = {d}/2 (64 x d over a warpgroup)", True),
+           Registers("dV accumulator", dv // 2, f"dv/2 = {dv}/2", True),
+           Registers("S^T/P^T", Br // 2, f"Br/2 = {Br}/2", True),
+           Registers("dP^T/dS^T", Br // 2, f"Br/2 = {Br}/2", True),
+           Registers("P^T, dS^T fragments", Br // 2, f"2 x Br/4 = 2 x {Br}/4"),
+           Registers("dQ_i accumulator", dq_cols // 2, f"{dq_cols}/2 (dQ split {split}; after S^T, dP^T die)"),
+           Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
+    live = [r for r in acc if r.accumulator]
+    estimate = sum(r.amount for r in live)
+    _require(estimate <= _register_limit(threads, limits), spec, tile_key,
+             f"registers: ~{estimate} per thread estimated (" + " + ".join(f"{r.name} {r.amount}" for r in live)
+             + f") > {_register_limit(threads, limits)} available", "use tile q = 64")
+    _require(end <= limits.max_shared_per_block, spec, tile_key if S == 1 else "backward.pipeline",
+             f"shared memory: {end} bytes needed (" + " + ".join(f"{b.name} {b.bytes}" for b in buffers)
+             + f") > {limits.max_shared_per_block} available", "use fewer stages or a smaller tile q")
+    main = _finish(spec, "backward_wgmma", limits, buffers, end, acc, threads, 1, stages=S, rows_per_warp=16)
+    return BackwardLayout(main, 1, 1, 2 if split == "m" else 1, dq_cols, dq_split=split)
 
 
 LAYOUTS = {

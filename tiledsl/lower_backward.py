@@ -10,14 +10,17 @@ from dataclasses import dataclass, field
 
 from .device_limits import H200
 from .errors import SpecError
+from .lower_wgmma import WgmmaAsm
 from .graph_backward import build_backward_graph
 from .layout import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS, backward_has_template,
+                     backward_wgmma_dq_stage_row_bytes, backward_wgmma_dv_schedule,
                      backward_layout, tile_row_bytes)
 from .lower import (Constant, KernelPlan, Launch, LoopOp, Region, _where, graph_loop_body, make_plan,
                     smem_constants, softmax_constants, tile_row_constants)
-from .spec import DqAccumulate, Family, KernelSpec
+from .spec import DqAccumulate, Family, KernelSpec, Mma
 
 TEMPLATE = "backward.cu.j2"
+WGMMA_TEMPLATE = "backward_wgmma.cu.j2"
 # Graph ops of the q loop that the template's `issue` (the Q_i, dO_i, LSE_i, D_i ring) covers.
 _LOADS = {"load_q", "load_do", "load_lse_d"}
 _TEXT = {
@@ -42,6 +45,9 @@ class BackwardPlan(KernelPlan):
     pre_threads: int = BACKWARD_PRE_THREADS
     tile_kv: int = 0
     dq_launch: Launch | None = None                     # separate: the q-outer dQ kernel's launch
+    wgmma_ops: tuple = ()                               # wgmma: the BackwardWgmma wrappers the template declares
+    wgmma: dict = field(default_factory=dict)           # wgmma: role (s, dv, dk, dq) -> wrapper name
+    dp_wait_note: str = ""                              # wgmma: what is in flight when dS^T starts
 
     @property
     def loop_bodies(self):
@@ -73,14 +79,16 @@ def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
     return body
 
 
-def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0]) -> BackwardPlan:
+def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], **wgmma_options) -> BackwardPlan:
     """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it.
     `dq_vector`: fp32 values per dQ atomic (4 or 2; bench/backward_ab.py compares them)."""
     if dq_vector not in BACKWARD_DQ_VECTORS:
         raise ValueError(f"dq_vector must be one of {BACKWARD_DQ_VECTORS}, got {dq_vector}")
     why = backward_has_template(spec)
+    if not why and spec.backward.mma is Mma.WGMMA:
+        return lower_backward_wgmma(spec, dq_vector, **wgmma_options)
     if why:
-        key = "backward.order" if "kv outer" in why else "backward.mma" if "mma.sync" in why else \
+        key = "backward.order" if "kv outer" in why else "backward.dq" if "wgmma" in why else \
             "backward.dq" if "dq" in why else "dtype" if "fp16" in why else "backward"
         raise SpecError(why, spec.span_of(key), spec.source_text, "`tiledsl explain` and tiledsl.reference_backward "
                         "take it; the template builds `order kv, q`, mma.sync, dq atomic or separate")
@@ -160,11 +168,137 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0]) ->
     return _make(spec, consts, regions, _loop_body(spec, atomic), main, names, atomic, dq_launch, b.tile_kv)
 
 
-def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv) -> BackwardPlan:
+def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv, template=TEMPLATE,
+          **extra) -> BackwardPlan:
     from dataclasses import replace
     plan = make_plan(spec, Family.FA2, consts, regions, body,
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=spec.backward.tile_q),
                      main.min_blocks_per_sm, main.register_estimate, kernel_name=backward_kernel_name(spec),
                      plan_class=BackwardPlan, kernel_names=names, dq_mode="atomic" if atomic else "separate",
-                     tile_kv=tile_kv, dq_launch=dq_launch)
-    return replace(plan, template=TEMPLATE)
+                     tile_kv=tile_kv, dq_launch=dq_launch, **extra)
+    return replace(plan, template=template)
+
+
+# ---- wgmma (templates/backward_wgmma.cu.j2) -------------------------------------------------------
+
+# The wgmma main kernel's q-loop orders: both S^T and dP^T are issued before P^T is computed (dP^T
+# runs while the exps do). "early": dV's wgmma is issued next and runs while dS^T is computed
+# (P^T's fragments live through it); "late": dV's and dK's are issued together after dS^T (fewer
+# live registers: P^T's fp32 values die as its fragments are packed).
+_WGMMA_ORDERS = {
+    "early": ("mma_qk", "mma_dp", "mask", "recompute_p", "mma_dv", "softmax_grad", "mma_dk", "stage_ds", "mma_dq",
+              "accumulate_dq"),
+    "late": ("mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv", "mma_dk", "stage_ds", "mma_dq",
+             "accumulate_dq"),
+}
+
+
+@dataclass(frozen=True)
+class BackwardWgmma:
+    """One wgmma wrapper of the backward: m64n{asm.n}k16, A from registers or shared memory, the
+    transpose bits (1 = MN-major) of its shared-memory operands."""
+    name: str
+    asm: WgmmaAsm
+    a_in_registers: bool
+    trans_a: int
+    trans_b: int
+
+
+def _wrappers(br: int, d: int, dv: int, dq_cols: int) -> tuple[tuple[BackwardWgmma, ...], dict]:
+    """The wrappers (one per distinct instruction) and role -> name: s (S^T, dP^T: SS, K-major), dv / dk
+    (RS, B MN-major), dq (SS, A = dS^T and B = K both MN-major)."""
+    roles = {"s": (br, False, 0, 0), "dv": (dv, True, 0, 1), "dk": (d, True, 0, 1), "dq": (dq_cols, False, 1, 1)}
+    wrappers, names = {}, {}
+    for role, (n, regs, ta, tb) in roles.items():
+        name = f"wgmma_{'rs' if regs else 'ss'}_n{n}" + ("_mn" if ta else "")
+        wrappers[name] = BackwardWgmma(name, WgmmaAsm.sized(n, 5 if regs else 3), regs, ta, tb)
+        names[role] = name
+    return tuple(wrappers.values()), names
+
+
+def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None = None,
+                         dv_waited: bool | None = None, dq_staged: bool | None = None) -> BackwardPlan:
+    """`dv_order` ("early" | "late") and `dv_waited` (early only: dS^T waits for dV's wgmma too, so
+    P^T's fragments die first): layout.backward_wgmma_dv_schedule's choice unless given (A/B).
+    `dq_staged`: dQ_i goes through the layout's fp32 staging buffer and its atomics are issued, row-
+    coalesced, after the next step's S^T, dP^T wgmmas (default: where the layout has the buffer); else
+    each thread's accumulators are added straight from registers (dq_vector wide)."""
+    p, b = spec.problem, spec.backward
+    lay = backward_layout(spec, H200)
+    staging = next((x for x in lay.main.buffers if x.name == "dQ_i staging"), None)
+    dq_staged = staging is not None if dq_staged is None else dq_staged
+    if dq_staged and staging is None:
+        raise ValueError(f"dq_staged: the layout has no dQ_i staging buffer (dQ split {lay.dq_split})")
+    chosen = backward_wgmma_dv_schedule(b.tile_q, p.head_dim_qk)
+    dv_order = dv_order or chosen[0]
+    dv_waited = chosen[1] if dv_waited is None else dv_waited
+    if dv_order not in _WGMMA_ORDERS:
+        raise ValueError(f"dv_order must be one of {sorted(_WGMMA_ORDERS)}, got {dv_order!r}")
+    pending = 1 if dv_order == "early" and not dv_waited else 0
+    main, split = lay.main, lay.dq_split
+    buf = {x.name: x for x in main.buffers}
+    d, bc = p.head_dim_qk, b.tile_kv
+    panel = bc * 128   # bytes of one 64-column panel of a kv-tile operand (K, dS^T)
+    dq_a, dq_b, dq_k16, dq_rows, dq_cols0 = {
+        "m": (panel, 0, bc // 16, 64, 0),                      # each its 64 query rows: dS^T panel, all of K
+        "n": (0, panel, bc // 16, 0, d // 2),                  # each half of dQ_i's columns: K panel
+        "k": (64 * 128, 64 * 128, bc // 32, 0, 0),             # each its 64 keys: dS^T and K rows
+    }[split]
+    consts = [
+        Constant("BR", "int", b.tile_q, "query rows per q tile (backward tile q)"),
+        Constant("BC", "int", bc, "keys per block (backward tile kv): 64 per warpgroup"),
+        Constant("D", "int", d, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("THREADS", "int", main.threads, "two warpgroups"),
+        Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
+        Constant("K_OFFSET", "u32", buf["K"].offset),
+        Constant("V_OFFSET", "u32", buf["V"].offset),
+        Constant("Q_OFFSET", "u32", buf["Q"].offset),
+        Constant("Q_STAGE_BYTES", "u32", buf["Q"].bytes // b.stages),
+        Constant("DO_OFFSET", "u32", buf["dO"].offset),
+        Constant("DO_STAGE_BYTES", "u32", buf["dO"].bytes // b.stages),
+        Constant("DS_OFFSET", "u32", buf["dS^T"].offset),
+        Constant("LSE_OFFSET", "u32", buf["LSE"].offset),
+        Constant("DROW_OFFSET", "u32", buf["D"].offset),
+        Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
+        *smem_constants(main),
+        Constant("DQ_COLS", "int", lay.dq_cols, f"dQ_i = dS K_j split {split} (layout.backward_wgmma_dq_split): columns "
+                 "per warpgroup"),
+        Constant("DQ_K16", "int", dq_k16, "16-key steps of a warpgroup's dQ_i"),
+        Constant("DQ_A_WARPGROUP_BYTES", "u32", dq_a, "where warpgroup 1's dS^T operand starts"),
+        Constant("DQ_B_WARPGROUP_BYTES", "u32", dq_b, "where warpgroup 1's K operand starts"),
+        Constant("DQ_WARPGROUP_ROWS", "int", dq_rows, "warpgroup 1's first row of dQ_i"),
+        Constant("DQ_WARPGROUP_COLS", "int", dq_cols0, "warpgroup 1's first column of dQ_i"),
+        Constant("DQ_BLOCK_BARRIER", "bool", split != "k", "dQ_i reads the other warpgroup's dS^T"),
+        Constant("DQ_VECTOR", "int", dq_vector, "fp32 per dQ atomic from registers (red.global.add.v4 / .v2)"),
+        Constant("DQ_STAGED", "bool", dq_staged, "dQ_i -> fp32 staging, atomics after the next step's S^T, dP^T issue"),
+        Constant("DQ_STAGE_OFFSET", "u32", staging.offset if dq_staged else 0),
+        Constant("DQ_STAGE_ROW_BYTES", "int", backward_wgmma_dq_stage_row_bytes(d), "padded: conflict-free float2 stores"),
+        Constant("DP_WAIT_PENDING", "int", pending, f"wgmma groups left in flight when dS^T starts (dV {dv_order}"
+                 + (", waited" if dv_waited and dv_order == "early" else "") + ")"),
+        Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
+        Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
+        *softmax_constants(p),
+    ]
+    names = {"preprocess": f"{backward_kernel_name(spec)}_preprocess", "main": f"{backward_kernel_name(spec)}_main",
+             "convert": f"{backward_kernel_name(spec)}_convert"}
+    dp_note = "dV still running" if pending else ("dV's wgmma waited for too" if dv_order == "early"
+                                                   else "dV, dK are issued after it")
+    w = lambda key: _where(spec, key)   # noqa: E731
+    regions = {
+        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum"),
+        "main": Region(w("backward.order"), "kv outer on wgmma: one block per (kv tile, batch * kv head), two "
+                       "warpgroups of 64 keys, dK and dV in their accumulators"),
+        "q_range": Region(w("mask"), "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
+        "load_kv": Region(w("backward.pipeline"), f"K_j, V_j ({bc} rows) -> shared memory panels, kept for the whole q loop"),
+        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
+        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
+        "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+    }
+    body = {op.kind: op for op in _loop_body(spec, True)}
+    order = _WGMMA_ORDERS[dv_order]
+    assert set(body) == set(order), sorted(body)
+    ops, wgmma = _wrappers(b.tile_q, d, p.head_dim_v, lay.dq_cols)
+    return _make(spec, consts, regions, [body[k] for k in order], main, names, True, None, bc,
+                 template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note)

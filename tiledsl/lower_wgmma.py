@@ -33,6 +33,10 @@ class WgmmaAsm:
     @classmethod
     def of(cls, op: Op, operands_after: int) -> "WgmmaAsm":
         _, n, _ = op.mma_shape
+        return cls.sized(n, operands_after)
+
+    @classmethod
+    def sized(cls, n: int, operands_after: int) -> "WgmmaAsm":
         registers = 64 * n // 128
         return cls(n, registers, tuple(range(registers)), tuple(range(registers, registers + operands_after)))
 
