@@ -91,12 +91,24 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return r;
 }
 
+// What a swizzled row's chunk index is XORed with: rows of 128 bytes or more, the row's low 3 bits;
+// rows of 64 or 32 bytes (e4m3 tiles of head dim 64 / 32) share a 128-byte line with 1 or 3 others,
+// so the XOR takes the row bits above those (2 or 1 bits: the row's chunk count). Either way the 8
+// consecutive rows one ldmatrix matrix reads hit 8 different 16-byte bank groups (layout.py swizzles
+// only rows of 32, 64 or a multiple of 128 bytes).
+template <int ROW_BYTES>
+__device__ __forceinline__ int swizzle_xor(int row) {
+    constexpr int SHIFT = ROW_BYTES >= 128 ? 0 : ROW_BYTES == 64 ? 1 : 2;
+    constexpr int MASK = ROW_BYTES >= 128 ? 7 : ROW_BYTES / 16 - 1;
+    return (row >> SHIFT) & MASK;
+}
+
 // Byte offset of 16-byte chunk `chunk` in row `row` of a tile. Swizzled tiles XOR the chunk with
-// the row's low 3 bits so that the 8 rows one ldmatrix reads hit 8 different bank groups; padded
+// swizzle_xor(row) so that the 8 rows one ldmatrix reads hit 8 different bank groups; padded
 // tiles (head dims that are not multiples of 64) add 16 bytes per row for the same effect.
 template <int ROW_BYTES, bool SWIZZLE>
 __device__ __forceinline__ u32 chunk_offset(int row, int chunk) {
-    return row * ROW_BYTES + ((SWIZZLE ? (chunk ^ (row & 7)) : chunk) << 4);
+    return row * ROW_BYTES + ((SWIZZLE ? (chunk ^ swizzle_xor<ROW_BYTES>(row)) : chunk) << 4);
 }
 
 // The same offset for a row split as row8 + r7, row8 a multiple of 8 and r7 = row & 7: written so
@@ -104,7 +116,7 @@ __device__ __forceinline__ u32 chunk_offset(int row, int chunk) {
 // fold it instead of keeping one precomputed address per fragment in registers.
 template <int ROW_BYTES, bool SWIZZLE>
 __device__ __forceinline__ u32 chunk_offset_split(int row8, int r7, int chunk) {
-    return (row8 + r7) * ROW_BYTES + ((SWIZZLE ? (chunk ^ r7) : chunk) << 4);
+    return (row8 + r7) * ROW_BYTES + ((SWIZZLE ? (chunk ^ swizzle_xor<ROW_BYTES>(r7)) : chunk) << 4);
 }
 
 // 16-byte global->shared copy that zero-fills when `valid` is false (rows past the sequence end).
