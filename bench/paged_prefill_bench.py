@@ -67,8 +67,10 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want, random_inputs) -> di
                  "        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4);\n"
                  "        else return table[key >> C::PAGE_SHIFT];",
                  "        return (int)(i64)table + (key >> C::PAGE_SHIFT);"),
-                ("return {table, slot, tile * C::BC < seq_kv ? load_shared_s32(slot) : 0};",
-                 "return {table, slot, (int)(i64)table + ((tile * C::BC) >> C::PAGE_SHIFT)};"),
+                ("pages.first = tile * C::BC < seq_kv ? load_shared_s32(pages.slot) : 0;",
+                 "pages.first = (int)(i64)table + ((tile * C::BC) >> C::PAGE_SHIFT);"),
+                ("pages.held[j] = load_shared_s32(pages.slot + j * 4);",
+                 "pages.held[j] = (int)(i64)table + pages.first + j;"),
                 ("if (threadIdx.x < C::TILE_PAGES)", "if (false)")])):
         kernel = compile(spec)
         patch_source(kernel, patches)
