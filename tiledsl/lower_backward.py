@@ -1,5 +1,7 @@
 """Lowering of the backward (issue 14): a spec's `backward { }` schedule -> the plan of
-templates/backward.cu.j2 (preprocess, kv-outer main kernel, and convert or the q-outer dQ kernel).
+templates/backward.cu.j2 (preprocess, kv-outer main kernel on mma.sync, and convert or the q-outer dQ
+kernel), or with `mma wgmma` of templates/backward_wgmma.cu.j2 (the same preprocess and convert, the
+main kernel on Hopper's warpgroup MMA: lower_backward_wgmma below).
 
 Sizes come from layout.backward_layout; the main kernel's q-loop body is the backward graph's
 (graph_backward.py) ops in emission order, one LoopOp each (`stage_ds`, the dS^T store the dQ MMA
@@ -296,9 +298,10 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
     }
-    body = {op.kind: op for op in _loop_body(spec, True)}
-    order = _WGMMA_ORDERS[dv_order]
-    assert set(body) == set(order), sorted(body)
+    graph_body = _loop_body(spec, True)   # the backward graph's emission order: the layout's dV schedule
+    assert tuple(op.kind for op in graph_body) == _WGMMA_ORDERS[chosen[0]], [op.kind for op in graph_body]
+    body = {op.kind: op for op in graph_body}
+    order = _WGMMA_ORDERS[dv_order]   # an A/B's other order (lower_backward's options) reorders the same ops
     ops, wgmma = _wrappers(b.tile_q, d, p.head_dim_v, lay.dq_cols)
     return _make(spec, consts, regions, [body[k] for k in order], main, names, True, None, bc,
                  template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note)
