@@ -445,6 +445,7 @@ struct C {
     static constexpr int D = 128;   // head dim of q and k
     static constexpr int DV = 128;   // head dim of v and o
     static constexpr int THREADS = 256;   // two warpgroups
+    static constexpr int KV_M_TILES = 1;   // 16-row accumulator tiles per warp (backward_ops.j2): a warp's slice of 64 rows
     static constexpr int STAGES = 2;   // Q_i, dO_i, LSE_i, D_i ring slots
     static constexpr u32 K_OFFSET = 0;
     static constexpr u32 V_OFFSET = 32768;
@@ -854,18 +855,22 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         if constexpr (C::MASK == MASK_WINDOW)
             edge = edge || k0 + C::BC - 1 > q0 + diag + C::WINDOW_RIGHT || k0 < q0 + C::BR - 1 + diag - C::WINDOW_LEFT;
         if (edge) {
+            // key - query and key - seq_kv of this thread's element (0, 0, 0); the others differ by
+            // compile-time offsets (few live registers in the unrolled loop)
             const int key0 = k0 + warp_row + (lane >> 2), gap0 = key0 - q0 - (lane & 3) * 2, k_over0 = key0 - seq_kv;
 #pragma unroll
-            for (int nt = 0; nt < C::BR / 8; ++nt)
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int dk = (e >> 1) * 8, gap = gap0 + dk - nt * 8 - (e & 1);
-                    bool visible = k_over0 + dk < 0;
-                    if constexpr (C::MASK == MASK_CAUSAL) visible = visible && gap <= diag;
-                    if constexpr (C::MASK == MASK_WINDOW)
-                        visible = visible && gap >= diag - C::WINDOW_LEFT && gap <= diag + C::WINDOW_RIGHT;
-                    if (!visible) acc_s[0][nt][e] = NEG_INF;
-                }
+                for (int nt = 0; nt < C::BR / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int dk = mt * 16 + (e >> 1) * 8, gap = gap0 + dk - nt * 8 - (e & 1);
+                        bool visible = k_over0 + dk < 0;
+                        if constexpr (C::MASK == MASK_CAUSAL) visible = visible && gap <= diag;
+                        if constexpr (C::MASK == MASK_WINDOW)
+                            visible = visible && gap >= diag - C::WINDOW_LEFT && gap <= diag + C::WINDOW_RIGHT;
+                        if (!visible) acc_s[mt][nt][e] = NEG_INF;
+                    }
         }
         // [backward_wgmma_d128.tile:13] P^T = exp(scale S^T - LSE_i); 0 where LSE = -inf
 #pragma unroll
@@ -873,7 +878,10 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             const float2 l = load_shared_f2(lse_tile + (nt * 8 + (lane & 3) * 2) * 4);
             const float l0 = lse_log2(l.x), l1 = lse_log2(l.y);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = fast_exp2(fmaf(acc_s[0][nt][e], C::SCALE_LOG2, -((e & 1) ? l1 : l0)));
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[mt][nt][e] = fast_exp2(fmaf(acc_s[mt][nt][e], C::SCALE_LOG2, -((e & 1) ? l1 : l0)));
         }
         // [backward_wgmma_d128.tile:13] dS^T = P^T * (dP^T - D_i)
         wgmma_wait<C::DP_WAIT_PENDING>();   // dP^T has landed (dV, dK are issued after it)
@@ -882,7 +890,9 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         for (int nt = 0; nt < C::BR / 8; ++nt) {
             const float2 dr = load_shared_f2(drow_tile + (nt * 8 + (lane & 3) * 2) * 4);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - ((e & 1) ? dr.y : dr.x));
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dp[mt][nt][e] = acc_s[mt][nt][e] * (acc_dp[mt][nt][e] - ((e & 1) ? dr.y : dr.x));
         }
         pack_fragments(ds_frag, acc_dp);
         // [backward_wgmma_d128.tile:15] dV += P^T dO_i

@@ -252,6 +252,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         Constant("D", "int", d, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("THREADS", "int", main.threads, "two warpgroups"),
+        Constant("KV_M_TILES", "int", 1, "16-row accumulator tiles per warp (backward_ops.j2): a warp's slice of 64 rows"),
         Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
         Constant("K_OFFSET", "u32", buf["K"].offset),
         Constant("V_OFFSET", "u32", buf["V"].offset),
