@@ -459,6 +459,7 @@ struct C {
     static constexpr u32 ROW_STAGE_BYTES = 256;
     static constexpr u32 SMEM_BYTES = 184320;
     static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int DQ_M_TILES = 1;   // 16-row dQ_i tiles per warp (backward_ops.j2)
     static constexpr int DQ_COLS = 64;   // dQ_i = dS K_j split n (layout.backward_wgmma_dq_split): columns per warpgroup
     static constexpr int DQ_K16 = 8;   // 16-key steps of a warpgroup's dQ_i
     static constexpr u32 DQ_A_WARPGROUP_BYTES = 0;   // where warpgroup 1's dS^T operand starts
@@ -943,29 +944,38 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
                         asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(stage + row * C::DQ_STAGE_ROW_BYTES + nt * 32),
                                      "f"(acc_dq[0][nt][2 * h]), "f"(acc_dq[0][nt][2 * h + 1]) : "memory");
                 }
-            } else if constexpr (C::DQ_VECTOR == 4) {
-                // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3, the odd lane row r + 8
+            } else {
+            if constexpr (C::DQ_VECTOR == 4) {
+                // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3 (its pair and the odd
+                // lane's), the odd lane row r + 8; one 16-byte reduction where the mma layout gives two 8-byte ones
                 const int odd = lane & 1, col = ((lane & 3) >> 1) * 4;
-                const int row = rows0 + (lane >> 2) + 8 * odd;
 #pragma unroll
-                for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
-                    const float* a = acc_dq[0][nt];
-                    const float x = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
-                    const float y = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
-                    if (q0 + row < q_len) {
-                        if (odd) red_add4(dq_rows + row * C::D + nt * 8 + col, x, y, a[2], a[3]);
-                        else red_add4(dq_rows + row * C::D + nt * 8 + col, a[0], a[1], x, y);
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt) {
+                    const int row = rows0 + mt * 16 + (lane >> 2) + 8 * odd;
+#pragma unroll
+                    for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
+                        const float* a = acc_dq[mt][nt];
+                        const float x = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
+                        const float y = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
+                        if (q0 + row < q_len) {
+                            if (odd) red_add4(dq_rows + row * C::D + nt * 8 + col, x, y, a[2], a[3]);
+                            else red_add4(dq_rows + row * C::D + nt * 8 + col, a[0], a[1], x, y);
+                        }
                     }
                 }
             } else {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = rows0 + (lane >> 2) + 8 * h;
-                    if (q0 + row < q_len)
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt)
 #pragma unroll
-                        for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
-                            red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[0][nt][2 * h], acc_dq[0][nt][2 * h + 1]);
-                }
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = rows0 + mt * 16 + (lane >> 2) + 8 * h;
+                        if (q0 + row < q_len)
+#pragma unroll
+                            for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
+                                red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[mt][nt][2 * h],
+                                         acc_dq[mt][nt][2 * h + 1]);
+                    }
+            }
             }
         }
     }

@@ -265,6 +265,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         Constant("DROW_OFFSET", "u32", buf["D"].offset),
         Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
         *smem_constants(main),
+        Constant("DQ_M_TILES", "int", 1, "16-row dQ_i tiles per warp (backward_ops.j2)"),
         Constant("DQ_COLS", "int", lay.dq_cols, f"dQ_i = dS K_j split {split} (layout.backward_wgmma_dq_split): columns "
                  "per warpgroup"),
         Constant("DQ_K16", "int", dq_k16, "16-key steps of a warpgroup's dQ_i"),
