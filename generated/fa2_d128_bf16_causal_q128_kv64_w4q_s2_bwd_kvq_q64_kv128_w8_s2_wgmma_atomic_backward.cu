@@ -457,6 +457,7 @@ struct C {
     static constexpr int D = 128;   // head dim of q and k
     static constexpr int DV = 128;   // head dim of v and o
     static constexpr int THREADS = 256;   // two warpgroups
+    static constexpr int KV_M_TILES = 1;   // 16-row accumulator tiles per warp (backward_ops.j2): a warp's slice of 64 rows
     static constexpr int STAGES = 2;   // Q_i, dO_i, LSE_i, D_i ring slots
     static constexpr u32 K_OFFSET = 0;
     static constexpr u32 V_OFFSET = 32768;
@@ -470,6 +471,7 @@ struct C {
     static constexpr u32 ROW_STAGE_BYTES = 256;
     static constexpr u32 SMEM_BYTES = 184320;
     static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
+    static constexpr int DQ_M_TILES = 1;   // 16-row dQ_i tiles per warp (backward_ops.j2)
     static constexpr int DQ_COLS = 64;   // dQ_i = dS K_j split n (layout.backward_wgmma_dq_split): columns per warpgroup
     static constexpr int DQ_K16 = 8;   // 16-key steps of a warpgroup's dQ_i
     static constexpr u32 DQ_A_WARPGROUP_BYTES = 0;   // where warpgroup 1's dS^T operand starts
@@ -866,18 +868,22 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         if constexpr (C::MASK == MASK_WINDOW)
             edge = edge || k0 + C::BC - 1 > q0 + diag + C::WINDOW_RIGHT || k0 < q0 + C::BR - 1 + diag - C::WINDOW_LEFT;
         if (edge) {
+            // key - query and key - seq_kv of this thread's element (0, 0, 0); the others differ by
+            // compile-time offsets (few live registers in the unrolled loop)
             const int key0 = k0 + warp_row + (lane >> 2), gap0 = key0 - q0 - (lane & 3) * 2, k_over0 = key0 - seq_kv;
 #pragma unroll
-            for (int nt = 0; nt < C::BR / 8; ++nt)
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int dk = (e >> 1) * 8, gap = gap0 + dk - nt * 8 - (e & 1);
-                    bool visible = k_over0 + dk < 0;
-                    if constexpr (C::MASK == MASK_CAUSAL) visible = visible && gap <= diag;
-                    if constexpr (C::MASK == MASK_WINDOW)
-                        visible = visible && gap >= diag - C::WINDOW_LEFT && gap <= diag + C::WINDOW_RIGHT;
-                    if (!visible) acc_s[0][nt][e] = NEG_INF;
-                }
+                for (int nt = 0; nt < C::BR / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int dk = mt * 16 + (e >> 1) * 8, gap = gap0 + dk - nt * 8 - (e & 1);
+                        bool visible = k_over0 + dk < 0;
+                        if constexpr (C::MASK == MASK_CAUSAL) visible = visible && gap <= diag;
+                        if constexpr (C::MASK == MASK_WINDOW)
+                            visible = visible && gap >= diag - C::WINDOW_LEFT && gap <= diag + C::WINDOW_RIGHT;
+                        if (!visible) acc_s[mt][nt][e] = NEG_INF;
+                    }
         }
         // [backward_wgmma_d128.tile:13] P^T = exp(scale S^T - LSE_i); 0 where LSE = -inf
 #pragma unroll
@@ -885,7 +891,10 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             const float2 l = load_shared_f2(lse_tile + (nt * 8 + (lane & 3) * 2) * 4);
             const float l0 = lse_log2(l.x), l1 = lse_log2(l.y);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][nt][e] = fast_exp2(fmaf(acc_s[0][nt][e], C::SCALE_LOG2, -((e & 1) ? l1 : l0)));
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[mt][nt][e] = fast_exp2(fmaf(acc_s[mt][nt][e], C::SCALE_LOG2, -((e & 1) ? l1 : l0)));
         }
         // [backward_wgmma_d128.tile:13] dS^T = P^T * (dP^T - D_i)
         wgmma_wait<C::DP_WAIT_PENDING>();   // dP^T has landed (dV, dK are issued after it)
@@ -894,7 +903,9 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         for (int nt = 0; nt < C::BR / 8; ++nt) {
             const float2 dr = load_shared_f2(drow_tile + (nt * 8 + (lane & 3) * 2) * 4);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - ((e & 1) ? dr.y : dr.x));
+            for (int mt = 0; mt < C::KV_M_TILES; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dp[mt][nt][e] = acc_s[mt][nt][e] * (acc_dp[mt][nt][e] - ((e & 1) ? dr.y : dr.x));
         }
         pack_fragments(ds_frag, acc_dp);
         // [backward_wgmma_d128.tile:15] dV += P^T dO_i
@@ -945,29 +956,38 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
                         asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(stage + row * C::DQ_STAGE_ROW_BYTES + nt * 32),
                                      "f"(acc_dq[0][nt][2 * h]), "f"(acc_dq[0][nt][2 * h + 1]) : "memory");
                 }
-            } else if constexpr (C::DQ_VECTOR == 4) {
-                // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3, the odd lane row r + 8
+            } else {
+            if constexpr (C::DQ_VECTOR == 4) {
+                // lanes 2t, 2t+1 swap halves: the even lane gets row r, columns 4t..4t+3 (its pair and the odd
+                // lane's), the odd lane row r + 8; one 16-byte reduction where the mma layout gives two 8-byte ones
                 const int odd = lane & 1, col = ((lane & 3) >> 1) * 4;
-                const int row = rows0 + (lane >> 2) + 8 * odd;
 #pragma unroll
-                for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
-                    const float* a = acc_dq[0][nt];
-                    const float x = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
-                    const float y = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
-                    if (q0 + row < q_len) {
-                        if (odd) red_add4(dq_rows + row * C::D + nt * 8 + col, x, y, a[2], a[3]);
-                        else red_add4(dq_rows + row * C::D + nt * 8 + col, a[0], a[1], x, y);
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt) {
+                    const int row = rows0 + mt * 16 + (lane >> 2) + 8 * odd;
+#pragma unroll
+                    for (int nt = 0; nt < C::DQ_COLS / 8; ++nt) {
+                        const float* a = acc_dq[mt][nt];
+                        const float x = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[2], 1);
+                        const float y = __shfl_xor_sync(0xffffffffu, odd ? a[1] : a[3], 1);
+                        if (q0 + row < q_len) {
+                            if (odd) red_add4(dq_rows + row * C::D + nt * 8 + col, x, y, a[2], a[3]);
+                            else red_add4(dq_rows + row * C::D + nt * 8 + col, a[0], a[1], x, y);
+                        }
                     }
                 }
             } else {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = rows0 + (lane >> 2) + 8 * h;
-                    if (q0 + row < q_len)
+                for (int mt = 0; mt < C::DQ_M_TILES; ++mt)
 #pragma unroll
-                        for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
-                            red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[0][nt][2 * h], acc_dq[0][nt][2 * h + 1]);
-                }
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = rows0 + mt * 16 + (lane >> 2) + 8 * h;
+                        if (q0 + row < q_len)
+#pragma unroll
+                            for (int nt = 0; nt < C::DQ_COLS / 8; ++nt)
+                                red_add2(dq_rows + row * C::D + nt * 8 + (lane & 3) * 2, acc_dq[mt][nt][2 * h],
+                                         acc_dq[mt][nt][2 * h + 1]);
+                    }
+            }
             }
         }
     }

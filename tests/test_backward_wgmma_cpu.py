@@ -109,3 +109,23 @@ def test_dq_staging_and_dv_schedule_options():
     early = lower_backward(wgmma(64, 128), dv_order="early")
     assert [op.kind for op in early.loop_body][4:6] == ["mma_dv", "softmax_grad"] and consts(early)["DP_WAIT_PENDING"] == 1
     assert consts(lower_backward(wgmma(128, 64), dv_order="early", dv_waited=True))["DP_WAIT_PENDING"] == 0
+
+
+@pytest.mark.parametrize("mask", [Mask.NONE, Mask.CAUSAL, Mask.WINDOW])
+def test_graph_order_is_the_kernels_and_the_reference_runs_it_exactly(mask):
+    """The backward graph of a wgmma spec emits the kernel's q-loop order (dP^T's MMA before the mask,
+    dV's after dS^T), and the float64 reference executor, which runs that graph, stays exact."""
+    import numpy as np
+    from tiledsl.spec import BackwardSchedule, KernelSpec, LoopOrder, Problem, Schedule
+    from .test_backward_reference import analytic_grads, assert_close
+    plan = lower_backward(wgmma(64, 128))
+    assert [op.kind for op in plan.loop_body][:6] == ["mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv"]
+    spec = KernelSpec("bwd", Problem(8, 8, mask=mask, window_left=3, window_right=1) if mask is Mask.WINDOW
+                      else Problem(8, 8, mask=mask), Schedule(),
+                      backward=BackwardSchedule(LoopOrder.KV_OUTER, 64, 128, 8, 2, mma=Mma.WGMMA))
+    rng = np.random.default_rng(7)
+    q, k, v, do = (rng.normal(size=s) for s in ((2, 4, 150, 8), (2, 2, 190, 8), (2, 2, 190, 8), (2, 4, 150, 8)))
+    from tiledsl.reference_backward import reference_backward
+    p = spec.problem
+    assert_close(reference_backward(spec, q, k, v, do),
+                 analytic_grads(q, k, v, do, p.mask, p.window_left, p.window_right, p.scale))

@@ -5,7 +5,9 @@
 
 `backward_spec` picks the schedule from BACKWARD_TUNED (H200 measurements) or the default
 BackwardSchedule; `compile_backward(spec)` builds the module of templates/backward.cu.j2 (preprocess,
-kv-outer main kernel, convert or the deterministic q-outer dQ kernel). Kernels are compiled once
+kv-outer main kernel, convert or the deterministic q-outer dQ kernel). With BACKWARD_WGMMA on, head dims
+64 and 128 on Hopper take the wgmma main kernel instead (templates/backward_wgmma.cu.j2,
+BACKWARD_WGMMA_TUNED; chosen_backward_spec decides); `attention_backward(..., mma=...)` forces either. Kernels are compiled once
 per process and launched on the caller's stream (runtime.caller_stream); workspaces come from
 runtime.allocate (torch's caching allocator under torch).
 

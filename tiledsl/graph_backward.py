@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from .graph import ScheduleGraph
 from .graph_ops import MASK_TEXT, Access, Op, OpKind, Space
-from .spec import DqAccumulate, KernelSpec, LoopOrder
+from .layout import backward_wgmma_dv_schedule
+from .spec import DqAccumulate, KernelSpec, LoopOrder, Mma
 
 ORDER, TILE, PIPE, DQ = "backward.order", "backward.tile", "backward.pipeline", "backward.dq"
 
@@ -61,20 +62,35 @@ class _Backward:
         """One (q tile, kv tile) step. dq / dkv: "accumulate" (on chip, over the serial loop), "partial"
         (this tile's share, for a workspace) or "" (not computed in this kernel)."""
         mask = self.g.spec.problem.mask
+        # Ties in the emission order go to the op made first. wgmma issues dP's MMA right after S's (it
+        # runs while P is recomputed), and by default dV's after dS (layout.backward_wgmma_dv_schedule).
+        wgmma = self.b.mma is Mma.WGMMA
+        dv_late = wgmma and backward_wgmma_dv_schedule(self.b.tile_q, self.g.spec.problem.head_dim_qk)[0] == "late"
         s = self.op(f"{p}mma_qk", OpKind.MMA_QK, loops, TILE, "S = scale * Q_i K_j^T", shape=("Br", "Bc"),
                     deps=(have["Q"], have["K"]))
+
+        def mma_dp():
+            return self.op(f"{p}mma_dp", OpKind.MMA_DP, loops, TILE, "dP = dO_i V_j^T", shape=("Br", "Bc"),
+                           deps=(have["dO"], have["V"]))
+
+        def mma_dv():
+            out["dV"] = self.op(f"{p}mma_dv", OpKind.MMA_DV, loops, TILE, ("dV += P^T dO_i" if dkv == "accumulate"
+                                else "dV_j = P^T dO_i"), shape=("Bc", "dv"), deps=(P, have["dO"]), variant=dkv)
+        if wgmma:
+            dp = mma_dp()
         m = self.op(f"{p}mask", OpKind.MASK, loops, "mask", MASK_TEXT[mask], shape=("Br", "Bc"), deps=(s,),
                     variant=mask.value)
         P = self.op(f"{p}recompute_p", OpKind.RECOMPUTE_P, loops, "backward", "P = exp(S - LSE)   (0 where LSE = -inf: "
                     "a row that sees no key)", shape=("Br", "Bc"), deps=(m, have["LSE"]))
         out = {}
-        if dkv:
-            out["dV"] = self.op(f"{p}mma_dv", OpKind.MMA_DV, loops, TILE, ("dV += P^T dO_i" if dkv == "accumulate"
-                                else "dV_j = P^T dO_i"), shape=("Bc", "dv"), deps=(P, have["dO"]), variant=dkv)
-        dp = self.op(f"{p}mma_dp", OpKind.MMA_DP, loops, TILE, "dP = dO_i V_j^T", shape=("Br", "Bc"),
-                     deps=(have["dO"], have["V"]))
+        if dkv and not dv_late:
+            mma_dv()
+        if not wgmma:
+            dp = mma_dp()
         ds = self.op(f"{p}softmax_grad", OpKind.SOFTMAX_GRAD, loops, "backward", "dS = P * (dP - D_i)",
                      shape=("Br", "Bc"), deps=(P, dp, have["LSE"]))
+        if dkv and dv_late:
+            mma_dv()
         if dkv:
             out["dK"] = self.op(f"{p}mma_dk", OpKind.MMA_DK, loops, TILE, ("dK += scale * dS^T Q_i" if dkv == "accumulate"
                                 else "dK_j = scale * dS^T Q_i"), shape=("Bc", "d"), deps=(ds, have["Q"]), variant=dkv)

@@ -1,5 +1,7 @@
 """Lowering of the backward (issue 14): a spec's `backward { }` schedule -> the plan of
-templates/backward.cu.j2 (preprocess, kv-outer main kernel, and convert or the q-outer dQ kernel).
+templates/backward.cu.j2 (preprocess, kv-outer main kernel on mma.sync, and convert or the q-outer dQ
+kernel), or with `mma wgmma` of templates/backward_wgmma.cu.j2 (the same preprocess and convert, the
+main kernel on Hopper's warpgroup MMA: lower_backward_wgmma below).
 
 Sizes come from layout.backward_layout; the main kernel's q-loop body is the backward graph's
 (graph_backward.py) ops in emission order, one LoopOp each (`stage_ds`, the dS^T store the dQ MMA
@@ -250,6 +252,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         Constant("D", "int", d, "head dim of q and k"),
         Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
         Constant("THREADS", "int", main.threads, "two warpgroups"),
+        Constant("KV_M_TILES", "int", 1, "16-row accumulator tiles per warp (backward_ops.j2): a warp's slice of 64 rows"),
         Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
         Constant("K_OFFSET", "u32", buf["K"].offset),
         Constant("V_OFFSET", "u32", buf["V"].offset),
@@ -262,6 +265,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         Constant("DROW_OFFSET", "u32", buf["D"].offset),
         Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
         *smem_constants(main),
+        Constant("DQ_M_TILES", "int", 1, "16-row dQ_i tiles per warp (backward_ops.j2)"),
         Constant("DQ_COLS", "int", lay.dq_cols, f"dQ_i = dS K_j split {split} (layout.backward_wgmma_dq_split): columns "
                  "per warpgroup"),
         Constant("DQ_K16", "int", dq_k16, "16-key steps of a warpgroup's dQ_i"),
@@ -296,9 +300,10 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
         "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
     }
-    body = {op.kind: op for op in _loop_body(spec, True)}
-    order = _WGMMA_ORDERS[dv_order]
-    assert set(body) == set(order), sorted(body)
+    graph_body = _loop_body(spec, True)   # the backward graph's emission order: the layout's dV schedule
+    assert tuple(op.kind for op in graph_body) == _WGMMA_ORDERS[chosen[0]], [op.kind for op in graph_body]
+    body = {op.kind: op for op in graph_body}
+    order = _WGMMA_ORDERS[dv_order]   # an A/B's other order (lower_backward's options) reorders the same ops
     ops, wgmma = _wrappers(b.tile_q, d, p.head_dim_v, lay.dq_cols)
     return _make(spec, consts, regions, [body[k] for k in order], main, names, True, None, bc,
                  template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note)
