@@ -87,13 +87,40 @@ SPEC = """attention dec8 {{
         warps 4 along kv
         pipeline 1 stages via cp.async
         split kv = auto
+{statements}
     }}
 }}
 """
 
 
-def spec_of(extra="", d=128, dtype="bf16", nq=1):
-    return parse_text(SPEC.format(d=d, dtype=dtype, nq=nq, extra=extra))[0]
+def spec_of(extra="", d=128, dtype="bf16", nq=1, statements=""):
+    return parse_text(SPEC.format(d=d, dtype=dtype, nq=nq, extra=extra, statements=statements))[0]
+
+
+def test_dequant_statement_picks_the_conversion_path():
+    from tiledsl.layout import FP8_CONVERT_DEFAULT
+    from tiledsl.lower_decode import lower_decode
+    default = spec_of("    kv_dtype = e4m3")
+    frag = spec_of("    kv_dtype = e4m3", statements="        dequant fragments")
+    shared = spec_of("    kv_dtype = e4m3", statements="        dequant shared")
+    assert default.schedule.fp8_convert is None and lower_decode(default).fp8_convert == FP8_CONVERT_DEFAULT
+    assert frag.schedule.fp8_convert == "fragments" and lower_decode(frag).fp8_convert == "fragments"
+    assert "_cvfragments" in frag.kernel_name and shared.schedule.fp8_convert == "shared"
+    assert frag.span_of("dequant").line == 11   # errors and explain point at the statement
+
+
+def test_dequant_space_and_refusals():
+    from tiledsl.check import SpecSpace
+    (space,) = parse_text(SPEC.format(d=128, dtype="bf16", nq=1, extra="    kv_dtype = e4m3",
+                                      statements="        dequant in {shared, fragments}"))
+    assert isinstance(space, SpecSpace) and [s.schedule.fp8_convert for s in space.expand()[0]] == ["shared", "fragments"]
+    with pytest.raises(SpecError) as err:
+        spec_of("    kv_dtype = e4m3", statements="        dequant registers")
+    assert "unknown dequant 'registers'" in str(err.value) and "shared, fragments" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        spec_of(statements="        dequant fragments")
+    assert "`dequant` says where an FP8 KV cache becomes 16-bit" in str(err.value) and "kv_dtype = e4m3" in str(err.value)
+    assert ":11:" in str(err.value)   # at the `dequant` line
 
 
 def test_kv_dtype_sets_fields_and_name_only_when_set():

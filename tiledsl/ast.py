@@ -187,6 +187,16 @@ class MmaStatement:
 
 
 @dataclass(frozen=True)
+class Dequant:
+    key: Word
+    where: Slot
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        return f"dequant {_slot(self.where)}"
+
+
+@dataclass(frozen=True)
 class Warpgroups:
     key: Word
     roles: tuple[Role, ...]
@@ -240,7 +250,7 @@ class UnknownStatement:
         return self.key.text
 
 
-Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, Dq, UnknownStatement]
+Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, Dequant, Dq, UnknownStatement]
 
 
 # ---- blocks -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from . import ast
 from . import check_backward
 from .errors import SpecError
-from .layout import backward_has_template, backward_layout, layout_of
+from .layout import FP8_CONVERTS, backward_has_template, backward_layout, layout_of
 from .spec import (AUTO, COMPUTE_DTYPES, KV_DTYPES, KV_PAGE_SIZES, PROBLEM_KEYS, SCHEDULE_KEYS, Axis, CopyVia, DType, Family,
                    KernelSpec, KvScale, LoopOrder, Mask, Mma, Problem, Schedule, SeqLayout, Span)
 
@@ -37,6 +37,7 @@ EXAMPLES = {
     "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
     "mma": "mma wgmma   (or: mma.sync, the default)",
+    "dequant": "dequant fragments   (or: shared, the default; with kv_dtype = e4m3)",
     "schedule": "schedule {", "attention": "attention NAME {",
     "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
 }
@@ -401,6 +402,9 @@ class _Checker:
                 if choice is not None else ((True,), False)
         return out
 
+    def dequant(self, node: ast.Dequant) -> dict:
+        return {"fp8_convert": self.values(node.where, lambda a: self.word(a, "dequant", {c: c for c in FP8_CONVERTS}))}
+
     def split(self, node: ast.Split) -> dict:
         if node.dim.axis.text != "kv":
             self.fail(f"split-KV splits the kv axis, got '{node.dim.axis.text}'", node.dim.axis.span, EXAMPLES["split"])
@@ -448,6 +452,9 @@ def _rule_family_features(spec: KernelSpec, written: set):
     if p.kv_dtype is not None and fam is not Family.DECODE:
         return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the decode family; this "
                 f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
+    if s.fp8_convert is not None and p.kv_dtype is None:
+        return ("dequant", "`dequant` says where an FP8 KV cache becomes 16-bit; this kernel reads a "
+                f"{p.dtype.value} cache", "add `kv_dtype = e4m3` (decode), or remove `dequant`")
     if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
         return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
                 "write `dtype = bf16` or `dtype = fp16`")

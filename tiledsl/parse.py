@@ -121,6 +121,9 @@ class _ToAst(Transformer):
     def split(self, meta, children):
         return ast.Split(self._key(meta, "split"), children[0], self._span(meta))
 
+    def dequant(self, meta, children):
+        return ast.Dequant(self._key(meta, "dequant"), children[0], self._span(meta))
+
     def dq(self, meta, children):
         return ast.Dq(self._key(meta, "dq"), children[0], self._span(meta))
 

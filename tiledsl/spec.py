@@ -16,7 +16,7 @@ from enum import Enum
 # The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
                 "kv_scale")
-SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split")
+SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq")
 
@@ -179,9 +179,10 @@ class Schedule:
     pingpong: bool = False
     intra_overlap: bool = False
     split_kv: int | str = 1         # 1: no split; N: N splits; AUTO: chosen at launch
-    # Decode with an FP8 KV cache: how e4m3 becomes MMA operands (layout.FP8_CONVERTS; None: the
-    # default, layout.FP8_CONVERT_DEFAULT), and a min-blocks-per-SM promise to ptxas (None: the
-    # layout's). Both enter config, hash and kernel name only when set (SCHEDULE_DEFAULTS).
+    # Decode with an FP8 KV cache: how e4m3 becomes MMA operands (the DSL's `dequant shared |
+    # fragments`, layout.FP8_CONVERTS; None: layout.FP8_CONVERT_DEFAULT), and a min-blocks-per-SM
+    # promise to ptxas (None: the layout's). Both enter config, hash and kernel name only when set
+    # (SCHEDULE_DEFAULTS).
     fp8_convert: str | None = None
     min_blocks: int | None = None
 
