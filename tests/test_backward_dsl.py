@@ -2,6 +2,8 @@
 hint), search spaces, and that a forward-only spec's name and hash are what they were."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tiledsl.errors import SpecError
@@ -92,3 +94,22 @@ def test_explain_prints_the_backward():
     assert "backward loop nest:" in text and "kernel backward_dq" in text and "dS = P * (dP - D_i)" in text
     assert "backward loop nest:" not in explain(load_spec(kernel("").replace("    backward {\n    }\n", "")),
                                                 seqlen_q=256)
+
+
+@pytest.mark.parametrize("backward", ["", "dq accumulate separate", "tile q = 64, kv = 128; warps 8; mma wgmma"])
+def test_explain_prints_the_backward_kernels_budget(backward):
+    """The main kernel's shared memory is what the lowering launches with; resident blocks >= 1 (the
+    wgmma estimate lists registers whose lifetimes never overlap: the peak live set decides)."""
+    from tiledsl.lower_backward import lower_backward
+    spec = load_spec(kernel(backward))
+    text = explain(spec, seqlen_q=256)
+    section = text[text.index("backward main kernel:"):]
+    total = int(re.search(r"total\s+(\d+) B", section).group(1))
+    assert total == lower_backward(spec).launch.smem_bytes
+    assert re.search(r"\b([1-9]) block\(s\) resident per SM", section)
+    assert ("dQ kernel (`dq accumulate separate`)" in section) == ("separate" in backward)
+
+
+def test_explain_says_why_no_backward_kernel_is_generated():
+    text = explain(load_spec(kernel("dq accumulate ordered")), seqlen_q=256)
+    assert "backward loop nest:" in text and "backward kernels: none generated (`dq accumulate ordered` has no template" in text

@@ -112,7 +112,11 @@ def op_table(graph: ScheduleGraph) -> list[str]:
 
 def budget_lines(graph: ScheduleGraph) -> list[str]:
     """The kernel's layout (layout.py): the same numbers the lowering writes into the kernel."""
-    lay = graph.layout
+    return layout_budget_lines(graph.layout, graph.roles)
+
+
+def layout_budget_lines(lay, roles: dict | None = None) -> list[str]:
+    """Shared memory, registers and resident blocks of one kernel's Layout."""
     lines = [f"shared memory per block (limit {lay.smem_limit} B on {lay.arch}"
              + ("" if lay.generated else "; the graph's dense-tile model, no template") + "):"]
     for b in lay.buffers:
@@ -126,7 +130,7 @@ def budget_lines(graph: ScheduleGraph) -> list[str]:
         lines.append(f"    {r.name:<20} {r.amount:>8}     {r.formula}")
     lines.append(f"    {'total':<20} {lay.register_estimate:>8}     of {lay.register_limit} (accumulators and "
                  f"allowance {lay.accumulator_registers} must fit)")
-    for role, info in graph.roles.items():
+    for role, info in (roles or {}).items():
         regs = f", {info['registers']} registers (setmaxnreg)" if info.get("registers") else ""
         lines.append(f"    role {role}: {info['threads']} threads{regs}")
     lines.append(f"    {lay.resident_blocks} block(s) resident per SM (limited by {lay.limit_reason}); "
@@ -185,16 +189,28 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
 
 
 def backward_lines(spec: KernelSpec) -> list[str]:
-    """The backward schedule's loop nest and ops (no kernel yet: the float64 reference runs it)."""
+    """The backward schedule's loop nest and ops, and its main kernel's budget (layout.backward_layout:
+    the numbers the backward lowering writes) or why no template builds it (the float64 reference
+    still runs the graph)."""
     if spec.backward is None:
         return []
     from .graph_backward import build_backward_graph
+    from .layout import backward_has_template, backward_layout
     from .spec import backward_name_parts
     b, graph = spec.backward, build_backward_graph(spec)
-    return ["", f"backward ({'_'.join(backward_name_parts(b))}): order {b.order.value}, tiles Br={b.tile_q} "
-            f"Bc={b.tile_kv}, {b.warps} warps, {b.stages} stages, {b.mma.value}; P recomputed from O and LSE",
-            "backward loop nest:"] + ["  " + line for line in loop_nest(graph)] + [
-            "", "backward ops in emission order:"] + ["  " + line for line in op_table(graph)]
+    lines = ["", f"backward ({'_'.join(backward_name_parts(b))}): order {b.order.value}, tiles Br={b.tile_q} "
+             f"Bc={b.tile_kv}, {b.warps} warps, {b.stages} stages, {b.mma.value}; P recomputed from O and LSE",
+             "backward loop nest:"] + ["  " + line for line in loop_nest(graph)] + [
+             "", "backward ops in emission order:"] + ["  " + line for line in op_table(graph)]
+    why = backward_has_template(spec)
+    if why:
+        return lines + ["", f"backward kernels: none generated ({why})"]
+    lay = backward_layout(spec)
+    lines += ["", "backward main kernel:"] + ["  " + line for line in layout_budget_lines(lay.main)]
+    if lay.dq_kernel:
+        lines.append(f"  dQ kernel (`dq accumulate separate`): {lay.dq_kernel_smem} B shared memory, "
+                     f"{lay.dq_kernel_threads} threads")
+    return lines
 
 
 def _lowered(spec: KernelSpec):

@@ -875,7 +875,8 @@ def _backward_wgmma(spec: KernelSpec, limits: DeviceLimits) -> BackwardLayout:
     _require(end <= limits.max_shared_per_block, spec, tile_key if S == 1 else "backward.pipeline",
              f"shared memory: {end} bytes needed (" + " + ".join(f"{b.name} {b.bytes}" for b in buffers)
              + f") > {limits.max_shared_per_block} available", "use fewer stages or a smaller tile q")
-    main = _finish(spec, "backward_wgmma", limits, buffers, end, acc, threads, 1, stages=S, rows_per_warp=16)
+    main = _finish(spec, "backward_wgmma", limits, buffers, end, acc, threads, 1, stages=S, rows_per_warp=16,
+                   launch_registers=estimate)   # the peak live set, not the sum of lifetimes that never overlap
     return BackwardLayout(main, 1, 1, 2 if split == "m" else 1, dq_cols, dq_split=split)
 
 
