@@ -54,3 +54,20 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     kernel = kernel_for(spec)
     kernel.order_groups = order_groups
     return run_errors(kernel, q, k, v, kv_lens=lens)
+
+
+def memcheck(script) -> None:
+    """Run `script` (a Python file) under compute-sanitizer memcheck from the repository root (skip
+    when the tool is not on PATH); assert it exits 0 with no memory errors."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    except FileNotFoundError:
+        pytest.skip("compute-sanitizer not on PATH")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout

@@ -6,14 +6,11 @@ and fp16 alike. O and LSE come from the float64 reference (cast to the dtype / f
 the backward alone; one test runs the forward kernel's O and LSE through it (the autograd contract)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.gpu_support import TOLERANCE_O, requires_gpu
+from tests.gpu_support import TOLERANCE_O, memcheck, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -171,12 +168,4 @@ def test_memcheck_clean_on_small_shapes(tmp_path):
                       deterministic=det)[0])
             check(run("bf16", 64, q_len=45, kv_len=77, window=(30, 5), deterministic=det)[0])
     """))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
-                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    except FileNotFoundError:
-        pytest.skip("compute-sanitizer not on PATH")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in result.stdout
+    memcheck(script)

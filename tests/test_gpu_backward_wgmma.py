@@ -4,14 +4,11 @@ test_gpu_backward.py does for the mma.sync kernel (its `run` and tolerance), int
 with NaN (blocks of their sizes freed into torch's caching allocator just before the call)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.gpu_support import requires_gpu
+from tests.gpu_support import memcheck, requires_gpu
 from tests.test_gpu_backward import MASKS, check, run
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -93,12 +90,4 @@ def test_memcheck_clean_on_small_shapes(tmp_path):
                       mma="wgmma")[0])
             check(run("fp16", d, q_len=45, kv_len=177, window=(30, 5), mma="wgmma")[0])
     """))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
-                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    except FileNotFoundError:
-        pytest.skip("compute-sanitizer not on PATH")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in result.stdout
+    memcheck(script)

@@ -2,16 +2,13 @@
 unequal lengths, GQA, per-sequence lengths, both dtypes, (b, s, h, d) memory, poisoned outputs."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
 
-from .gpu_support import MASKS, check, requires_gpu, run_case
+from .gpu_support import MASKS, check, memcheck, requires_gpu, run_case
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -155,12 +152,4 @@ def test_memcheck_clean_on_small_shapes(tmp_path):
                 err = run_case(spec, batch=1, heads=2, q_len=77, kv_len=45)
                 assert err[0] < 1e-2 and err[1] < 1e-3, err
     """))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable, str(script)],
-                                capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    except FileNotFoundError:
-        pytest.skip("compute-sanitizer not on PATH")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in result.stdout
+    memcheck(script)

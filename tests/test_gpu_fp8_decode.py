@@ -13,9 +13,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -26,7 +23,7 @@ from tiledsl.errors import RuntimeInputError
 from tiledsl.layout import FP8_CONVERTS
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 
-from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu
+from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, memcheck, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -216,15 +213,7 @@ def test_fp8_memcheck_clean(tmp_path):
                 t.test_fp8_contiguous(torch, convert, d, 4, 4, DType.BF16, KvScale.PER_HEAD)
                 t.test_fp8_paged(torch, convert, d, 1, 8, DType.FP16, KvScale.PER_TENSOR)
     """))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    try:
-        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
-                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
-    except FileNotFoundError:
-        pytest.skip("compute-sanitizer not on PATH")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in result.stdout
+    memcheck(script)
 
 
 def test_api_contiguous_and_paged(torch):
