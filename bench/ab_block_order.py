@@ -1,4 +1,4 @@
-"""A/B of the FA2 launch order (tiledsl/block_order.py) in one GPU run: the same compiled kernel
+"""A/B of the FA2 launch order (tiledsl/runtime/block_order.py) in one GPU run: the same compiled kernel
 launched with one group per pair (the old pair-after-pair order), the automatic grouping, one
 global longest-first list, and equal groups of other sizes; SDPA flash timed before each round,
 and every variant run twice, so the spread shows the noise.
@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
-from tiledsl.parse import load_spec
+from tiledsl.tune.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_spec
 from tiledsl import compile
-from tiledsl.validate import run_errors
+from tiledsl.reference.gpu import run_errors
 
 CASES = [("specs/fa2_d128_causal.tile", n) for n in (1024, 4096, 8192, 16384)] + \
         [("specs/fa2_d64_causal.tile", n) for n in (1024, 4096, 8192, 16384)]

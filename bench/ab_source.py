@@ -2,7 +2,7 @@
 kernel and the patched kernel alternately (base, patch, ..., base) so the spread of the two base
 runs shows the noise. The patches here are experiments, not product code.
 
-A patch whose target is no longer in the generated CUDA stops the run (tiledsl.bench.patch_source).
+A patch whose target is no longer in the generated CUDA stops the run (tiledsl.tune.bench.patch_source).
 The tile_skip experiment (results/2026-11-30-ab-tile-skip.json) was dropped: its target, the
 per-warp tile skip, is gone from the template, so it timed two identical kernels.
 
@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from tiledsl.bench import attention_flops, patch_source, prefill_shape, record, time_ms
-from tiledsl.parse import load_spec
+from tiledsl.tune.bench import attention_flops, patch_source, prefill_shape, record, time_ms
+from tiledsl.frontend.parse import load_spec
 from tiledsl import compile
-from tiledsl.validate import run_errors
+from tiledsl.reference.gpu import run_errors
 
 CP_ASYNC = "cp.async.cg.shared.global [%0]"
 EXPERIMENTS = {

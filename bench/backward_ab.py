@@ -42,7 +42,7 @@ def peers(q, k, v, do, causal):
     """Median ms of SDPA flash and cuDNN backward (autograd.grad of a retained graph)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from tiledsl.bench import time_ms
+    from tiledsl.tune.bench import time_ms
     out = {}
     for label, backend in (("sdpa_flash_backward", SDPBackend.FLASH_ATTENTION),
                            ("sdpa_cudnn_backward", SDPBackend.CUDNN_ATTENTION)):
@@ -59,11 +59,12 @@ def peers(q, k, v, do, causal):
 def main() -> int:
     import torch
     import tiledsl
-    from tiledsl.backward import BackwardKernel, backward_spec
-    from tiledsl.lower_backward import lower_backward
+    from tiledsl.runtime.backward import BackwardKernel
+    from tiledsl.dispatch.backward import backward_spec
+    from tiledsl.lower.backward import lower_backward
     from tiledsl.spec import DType, Mask
-    from tiledsl.tune_backward import backward_flops, check_backward, time_backward_ms
-    from tiledsl.tune_model import Shape
+    from tiledsl.tune.backward import backward_flops, check_backward, time_backward_ms
+    from tiledsl.schedule.cost import Shape
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -75,7 +76,8 @@ def main() -> int:
     started = time.time()
     kernels, checks = {}, {}
     from concurrent.futures import ThreadPoolExecutor
-    from tiledsl.runtime import compile_cubin, device_arch
+    from tiledsl.runtime.compile import compile_cubin
+    from tiledsl.runtime.device import device_arch
     built = []
     for d in args.head_dims:   # NVRTC in threads first (cubins are cached on disk; functions() then only loads)
         for causal in (False, True):

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import attention_flops, prefill_shape, record, time_ms  # noqa: E402
+from tiledsl.tune.bench import attention_flops, prefill_shape, record, time_ms
 
 BACKWARD_FLOPS = 2.5           # backward FLOPs per forward FLOP (FlashAttention's convention)
 CHECK_BOUND = 2 * 8 * 2.0 ** -8   # two bf16 kernels, each within 8 unit roundoffs of float64
@@ -35,12 +35,13 @@ CHECK_BOUND = 2 * 8 * 2.0 ** -8   # two bf16 kernels, each within 8 unit roundof
 
 def kernels(d: int, causal: bool) -> tuple[str, str, str]:
     """(forward kernel name, its family, backward kernel name) that tiledsl.attention runs."""
-    from tiledsl import runtime, tuned
+    from tiledsl.runtime import device as runtime
+    from tiledsl.dispatch import tuned
     from tiledsl.spec import DType, Mask
     mask = Mask.CAUSAL if causal else Mask.NONE
     spec, _ = tuned.tuned_spec(runtime.device_arch(), DType.BF16, d, mask, d, None, None, None)
-    try:   # tiledsl/backward.py's table; its name is recorded when it offers one
-        from tiledsl.backward import chosen_backward_spec
+    try:   # tiledsl/dispatch/backward.py's table; its name is recorded when it offers one
+        from tiledsl.dispatch.backward import chosen_backward_spec
         backward = chosen_backward_spec(runtime.device_arch(), DType.BF16, d, mask).kernel_name
     except Exception as err:   # an older or newer entry point: the row still records the forward
         backward = f"unknown ({type(err).__name__})"
@@ -80,7 +81,7 @@ def max_relative(x, ref) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")

@@ -1,7 +1,7 @@
 """Where the backward's time goes at small shapes (1k tokens per sequence, 16 sequences): the
 module's kernels called directly (BackwardKernel), attention_backward (the public function: spec
 lookup, input checks, launches), and torch.autograd through tiledsl.attention (the custom op),
-each the median of tiledsl.bench.time_ms; printed, and written as JSON when OUT is given.
+each the median of tiledsl.tune.bench.time_ms; printed, and written as JSON when OUT is given.
 
     python bench/backward_host_overhead.py [OUT.json]
 """
@@ -14,9 +14,10 @@ import sys
 def main() -> int:
     import torch
     import tiledsl
-    from tiledsl.backward import attention_backward, chosen_backward_spec, kernel_for
-    from tiledsl.bench import time_ms
-    from tiledsl.runtime import device_arch
+    from tiledsl.dispatch.backward import attention_backward, chosen_backward_spec
+    from tiledsl.runtime.backward import kernel_for
+    from tiledsl.tune.bench import time_ms
+    from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
     rows = []
     for d, causal in ((64, True), (128, True), (128, False)):

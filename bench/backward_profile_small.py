@@ -35,7 +35,7 @@ def main() -> int:
     import tiledsl
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
-    from tiledsl.backward import attention_backward
+    from tiledsl.dispatch.backward import attention_backward
     rows = []
     for d in (64, 128):
         for causal in (False, True):

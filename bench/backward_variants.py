@@ -1,4 +1,4 @@
-"""Backward TFLOP/s on the GPU: tiledsl.backward (a few tile variants) against torch SDPA's flash
+"""Backward TFLOP/s on the GPU: tiledsl.dispatch.backward (a few tile variants) against torch SDPA's flash
 backward, measured in the same process. Backward FLOPs = 2.5 x forward (4 B H Nq Nk d), causal halved.
 
     python bench/backward_variants.py OUT.json [--seqlen 4096]
@@ -31,8 +31,9 @@ def timed(fn, warmup=3, reps=10):
 def main() -> int:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from tiledsl.backward import BackwardKernel, backward_spec
-    from tiledsl.lower_backward import lower_backward
+    from tiledsl.runtime.backward import BackwardKernel
+    from tiledsl.dispatch.backward import backward_spec
+    from tiledsl.lower.backward import lower_backward
     from tiledsl.spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask
     ap = argparse.ArgumentParser()
     ap.add_argument("out")

@@ -13,12 +13,12 @@ def main() -> int:
     import torch
     from tests.gpu_support import TOLERANCE_O
     from tests.test_gpu_backward import rel, reference
-    from tiledsl.backward import BackwardKernel
-    from tiledsl.lower_backward import lower_backward
+    from tiledsl.runtime.backward import BackwardKernel
+    from tiledsl.lower.backward import lower_backward
     from tiledsl.spec import DType, Mask
-    from tiledsl.backward import backward_spec
-    from tiledsl.tune_backward import backward_flops, time_backward_ms
-    from tiledsl.tune_model import Shape
+    from tiledsl.dispatch.backward import backward_spec
+    from tiledsl.tune.backward import backward_flops, time_backward_ms
+    from tiledsl.schedule.cost import Shape
     sys.path.insert(0, "bench")
     from backward_ab import variant_spec
     # run 1 (bench/results/2026-12-01-backward-wgmma-check-1.log) had d64 q64 (dQ split by keys) and d128 s1 too

@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import record, sdpa_peers, time_ms  # noqa: E402
-from tiledsl.parse import load_specs  # noqa: E402
+from tiledsl.tune.bench import record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_specs
 from tiledsl import compile  # noqa: E402
 
 SPEC = ROOT / "specs" / "decode_d128.tile"
@@ -39,7 +39,7 @@ def copy_gbps(torch) -> float:
 
 
 def validate(kernel, q, k, v):
-    from tiledsl.validate import run_errors
+    from tiledsl.reference.gpu import run_errors
     err_o, err_lse = run_errors(kernel, q, k, v)
     if not (err_o < 1e-2 and err_lse < 1e-3):
         raise SystemExit(f"{kernel.name}: validation failed: O error {err_o}, LSE error {err_lse}")
@@ -48,7 +48,7 @@ def validate(kernel, q, k, v):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--quick", action="store_true", help="the bundled spec only, no variants")
     args = parser.parse_args(argv)
     import torch

@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from tiledsl.bench import record, sdpa_peers, time_ms
-from tiledsl.parse import load_spec
+from tiledsl.tune.bench import record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_spec
 from tiledsl import compile
-from tiledsl.validate import run_errors
+from tiledsl.reference.gpu import run_errors
 
 # (batch, heads, kv heads, cache length): split counts to time
 SHAPES = {(1, 32, 32, 32768): ["auto", 8, 16, 32, 64, 128],

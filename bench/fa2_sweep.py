@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from tiledsl.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
+from tiledsl.tune.bench import attention_flops, prefill_shape, record, sdpa_peers, time_ms
 from tiledsl import compile
 from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
-from tiledsl.validate import run_errors
+from tiledsl.reference.gpu import run_errors
 
 VARIANTS = {  # head dim -> (tile q, tile kv, warps, stages); sweep 3: 32-row warps now spill-free at d128
     64: [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 4, 3)],

@@ -1,6 +1,6 @@
 """First-call latency: `import tiledsl`, spec -> CUDA, and the first `tiledsl.attention` call of a
 process (torch tensors: through the autograd op) with a cold disk cache (front end, NVRTC compile,
-load, launch) and with a warm one (the warm record and cubin the cold call left: tiledsl/warm.py), per
+load, launch) and with a warm one (the warm record and cubin the cold call left: tiledsl/runtime/warm.py), per
 kernel family; the first training step (forward + backward), cold and warm; then `tiledsl warmup`'s
 wall time. Each measurement runs in a fresh Python process so nothing is cached in memory.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import record  # noqa: E402
+from tiledsl.tune.bench import record
 
 CALL = """
 import time, json, sys
@@ -38,7 +38,7 @@ t4 = time.perf_counter()
 print(json.dumps({{"first_call_s": t3 - t2, "second_call_s": t4 - t3}}))
 """
 
-# The first training step: forward and backward through the autograd op (tiledsl/autograd.py).
+# The first training step: forward and backward through the autograd op (tiledsl/dispatch/autograd.py).
 TRAIN_CALL = """
 import time, json
 import torch, tiledsl

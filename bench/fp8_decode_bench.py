@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tiledsl import compile  # noqa: E402
-from tiledsl.autoschedule import FP8_DECODE_SCHEDULE  # noqa: E402
-from tiledsl.bench import record, time_ms  # noqa: E402
-from tiledsl.parse import load_specs  # noqa: E402
+from tiledsl.dispatch.autoschedule import FP8_DECODE_SCHEDULE
+from tiledsl.tune.bench import record, time_ms
+from tiledsl.frontend.parse import load_specs
 from tiledsl.spec import DType, KvScale  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -73,7 +73,7 @@ def validate(torch, kernel, paged: bool) -> float:
     """O error of an fp8 kernel vs the dequantizing float64 reference: batch 3 with kv_lens
     (1000, 17, 300), 8 heads on 2 kv heads, random e4m3 over a wide range, per-head scales."""
     import numpy as np
-    from tiledsl.fp8_reference import attention_fp8, paged_attention_fp8
+    from tiledsl.reference.fp8 import attention_fp8, paged_attention_fp8
     lens_host = [1000, 17, 300]
     batch, kv_heads, heads, n = 3, 2, 8, 63 * PAGE   # 1008 keys: whole pages
     q = torch.randn(batch, heads, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -108,7 +108,7 @@ def validate(torch, kernel, paged: bool) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated VARIANTS names")
     args = parser.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]

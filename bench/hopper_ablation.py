@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms  # noqa: E402
-from tiledsl.parse import load_specs  # noqa: E402
+from tiledsl.tune.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_specs
 
 HOPPER = """attention {name} {{
     head_dim = {d}
@@ -70,7 +70,7 @@ CHECKS = [dict(batch=2, heads=3, q_len=1000, kv_len=1000), dict(batch=1, heads=2
 
 
 def check(kernel, spec) -> float:
-    from tiledsl.validate import run_errors
+    from tiledsl.reference.gpu import run_errors
     worst = 0.0
     for c in CHECKS:
         q, k, v = random_inputs(spec.problem, c["batch"], c["heads"], c["q_len"], c["kv_len"], c.get("kv_heads"))

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tiledsl import compile  # noqa: E402
-from tiledsl.bench import record, sdpa_peers, time_ms  # noqa: E402
-from tiledsl.parse import load_specs  # noqa: E402
+from tiledsl.tune.bench import record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_specs
 
 SPEC = ROOT / "specs" / "decode_d128.tile"
 SHAPES = [(1, 32, 32, 32768), (8, 32, 32, 8192), (4, 32, 8, 65536), (1, 32, 32, 131072)]   # decode_bench.py's
@@ -30,7 +30,7 @@ HEAD_DIM = 128
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--page", type=int, default=16)
     args = parser.parse_args(argv)
     import torch

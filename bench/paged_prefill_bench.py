@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import record, time_ms  # noqa: E402
+from tiledsl.tune.bench import record, time_ms
 from tiledsl.spec import DType, Mask  # noqa: E402
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, Q_LEN, HISTORY = 2, 32, 8, 128, 512, 8192
@@ -31,7 +31,7 @@ BATCH, HEADS, KV_HEADS, HEAD_DIM, Q_LEN, HISTORY = 2, 32, 8, 128, 512, 8192
 
 def bench_specs(arch: str, pages=(16, 64)):
     """[(page, causal, paged spec, contiguous spec)]: the paged_prefill spec and its schedule on a contiguous cache."""
-    from tiledsl.serving_prefill import prefill_spec
+    from tiledsl.serving.prefill import prefill_spec
     out = []
     for causal in (True, False):
         for page in pages:
@@ -48,11 +48,11 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want, random_inputs) -> di
     """The paged kernel with its block-table entries read inline (the table read in front of each
     load, as before the shared ring; random-order table: inline_ms), and on an in-order block table
     with and without any table reads (in_order_ms, no_lookup_ms) (ms)."""
-    from tiledsl.bench import patch_source
+    from tiledsl.tune.bench import patch_source
     from tiledsl.families import compile
     table = torch.arange(BATCH * (k_tok.shape[1] // page), device="cuda", dtype=torch.int32).view(BATCH, -1)
     in_order = tuple(x.reshape(-1, page, KV_HEADS, HEAD_DIM) for x in (k_tok, v_tok)) + (table,)
-    from tiledsl.layout import fa2_page_ring
+    from tiledsl.layout.fa2 import fa2_page_ring
     ring = f"static constexpr int PAGE_RING = {fa2_page_ring(page, spec.schedule.tile_kv, spec.schedule.stages)[0]};"
     out = {}
     # Lookup-free: `pages` carries the sequence's first page number (batch * table_stride in an
@@ -85,14 +85,14 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want, random_inputs) -> di
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--pages", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--commit", default=None, help="the commit measured (when the tree has no .git)")
     parser.add_argument("--ab", action="store_true", help="also time in-order pages, with and without table reads")
     args = parser.parse_args(argv)
     import torch
-    from tiledsl.runtime import caller_stream, device_arch
-    from tiledsl.tuned import kernel_for
+    from tiledsl.runtime.device import caller_stream, device_arch
+    from tiledsl.dispatch.tuned import kernel_for
 
     kv_len = HISTORY + Q_LEN
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 def _one(args):
     spec, arch = args
     from tiledsl.families import lower
-    from tiledsl.render import render
-    from tiledsl.runtime import compile_cubin
+    from tiledsl.codegen.render import render
+    from tiledsl.runtime.compile import compile_cubin
     plan = lower(spec)
     compile_cubin(render(plan), plan.kernel_name, arch)
     return plan.kernel_name
@@ -26,9 +26,9 @@ def _one(args):
 def main() -> int:
     from dataclasses import replace
     from tests.test_gpu_paged import sweep_specs
-    from tiledsl.serving import paged_spec
+    from tiledsl.serving.paged import paged_spec
     from tiledsl.spec import DType, Mask
-    from tiledsl.parse import load_specs
+    from tiledsl.frontend.parse import load_specs
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
     specs = sweep_specs()
     for dtype in (DType.BF16, DType.FP16):

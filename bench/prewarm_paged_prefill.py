@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 def _one(args):
     spec, arch = args
     from tiledsl.families import lower
-    from tiledsl.render import render
-    from tiledsl.runtime import compile_cubin
+    from tiledsl.codegen.render import render
+    from tiledsl.runtime.compile import compile_cubin
     plan = lower(spec)
     compile_cubin(render(plan), plan.kernel_name, arch)
     return plan.kernel_name
@@ -25,7 +25,7 @@ def _one(args):
 
 def main() -> int:
     from bench.paged_prefill_bench import bench_specs
-    from tiledsl.serving_prefill import prefill_spec
+    from tiledsl.serving.prefill import prefill_spec
     from tiledsl.spec import DType, Mask
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90a"
     specs = [prefill_spec(arch, DType.BF16, 128, 128, Mask.CAUSAL, page) for page in (1, 16, 64, 256)]

@@ -129,10 +129,10 @@ def run(steps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.bench.record)")
+    parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
-    from tiledsl.bench import record
+    from tiledsl.tune.bench import record
     result = run(args.steps)
     for i, losses in enumerate(zip(*result["curves"].values())):
         print(f"step {i:3d}  " + "  ".join(f"{name} {x:.4f}" for name, x in zip(result["curves"], losses)))

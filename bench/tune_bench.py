@@ -10,7 +10,7 @@ compiled kernels, so it times only the configs the pruned run skipped: each conf
 per shape. Rows: space, head_dim, seqlen, causal, configs, timed, winner, winner_tflops,
 exhaustive_best_tflops, seconds (+ exhaustive winner, gap). Targets: timed <= 30% of configs,
 winner within 3% of the exhaustive best, each pruned run < 3 min. At the end it prints the
-tuned.py TUNED entries the exhaustive winners suggest (seqlen 16384), to paste after review.
+dispatch/tuned.py TUNED entries the exhaustive winners suggest (seqlen 16384), to paste after review.
 --quick: seqlen 4096 only.
 """
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import record  # noqa: E402
-from tiledsl.cli_tune import load_space  # noqa: E402
-from tiledsl.tune import Workbench, tune  # noqa: E402
-from tiledsl.tune_model import Shape  # noqa: E402
-from tiledsl.bench import prefill_shape  # noqa: E402
-from tiledsl.tune_store import TuneStore  # noqa: E402
+from tiledsl.tune.bench import record
+from tiledsl.cli.tune import load_space
+from tiledsl.tune.search import Workbench, tune
+from tiledsl.schedule.cost import Shape
+from tiledsl.tune.bench import prefill_shape
+from tiledsl.tune.store import TuneStore
 
 SPACES = ["specs/fa2_space_d64.tile", "specs/fa2_space_d128.tile"]
 SEQLENS = [4096, 16384]

@@ -1,6 +1,6 @@
 """Standard attention in PyTorch float64 for gradient tests (torch imported by the caller's use).
 
-Masks as tiledsl defines them (tiledsl/masks.py): bottom-right aligned to each sequence's own key
+Masks as tiledsl defines them (tiledsl/schedule/masks.py): bottom-right aligned to each sequence's own key
 count n = kv_lens[b] (or kv_len): with off = n - q_len, causal shows key j to query i iff
 j <= i + off, a window iff i + off - left <= j <= i + off + right; keys j >= n are hidden. GQA by
 repeat_interleave of K and V (so autograd sums dK, dV over a group's query heads). A row that

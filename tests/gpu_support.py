@@ -39,8 +39,8 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     against the float64 reference. layout "bshd" hands in (batch, seqlen, heads, dim) memory;
     order_groups overrides an FA2 kernel's launch order (None: its own choice)."""
     import torch
-    from tiledsl.tensors import torch_dtype
-    from tiledsl.validate import run_errors
+    from tiledsl.runtime.tensors import torch_dtype
+    from tiledsl.reference.gpu import run_errors
     p = spec.problem
     dtype = torch_dtype(p.dtype)
     kv_heads = kv_heads or heads

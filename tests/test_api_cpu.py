@@ -1,5 +1,5 @@
 """The Python API without a GPU: the schedule `tiledsl.attention` picks for every shape it serves
-(autoschedule.py, tuned.tuned_spec), the stream it launches on (runtime.caller_stream) and
+(dispatch/autoschedule.py, tuned.tuned_spec), the stream it launches on (runtime.caller_stream) and
 `tiledsl warmup` on a machine without a GPU."""
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import autoschedule, runtime, tuned
-from tiledsl.cli import main
+from tiledsl.dispatch import autoschedule
+from tiledsl.runtime import device as runtime
+from tiledsl.dispatch import tuned
+from tiledsl.cli.main import main
 from tiledsl.errors import RuntimeInputError
 from tiledsl.families import lower
 from tiledsl.layout import layout_of
@@ -95,9 +97,9 @@ def test_pick_is_deterministic_and_cached():
 
 def test_pick_ranks_by_the_tune_model():
     # The pick is the best predicted legal candidate: no legal candidate is predicted faster.
-    from tiledsl.nvcc import Resources
+    from tiledsl.schedule.cost import Resources
     from tiledsl.spec import KernelSpec
-    from tiledsl.tune_model import Shape, predict
+    from tiledsl.schedule.cost import Shape, predict
     problem = Problem(96, 96, DType.BF16, Mask.NONE)
     chosen = autoschedule.pick("sm_90a", problem)
     shape = Shape(*autoschedule.REPRESENTATIVE_BATCH_HEADS, autoschedule.REPRESENTATIVE_SEQLEN,
@@ -127,7 +129,7 @@ def test_head_dim_v_differs():
 @pytest.mark.parametrize("q_len", [1, 2, 7, 16])
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
 def test_few_queries_pick_decode(q_len, mask_name):
-    from tiledsl.autoschedule import DECODE_HEAD_DIMS
+    from tiledsl.dispatch.autoschedule import DECODE_HEAD_DIMS
     for d in SERVED:
         spec, found = _spec("sm_90a", DType.BF16, d, mask_name, q_len)
         if d not in DECODE_HEAD_DIMS:   # decode is validated for these only: the rest run on prefill
@@ -140,7 +142,7 @@ def test_few_queries_pick_decode(q_len, mask_name):
 
 
 def test_decode_prefers_the_bundled_schedule():
-    from tiledsl.parse import load_specs
+    from tiledsl.frontend.parse import load_specs
     (bundled,) = load_specs(ROOT / "specs" / "decode_d128.tile")
     spec, _ = _spec("sm_90a", DType.BF16, 128, "none", 1)
     assert spec.schedule == bundled.schedule and spec.problem == bundled.problem
@@ -192,7 +194,7 @@ _TorchLikeTensor.__module__ = "torch"   # how runtime tells torch tensors apart,
 
 def test_torch_inputs_launch_on_torchs_current_stream(monkeypatch):
     cupy = _FakeCupy()
-    monkeypatch.setattr(runtime, "_cupy", lambda: cupy)
+    monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
     monkeypatch.setattr(runtime, "_external_streams", {})
     asked = _fake_torch(monkeypatch, 0xBEEF)
     x = _TorchLikeTensor(1)
@@ -205,16 +207,16 @@ def test_torch_inputs_launch_on_torchs_current_stream(monkeypatch):
 
 def test_other_inputs_launch_on_cupys_current_stream(monkeypatch):
     cupy = _FakeCupy()
-    monkeypatch.setattr(runtime, "_cupy", lambda: cupy)
+    monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
     _fake_torch(monkeypatch, 0xBEEF)
     assert runtime.caller_stream(types.SimpleNamespace()) is cupy.current and cupy.wrapped == []
 
 
 def test_kv_lens_range_check_is_skipped_under_capture(monkeypatch):
     _fake_torch(monkeypatch, 1, capturing=True)
-    assert runtime._capturing(_TorchLikeTensor(0))
+    assert runtime.capturing(_TorchLikeTensor(0))
     _fake_torch(monkeypatch, 1, capturing=False)
-    assert not runtime._capturing(_TorchLikeTensor(0))
+    assert not runtime.capturing(_TorchLikeTensor(0))
 
 
 def test_workspaces_of_torch_inputs_come_from_torch(monkeypatch):
@@ -253,7 +255,7 @@ def test_warmup_without_a_gpu_exits_2_with_one_line(monkeypatch, capsys):
 
 
 def test_warmup_entries_follow_the_table_and_filters():
-    from tiledsl.cli_warmup import entries
+    from tiledsl.cli.warmup import entries
     from tiledsl.errors import CliError
     assert len(entries("sm_90a", None, None)) == len(tuned.TUNED)
     assert entries("sm_90a", ["fp16"], [128]) == [("fp16", 128, "none"), ("fp16", 128, "causal")]

@@ -1,4 +1,4 @@
-"""tiledsl/autograd.py without a GPU: it imports without torch and `import tiledsl` pulls no torch;
+"""tiledsl/dispatch/autograd.py without a GPU: it imports without torch and `import tiledsl` pulls no torch;
 the scalar encoding of window and scale; and, where torch is installed, the custom ops' plumbing
 with the GPU kernels replaced by a float64 CPU stand-in (tests/attention_reference.py): the
 gradients through `tiledsl.attention` land on the right inputs, eager calls import no dynamo, the fakes match the real ops
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import attention_reference as ref
-from tiledsl import autograd
+from tiledsl.dispatch import autograd
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,13 +26,13 @@ def _python(code: str) -> subprocess.CompletedProcess:
 # ---- no torch ------------------------------------------------------------------------------------------------
 
 def test_import_tiledsl_and_calling_into_it_with_cupy_pull_no_torch():
-    done = _python("import sys, tiledsl, tiledsl.tuned; tiledsl.attention; print('torch' in sys.modules)")
+    done = _python("import sys, tiledsl, tiledsl.dispatch.tuned; tiledsl.attention; print('torch' in sys.modules)")
     assert done.stdout.strip() == "False", done.stderr
 
 
 def test_autograd_module_imports_without_torch():
     # sys.modules["torch"] = None makes `import torch` raise ImportError, as on a machine without it.
-    done = _python("import sys; sys.modules['torch'] = None; import tiledsl.autograd as a; "
+    done = _python("import sys; sys.modules['torch'] = None; import tiledsl.dispatch.autograd as a; "
                    "print(a.OPS, a.encode_window((3, 0)))")
     assert done.returncode == 0 and done.stdout.strip() == "None (True, 3, 0)", done.stderr
 
@@ -62,11 +62,11 @@ def test_scale_encoding():
 
 @pytest.fixture
 def torch_stubbed(monkeypatch):
-    """torch, with tuned.forward and tiledsl.backward.attention_backward computing in float64 on the
+    """torch, with tuned.forward and tiledsl.dispatch.backward.attention_backward computing in float64 on the
     CPU: what the ops call, so everything between attention() and the kernels is the real code.
     Calls are recorded to check the arguments that arrive."""
     torch = pytest.importorskip("torch")
-    from tiledsl import tuned
+    from tiledsl.dispatch import tuned
     calls = []
 
     def forward(q, k, v, causal=False, window=None, scale=None, kv_lens=None):
@@ -83,7 +83,7 @@ def torch_stubbed(monkeypatch):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     monkeypatch.setattr(tuned, "forward", forward)
-    monkeypatch.setitem(sys.modules, "tiledsl.backward", types.SimpleNamespace(attention_backward=attention_backward))
+    monkeypatch.setitem(sys.modules, "tiledsl.dispatch.backward", types.SimpleNamespace(attention_backward=attention_backward))
     torch.manual_seed(0)
     return torch, calls
 
@@ -160,7 +160,7 @@ def test_eager_training_step_does_not_import_dynamo():
 import sys, types, torch, tiledsl
 from tiledsl import tuned
 tuned.forward = lambda q, k, v, *a: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
-sys.modules["tiledsl.backward"] = types.SimpleNamespace(attention_backward=lambda q, k, v, *a, **kw: (q, k, v))
+sys.modules["tiledsl.dispatch.backward"] = types.SimpleNamespace(attention_backward=lambda q, k, v, *a, **kw: (q, k, v))
 q = torch.randn(1, 2, 4, 8, requires_grad=True)
 tiledsl.attention(q, q, q, causal=True).sum().backward()
 print(q.grad is not None, "torch._dynamo" in sys.modules)
@@ -225,7 +225,7 @@ def test_torch_compile_fullgraph_matches_eager(torch_stubbed):
 def test_eager_errors_come_from_inside_the_op_unchanged(torch_stubbed, monkeypatch):
     torch, _ = torch_stubbed
     import tiledsl
-    from tiledsl import tuned
+    from tiledsl.dispatch import tuned
     from tiledsl.errors import RuntimeInputError
 
     def refuse(*args, **kwargs):

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from tiledsl.errors import SpecError
-from tiledsl.explain import explain
-from tiledsl.parse import load_spec, parse_ast, parse_text
+from tiledsl.cli.report import explain
+from tiledsl.frontend.parse import load_spec, parse_ast, parse_text
 from tiledsl.spec import BackwardSchedule, DqAccumulate, KernelSpec, LoopOrder, Mma, Problem, Schedule
 
 
@@ -100,7 +100,7 @@ def test_explain_prints_the_backward():
 def test_explain_prints_the_backward_kernels_budget(backward):
     """The main kernel's shared memory is what the lowering launches with; resident blocks >= 1 (the
     wgmma estimate lists registers whose lifetimes never overlap: the peak live set decides)."""
-    from tiledsl.lower_backward import lower_backward
+    from tiledsl.lower.backward import lower_backward
     spec = load_spec(kernel(backward))
     text = explain(spec, seqlen_q=256)
     section = text[text.index("backward main kernel:"):]

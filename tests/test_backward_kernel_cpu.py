@@ -1,21 +1,22 @@
 """The backward kernels on the CPU (issue 14): layout rules and refusals at the DSL line, the plan of
 templates/backward.cu.j2 (ops in the backward graph's order, shared-memory layout), the spec table of
-tiledsl.backward, the bundled backward specs' generated/ files, CLI output, and (with nvcc) ptxas."""
+tiledsl.dispatch.backward, the bundled backward specs' generated/ files, CLI output, and (with nvcc) ptxas."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from tiledsl import nvcc
-from tiledsl.backward import BACKWARD_TUNED, backward_spec, compile_backward
-from tiledsl.cli import main as cli_main
+from tiledsl.codegen import nvcc
+from tiledsl.dispatch.backward import BACKWARD_TUNED, backward_spec
+from tiledsl.runtime.backward import compile_backward
+from tiledsl.cli.main import main as cli_main
 from tiledsl.errors import SpecError
 from tiledsl.families import lower
-from tiledsl.layout import backward_has_template, backward_layout
-from tiledsl.lower_backward import backward_kernel_name, lower_backward
-from tiledsl.parse import load_spec
-from tiledsl.render import render
+from tiledsl.layout.backward import backward_has_template, backward_layout
+from tiledsl.lower.backward import backward_kernel_name, lower_backward
+from tiledsl.frontend.parse import load_spec
+from tiledsl.codegen.render import render
 from tiledsl.spec import DqAccumulate, DType, Mask
 
 from .test_codegen import generable_specs
@@ -119,7 +120,7 @@ def test_cli_compile_writes_the_backward_module(tmp_path, capsys):
 @pytest.mark.parametrize("spec", BACKWARD_SPECS, ids=lambda s: s.name)
 def test_bundled_backward_compiles_without_spills(spec):
     plan = lower_backward(spec)
-    from tiledsl.nvcc import compile_to, parse_ptxas
+    from tiledsl.codegen.nvcc import compile_to, parse_ptxas
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         _, report = compile_to(render(plan), plan.kernel_name, "cubin", Path(tmp))

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from tiledsl.graph_backward import build_backward_graph
-from tiledsl.graph_ops import OpKind
-from tiledsl.reference import naive_attention
-from tiledsl.reference_backward import reference_backward
+from tiledsl.schedule.backward import build_backward_graph
+from tiledsl.schedule.ops import OpKind
+from tiledsl.reference.forward import naive_attention
+from tiledsl.reference.backward import reference_backward
 from tiledsl.spec import BackwardSchedule, DqAccumulate, KernelSpec, LoopOrder, Mask, Problem, Schedule
 
 rng = np.random.default_rng()

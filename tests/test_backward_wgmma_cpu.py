@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from tiledsl import backward, nvcc
-from tiledsl.backward import BACKWARD_WGMMA_TUNED, backward_spec, compile_backward, wgmma_refusal
+from tiledsl.codegen import nvcc
+from tiledsl.codegen.render import render
+from tiledsl.dispatch import backward
+from tiledsl.dispatch.backward import BACKWARD_WGMMA_TUNED, backward_spec, wgmma_refusal
 from tiledsl.errors import RuntimeInputError, SpecError
-from tiledsl.layout import SWIZZLE_ATOM, backward_has_template, backward_layout, backward_wgmma_dq_split
-from tiledsl.lower_backward import WGMMA_TEMPLATE, lower_backward
-from tiledsl.parse import load_spec
-from tiledsl.render import render
+from tiledsl.frontend.parse import load_spec
+from tiledsl.hw import SWIZZLE_ATOM
+from tiledsl.layout.backward import backward_has_template, backward_layout, backward_wgmma_dq_split
+from tiledsl.lower.backward import WGMMA_TEMPLATE, lower_backward
+from tiledsl.runtime.backward import compile_backward
 from tiledsl.spec import DType, Mask, Mma
 
 from .test_backward_kernel_cpu import BACKWARD_SPECS, kernel
@@ -97,7 +100,7 @@ def test_bundled_wgmma_main_kernel_is_spill_free(spec):
 
 
 def test_dq_staging_and_dv_schedule_options():
-    from tiledsl.layout import backward_wgmma_dv_schedule
+    from tiledsl.layout.backward import backward_wgmma_dv_schedule
     consts = lambda plan: {c.name: c.value for c in plan.constants}   # noqa: E731
     staged = consts(lower_backward(wgmma(64, 128)))
     assert staged["DQ_STAGED"] and staged["DQ_STAGE_ROW_BYTES"] == 128 * 4 + 32 and staged["DP_WAIT_PENDING"] == 0
@@ -116,7 +119,9 @@ def test_graph_order_is_the_kernels_and_the_reference_runs_it_exactly(mask):
     """The backward graph of a wgmma spec emits the kernel's q-loop order (dP^T's MMA before the mask,
     dV's after dS^T), and the float64 reference executor, which runs that graph, stays exact."""
     import numpy as np
+
     from tiledsl.spec import BackwardSchedule, KernelSpec, LoopOrder, Problem, Schedule
+
     from .test_backward_reference import analytic_grads, assert_close
     plan = lower_backward(wgmma(64, 128))
     assert [op.kind for op in plan.loop_body][:6] == ["mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv"]
@@ -125,7 +130,7 @@ def test_graph_order_is_the_kernels_and_the_reference_runs_it_exactly(mask):
                       backward=BackwardSchedule(LoopOrder.KV_OUTER, 64, 128, 8, 2, mma=Mma.WGMMA))
     rng = np.random.default_rng(7)
     q, k, v, do = (rng.normal(size=s) for s in ((2, 4, 150, 8), (2, 2, 190, 8), (2, 2, 190, 8), (2, 4, 150, 8)))
-    from tiledsl.reference_backward import reference_backward
+    from tiledsl.reference.backward import reference_backward
     p = spec.problem
     assert_close(reference_backward(spec, q, k, v, do),
                  analytic_grads(q, k, v, do, p.mask, p.window_left, p.window_right, p.scale))

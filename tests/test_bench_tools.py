@@ -1,11 +1,11 @@
-"""tiledsl.bench helpers that run without a GPU: source patches of A/B experiments fail loudly."""
+"""tiledsl.tune.bench helpers that run without a GPU: source patches of A/B experiments fail loudly."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from tiledsl.bench import patch_source
+from tiledsl.tune.bench import patch_source
 
 
 def test_patch_applies_when_its_target_occurs_once():

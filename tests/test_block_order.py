@@ -1,11 +1,11 @@
-"""The FA2 launch order (tiledsl/block_order.py): every (query tile, pair) is launched exactly
+"""The FA2 launch order (tiledsl/runtime/block_order.py): every (query tile, pair) is launched exactly
 once, groups are equal and in order, the longest tiles of a group go first, and the group count
 follows the rule the H200 measurements set."""
 import random
 
 import pytest
 
-from tiledsl.block_order import block_coordinates, group_bounds, order_groups
+from tiledsl.runtime.block_order import block_coordinates, group_bounds, order_groups
 from tiledsl.device_limits import H200
 from tiledsl.device_limits import resident_blocks as blocks_and_limit
 from tiledsl.spec import Mask
@@ -70,8 +70,8 @@ def test_resident_blocks_are_limited_by_registers_smem_and_threads():
 def test_explain_states_the_launch_order():
     from pathlib import Path
 
-    from tiledsl.explain import explain
-    from tiledsl.parse import load_spec
+    from tiledsl.cli.report import explain
+    from tiledsl.frontend.parse import load_spec
     specs = Path(__file__).resolve().parent.parent / "specs"
     causal = explain(load_spec(str(specs / "fa2_d128_causal.tile")), batch=16, heads=16, seqlen_q=1024)
     assert "launch order: 256 (batch, head) pairs x 8 q tiles on 264 resident blocks, in 3 group(s) of 85-86 pairs" in causal
@@ -82,12 +82,12 @@ def test_explain_states_the_launch_order():
 def test_runtime_counts_slots_once_per_device_from_the_compiled_registers(monkeypatch):
     from types import SimpleNamespace
 
-    from tiledsl import runtime
-    from tiledsl.parse import load_spec
+    from tiledsl.runtime import device
+    from tiledsl.frontend.parse import load_spec
     from tiledsl import compile
-    from tiledsl.runtime import Shapes
+    from tiledsl.runtime.inputs import Shapes
     from pathlib import Path
-    monkeypatch.setitem(runtime._DEVICE_LIMITS, 0, H200)
+    monkeypatch.setitem(device._DEVICE_LIMITS, 0, H200)
     spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "fa2_d128_causal.tile"))
     kernel = compile(spec)
     kernel._function = SimpleNamespace(num_regs=255)          # what ptxas gave the bundled kernel

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tiledsl import load_specs, parse_file, parse_text
-from tiledsl.check import SpecSpace
+from tiledsl.frontend.space import SpecSpace
 from tiledsl.errors import SpecError
 from tiledsl.spec import Family, KernelSpec
 
@@ -233,7 +233,7 @@ def test_bundled_space_expansion(name, counts):
     assert isinstance(space, SpecSpace)
     assert space.size == 72 and [n for n, _ in space.choices] == ["tile_q", "tile_kv", "warps", "stages", "mma"]
     legal, rejected = space.expand()
-    # d128: q128 kv128 on 4 warps keeps ~296 registers of accumulators a thread (layout.py refuses it)
+    # d128: q128 kv128 on 4 warps keeps ~296 registers of accumulators a thread (layout/ refuses it)
     assert (len(legal), len(rejected)) == counts
     from tiledsl.spec import Mma
     assert sum(spec.schedule.mma is Mma.WGMMA for spec in legal) == 18   # q64 w4 and q128 w8, 3 kv tiles, 3 depths

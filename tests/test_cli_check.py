@@ -1,5 +1,5 @@
 """`tiledsl check`: output for kernels and spaces, --json, and bad specs exiting 2 with a
-file:line:col message and a caret, in-process and as a real `python -m tiledsl.cli` process."""
+file:line:col message and a caret, in-process and as a real `python -m tiledsl.cli.main` process."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tiledsl import load_specs
-from tiledsl.cli import main
+from tiledsl.cli.main import main
 
 # Not imported from conftest: tests/ may or may not be a package.
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Every way the CLI used to show a traceback, hang or exit with the wrong status (issue 13): each
-case is a real `python -m tiledsl.cli` process that must exit 2 with a one-line (or one-screen
+case is a real `python -m tiledsl.cli.main` process that must exit 2 with a one-line (or one-screen
 SpecError) message naming what was wrong, with no traceback, and huge inputs must be refused fast."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import tiledsl
-from tiledsl.cli import main
+from tiledsl.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -57,7 +57,7 @@ def test_an_unreadable_spec(tmp_path, monkeypatch, capsys):
     else:
         def deny(p):
             raise PermissionError(13, "Permission denied", str(p))
-        monkeypatch.setattr("tiledsl.cli_common.parse_file", deny)
+        monkeypatch.setattr("tiledsl.cli.common.parse_file", deny)
     assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"error: {path}: permission denied\n"
 
@@ -213,7 +213,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not o
 def test_emit_sass_without_cuobjdump_writes_the_rest(tmp_path, monkeypatch, capsys):
     def absent(cubin):
         raise FileNotFoundError("cuobjdump")
-    monkeypatch.setattr("tiledsl.nvcc.sass", absent)
+    monkeypatch.setattr("tiledsl.codegen.nvcc.sass", absent)
     assert main(["compile", FA2, "-o", str(tmp_path), "--emit", "cuda,cubin,sass"]) == 0
     out, err = capsys.readouterr()
     assert "cuobjdump is not on PATH; no SASS written" in err
@@ -295,7 +295,7 @@ def test_version():
 
 
 def test_tune_dry_run_shows_ptxas_progress(capsys, monkeypatch):
-    import tiledsl.tune as tune
+    import tiledsl.tune.search as tune
     monkeypatch.setattr(tune, "nvcc_available", lambda: "nvcc")
     monkeypatch.setattr(tune, "ptxas_report", lambda spec, arch: (128, 0, 0))
     assert main(["tune", SPACE, "--seqlen", "1024", "--dry-run"]) == 0

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiledsl.cli_common import concrete_specs
+from tiledsl.cli.common import concrete_specs
 from tiledsl.errors import SpecError
 from tiledsl.families import WITH_TEMPLATE, lower
-from tiledsl.lower import tile_row_bytes
-from tiledsl.render import cuda_literal, render
+from tiledsl.layout.base import tile_row_bytes
+from tiledsl.codegen.render import cuda_literal, render
 from tiledsl.spec import DTYPES, DType, KernelSpec, Mask, Problem, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,8 +46,8 @@ def test_generated_folder_is_fresh(spec):
 
 
 def test_no_stray_files_in_generated():
-    from tiledsl.layout import backward_has_template
-    from tiledsl.lower_backward import backward_kernel_name
+    from tiledsl.layout.backward import backward_has_template
+    from tiledsl.lower.backward import backward_kernel_name
     expected = {f"{s.kernel_name}.cu" for s in generable_specs()}
     expected |= {f"{backward_kernel_name(s)}.cu" for s in generable_specs()   # backward modules (issue 14)
                  if s.backward is not None and not backward_has_template(s)}

@@ -10,14 +10,15 @@ from dataclasses import replace
 
 import pytest
 
-from tiledsl import nvcc
+from tiledsl.codegen import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.families import lower, row_for
 from tiledsl.device_limits import H200, SMEM_RESERVED_PER_BLOCK
-from tiledsl.lower_decode import constant, decode_blocks_per_sm, decode_loop_body, lower_decode
-from tiledsl.parse import load_specs
-from tiledsl.render import render
-from tiledsl.splits import choose_splits
+from tiledsl.runtime.decode import constant
+from tiledsl.lower.decode import decode_blocks_per_sm, decode_loop_body, lower_decode
+from tiledsl.frontend.parse import load_specs
+from tiledsl.codegen.render import render
+from tiledsl.schedule.splits import choose_splits
 from tiledsl.spec import AUTO, Axis, DType, Family, KernelSpec, Mask, Problem, Schedule
 
 from .conftest import ROOT
@@ -78,7 +79,7 @@ def test_runtime_splits_count_the_compiled_kernels_resident_blocks():
     # The runtime asks choose_splits with the slots Kernel.slots found from the compiled kernel's
     # registers (set by hand here: no GPU), not with the lowering's estimate.
     from tiledsl import compile
-    from tiledsl.runtime import Shapes
+    from tiledsl.runtime.inputs import Shapes
     kernel = compile(bundled())
     shapes = Shapes(batch=1, heads=32, kv_heads=32, q_len=1, kv_len=32768)
     tile_kv = constant(kernel.plan, "BC")

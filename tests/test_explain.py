@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from tiledsl.cli import main
+from tiledsl.cli.main import main
 from tiledsl.errors import SpecError
-from tiledsl.explain import explain, to_dot
-from tiledsl.passes import run_passes
+from tiledsl.cli.report import explain, to_dot
+from tiledsl.schedule.passes import run_passes
 from tiledsl.spec import AUTO, Axis, KernelSpec, LoopOrder, Problem, Schedule
 
 FA2_TEXT = """# FA2
@@ -51,7 +51,7 @@ DECODE_TEXT = """attention dec {
 
 
 def load(write_spec, text, name):
-    from tiledsl.parse import load_specs
+    from tiledsl.frontend.parse import load_specs
     return load_specs(write_spec(text, name))[0]
 
 
@@ -132,7 +132,7 @@ def test_explain_prints_one_schedule_and_the_kernels_steps_follow_its_emission_o
         assert all(note in section for note in plan.notes)
         assert "merges its warps once" not in text and "differ" not in section
     from pathlib import Path
-    from tiledsl.parse import load_spec
+    from tiledsl.frontend.parse import load_spec
     spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "hopper_d128_causal.tile"))
     hopper = explain(spec)
     section = hopper[hopper.index("generated kernel ("):]
@@ -144,7 +144,7 @@ def test_decode_auto_split_prints_the_count_and_why(write_spec):
     text = explain(spec, batch=2, heads=4, seqlen_kv=65536)
     m = re.search(r"split kv = auto: (\d+) splits \(chosen for this shape\): (.*)", text)
     from tiledsl.families import lower
-    from tiledsl.lower_decode import decode_blocks_per_sm
+    from tiledsl.lower.decode import decode_blocks_per_sm
     slots = 132 * decode_blocks_per_sm(lower(spec))                      # resident blocks, as the runtime
     assert m and int(m.group(1)) == slots // 8 and "one wave" in m.group(2)   # 8 blocks (2 x 4 kv heads)
     assert "the last split's block to finish" in text and "O_part[s" in text   # merged in the same launch

@@ -10,9 +10,9 @@ import pytest
 
 from tiledsl.errors import SpecError
 from tiledsl.families import lower
-from tiledsl.lower_fa1 import SHARED_LIMIT, Fa1Plan
-from tiledsl.parse import load_specs
-from tiledsl.render import render
+from tiledsl.lower.fa1 import SHARED_LIMIT, Fa1Plan
+from tiledsl.frontend.parse import load_specs
+from tiledsl.codegen.render import render
 from tiledsl.spec import Axis, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule
 
 from .conftest import ROOT
@@ -135,10 +135,10 @@ def test_bundled_spec_names_its_lines():
 
 def test_runtime_picks_the_fa1_kernel():
     from tiledsl import compile
-    from tiledsl.runtime_fa1 import Fa1Kernel
+    from tiledsl.runtime.fa1 import Fa1Kernel
     kernel = compile(fa1(64, "kv"))
     assert isinstance(kernel, Fa1Kernel) and isinstance(compile(fa1(64, "q")), Fa1Kernel)
-    from tiledsl.runtime import Shapes
+    from tiledsl.runtime.inputs import Shapes
     assert kernel.grid(Shapes(batch=3, heads=5, kv_heads=5, q_len=1000, kv_len=10)) == (15, 1, 1)
 
 
@@ -165,7 +165,7 @@ def test_refusals_name_the_reason(spec, match):
 # ---- nvcc for sm_90a ----------------------------------------------------------------------------
 
 def _nvcc_or_skip():
-    from tiledsl.nvcc import nvcc_path
+    from tiledsl.codegen.nvcc import nvcc_path
     if nvcc_path() is None:
         if os.environ.get("TILEDSL_REQUIRE_NVCC") == "1":
             pytest.fail("nvcc not found and TILEDSL_REQUIRE_NVCC=1")
@@ -175,7 +175,7 @@ def _nvcc_or_skip():
 @pytest.mark.parametrize("spec", SPECS, ids=IDS)
 def test_nvcc_compiles_without_spills(spec):
     _nvcc_or_skip()
-    from tiledsl.nvcc import resources
+    from tiledsl.codegen.nvcc import resources
     plan = lower(spec)
     r = resources(render(plan), plan.kernel_name)
     assert re.search(r"Compiling entry function '" + plan.kernel_name, r.report), r.report

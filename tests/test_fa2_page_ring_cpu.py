@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tiledsl.layout import FA2_PAGE_RING_MIN, fa2_page_ring, layout_of
-from tiledsl.lower import lower_fa2
-from tiledsl.passes import run_passes
-from tiledsl.serving_prefill import prefill_spec
+from tiledsl.layout.base import FA2_PAGE_RING_MIN
+from tiledsl.layout.fa2 import fa2_page_ring
+from tiledsl.layout import layout_of
+from tiledsl.lower.fa2 import lower_fa2
+from tiledsl.schedule.passes import run_passes
+from tiledsl.serving.prefill import prefill_spec
 from tiledsl.spec import DType, Mask
 
 

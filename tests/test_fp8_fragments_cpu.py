@@ -17,9 +17,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tiledsl.fp8_reference import e4m3_values
-from tiledsl.layout import (FP8_CONVERT_DEFAULT, FP8_CONVERTS, kv_stage_row_bytes, kv_stage_swizzled, layout_of,
-                            tile_row_bytes)
+from tiledsl.reference.fp8 import e4m3_values
+from tiledsl.layout.decode import FP8_CONVERT_DEFAULT, FP8_CONVERTS, kv_stage_row_bytes, kv_stage_swizzled
+from tiledsl.layout import layout_of
+from tiledsl.layout.base import tile_row_bytes
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 
 LANES = range(32)
@@ -275,8 +276,8 @@ def test_refusals():
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])
 def test_fragments_plan_and_source(page, dtype):
     from tiledsl.families import lower
-    from tiledsl.lower_decode import constant
-    from tiledsl.render import render
+    from tiledsl.runtime.decode import constant
+    from tiledsl.codegen.render import render
     plan = lower(spec(page=page, dtype=dtype))
     assert plan.fp8_convert == "fragments" and constant(plan, "K8_SWIZZLE") and constant(plan, "K8_ROW_BYTES") == 128
     cuda = render(plan)

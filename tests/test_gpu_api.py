@@ -17,11 +17,13 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl import attention, runtime, tuned  # noqa: E402
+from tiledsl.runtime import compile as runtime_compile, device, kernel as runtime
+from tiledsl.dispatch import tuned
+from tiledsl import attention
 from tiledsl.errors import RuntimeInputError  # noqa: E402
 from tiledsl.spec import DType, Family, Mask  # noqa: E402
-from tiledsl.tensors import torch_dtype  # noqa: E402
-from tiledsl.validate import lse_error, reference_attention, relative_error  # noqa: E402
+from tiledsl.runtime.tensors import torch_dtype
+from tiledsl.reference.gpu import lse_error, reference_attention, relative_error
 
 TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3
 SERVED = list(range(16, 257, 16))
@@ -55,7 +57,7 @@ def _kwargs(case: dict) -> dict:
 
 def _spec(case: dict):
     mask = {"none": Mask.NONE, "causal": Mask.CAUSAL, "window": Mask.WINDOW}[case["mask"]]
-    spec, _ = tuned.tuned_spec(runtime.device_arch(), case["dtype"], case["d"], mask, case["d"],
+    spec, _ = tuned.tuned_spec(device.device_arch(), case["dtype"], case["d"], mask, case["d"],
                                WINDOW if mask is Mask.WINDOW else None, None, case["q_len"])
     return spec
 
@@ -80,10 +82,10 @@ def _errors(case: dict, q, k, v, out, lse, kv_lens=None) -> tuple[float, float]:
 def compiled_kernels():
     """Every kernel the file runs, compiled in parallel into the disk cache (NVRTC releases the GIL)."""
     from tiledsl.families import compile
-    arch = runtime.device_arch()
+    arch = device.device_arch()
     kernels = {spec: compile(spec) for spec in {_spec(c) for c in PREFILL + DECODE}}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda k: runtime.compile_cubin(k.source, k.name, arch), kernels.values()))
+        list(pool.map(lambda k: runtime_compile.compile_cubin(k.source, k.name, arch), kernels.values()))
     tuned._kernels.update(kernels)   # attention() finds them built
     return kernels
 
@@ -91,14 +93,14 @@ def compiled_kernels():
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """attention's outputs start as NaN (filled on the launch stream, before the kernel)."""
-    real = runtime._allocate_outputs
+    real = runtime.allocate_outputs
 
     def allocate(q, shapes, problem, out, lse, name):
         out, lse = real(q, shapes, problem, out, lse, name)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         return out, lse
-    monkeypatch.setattr(runtime, "_allocate_outputs", allocate)
+    monkeypatch.setattr(runtime, "allocate_outputs", allocate)
 
 
 # ---- numerics --------------------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def test_every_served_head_dim(case):
 
 @pytest.mark.parametrize("case", DECODE, ids=lambda c: f"nq{c['q_len']}-d{c['d']}-{c['dtype'].value}-{c['mask']}")
 def test_decode_for_few_queries(case):
-    from tiledsl.autoschedule import DECODE_HEAD_DIMS
+    from tiledsl.dispatch.autoschedule import DECODE_HEAD_DIMS
     assert (_spec(case).family is Family.DECODE) == (case["d"] in DECODE_HEAD_DIMS)
     q, k, v = _inputs(case)
     out, lse = attention(q, k, v, return_lse=True, **_kwargs(case))

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import tiledsl  # noqa: E402
-from tiledsl import runtime  # noqa: E402
+from tiledsl.runtime import kernel as runtime
 from tests import attention_reference as ref  # noqa: E402
 
 WINDOW = (100, 20)
@@ -91,12 +91,12 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
-    real = runtime._allocate_outputs
+    real = runtime.allocate_outputs
 
     def allocate(q, shapes, problem, out, lse, name):
         out, lse = real(q, shapes, problem, out, lse, name)
         return poison(out), poison(lse)
-    monkeypatch.setattr(runtime, "_allocate_outputs", allocate)
+    monkeypatch.setattr(runtime, "allocate_outputs", allocate)
 
 
 def _check_gradients(c: dict, q, k, v, do, lens, o, grads):
@@ -213,7 +213,7 @@ def test_opcheck_both_ops():
     make = lambda h, n: torch.randn(1, h, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q, k, v = make(2, 33).requires_grad_(), make(1, 40).requires_grad_(), make(1, 40).requires_grad_()
     scalars = (True, False, 0, 0, None, True)   # causal, no window, default scale, deterministic
-    import tiledsl.autograd   # noqa: F401 - registers the ops (tiledsl.attention imports it on first use)
+    import tiledsl.dispatch.autograd
     fwd, bwd = torch.ops.tiledsl.attention_forward.default, torch.ops.tiledsl.attention_backward.default
     opcheck(fwd, (q, k, v, None) + scalars)
     opcheck(fwd, (q, k, v, torch.tensor([40], device="cuda", dtype=torch.int32), False, True, 8, 2, 0.2, True))

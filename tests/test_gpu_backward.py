@@ -1,4 +1,4 @@
-"""GPU tests of the backward kernels (tiledsl/backward.py, templates/backward.cu.j2): dQ, dK, dV of
+"""GPU tests of the backward kernels (tiledsl/dispatch/backward.py, templates/backward.cu.j2): dQ, dK, dV of
 fresh random inputs against float64 torch autograd of standard attention, into NaN-poisoned
 outputs (the kernels write every element or the NaN shows). Tolerance: the forward GPU tests'
 (gpu_support.TOLERANCE_O = 1e-2 normwise relative error against the float64 reference), for bf16
@@ -58,7 +58,7 @@ def rel(x, ref):
 def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=128, causal=False, window=None,
         kv_lens=None, deterministic=False, from_forward=False, seed=0, mma=None, poison=False):
     import torch
-    from tiledsl.backward import attention_backward
+    from tiledsl.dispatch.backward import attention_backward
     torch.manual_seed(seed)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     kv_heads = kv_heads or heads
@@ -145,7 +145,7 @@ def test_from_the_forward_kernel(mask):
 
 def test_bad_inputs_name_the_tensor():
     import torch
-    from tiledsl.backward import attention_backward
+    from tiledsl.dispatch.backward import attention_backward
     from tiledsl.errors import RuntimeInputError
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64, device="cuda")

@@ -70,7 +70,7 @@ def test_fresh_inputs_agree_with_mma_sync():
 
 def test_refusals_are_clear():
     import torch
-    from tiledsl.backward import attention_backward
+    from tiledsl.dispatch.backward import attention_backward
     from tiledsl.errors import RuntimeInputError
     q = torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64, device="cuda")

@@ -1,4 +1,4 @@
-"""Flash-decoding on the GPU against the exact float64 reference (tiledsl.validate): cache lengths
+"""Flash-decoding on the GPU against the exact float64 reference (tiledsl.reference.gpu): cache lengths
 from 1 to 32k, fixed / auto / more-splits-than-tiles, GQA groups packed into one tile, several
 queries per sequence with a bottom-right causal mask, per-sequence lengths including 0, both
 dtypes, outputs poisoned with NaN before every run.
@@ -14,7 +14,7 @@ import pytest
 
 from tiledsl.errors import RuntimeInputError
 from tiledsl.spec import AUTO, Axis, DType, KernelSpec, Mask, Problem, Schedule
-from tiledsl.tensors import torch_dtype
+from tiledsl.runtime.tensors import torch_dtype
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu
 
@@ -72,7 +72,7 @@ def make_inputs(spec, batch, heads, kv_heads, kv_len, kv_lens):
 def run_decode(spec, batch=2, heads=4, kv_heads=None, kv_len=1000, kv_lens=None):
     """(O error, LSE error, splits used) of one poisoned, validated run."""
     import cupy
-    from tiledsl.validate import lse_error, reference_attention, relative_error
+    from tiledsl.reference.gpu import lse_error, reference_attention, relative_error
     kv_heads = kv_heads or heads
     q, k, v, out, lse, lens = make_inputs(spec, batch, heads, kv_heads, kv_len, kv_lens)
     kernel = kernel_for(spec)
@@ -190,8 +190,8 @@ def test_bad_inputs_are_refused():
 def test_lse_is_natural_log_of_the_scores():
     # One key: LSE = scale * q.k exactly (up to the inputs' rounding), O = v.
     import cupy
-    from tiledsl.validate import as_float64
-    from tiledsl.tensors import view
+    from tiledsl.reference.gpu import as_float64
+    from tiledsl.runtime.tensors import view
     spec = decode_spec(3)
     q, k, v, out, lse, _ = make_inputs(spec, 1, 2, 2, 1, None)
     kernel_for(spec)(q, k, v, out=out, lse=lse)

@@ -57,8 +57,8 @@ def run_case(spec, batch, heads, q_len, kv_len, kv_heads=None, layout="bhsd", kv
     """Fresh normal inputs, NaN-poisoned O and LSE; returns (O relative error, LSE error) against
     the float64 reference. PyTorch tensors where PyTorch is importable, else CuPy (fp16 only).
     layout "bshd" hands in (batch, seqlen, heads, dim) memory as a transposed view."""
-    from tiledsl.tensors import torch_dtype
-    from tiledsl.validate import lse_error, reference_attention, relative_error
+    from tiledsl.runtime.tensors import torch_dtype
+    from tiledsl.reference.gpu import lse_error, reference_attention, relative_error
     p = spec.problem
     kv_heads = kv_heads or heads
     if _has_torch():
@@ -154,7 +154,7 @@ def test_split_k_single_pass_and_fp16():
 
 
 def test_bundled_specs():
-    from tiledsl.parse import load_specs
+    from tiledsl.frontend.parse import load_specs
     from pathlib import Path
     for spec in load_specs(str(Path(__file__).resolve().parent.parent / "specs" / "fa1_d64.tile")):
         check(run_case(spec, batch=2, heads=2, q_len=1000, kv_len=1000))

@@ -1,5 +1,5 @@
 """FP8 (e4m3) KV cache decode on the GPU, against the float64 reference that dequantizes the same
-bytes (tiledsl.fp8_reference): contiguous and paged (page 16) caches, per-head and per-tensor
+bytes (tiledsl.reference.fp8): contiguous and paged (page 16) caches, per-head and per-tensor
 scales, 1/4/16 queries, GQA 1/4/8, head dims 64/128 (and 32/96/256 for the fragments path's other
 row layouts), bf16 and fp16 q, kv_lens of 0, a page boundary +- 1 and long; both conversion paths
 (layout.FP8_CONVERTS: through a shared 16-bit tile, straight into MMA fragments); NaN-poisoned
@@ -18,9 +18,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from tiledsl.autoschedule import FP8_DECODE_SCHEDULE, fp8_decode_schedule
+from tiledsl.dispatch.autoschedule import FP8_DECODE_SCHEDULE, fp8_decode_schedule
 from tiledsl.errors import RuntimeInputError
-from tiledsl.layout import FP8_CONVERTS
+from tiledsl.layout.decode import FP8_CONVERTS
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 
 from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, memcheck, requires_gpu
@@ -104,7 +104,7 @@ def host_scale(s):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("convert", FP8_CONVERTS)
 def test_fp8_contiguous(torch, convert, d, queries, group, dtype, kind, schedule=BUNDLED):
-    from tiledsl.fp8_reference import attention_fp8
+    from tiledsl.reference.fp8 import attention_fp8
     spec = spec_of(d, queries, None, dtype, kind, schedule=schedule, convert=convert)
     batch, kv_heads = len(LENS), 2
     heads, n = kv_heads * group, max(LENS)
@@ -132,7 +132,7 @@ DTYPES_TORCH = {DType.BF16: "bfloat16", DType.FP16: "float16"}
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("convert", FP8_CONVERTS)
 def test_fp8_paged(torch, convert, d, queries, group, dtype, kind, schedule=BUNDLED):
-    from tiledsl.fp8_reference import paged_attention_fp8
+    from tiledsl.reference.fp8 import paged_attention_fp8
     page, kv_heads = 16, 2
     spec = spec_of(d, queries, page, dtype, kind, schedule=schedule, convert=convert)
     batch, heads = len(LENS), kv_heads * group
@@ -218,7 +218,7 @@ def test_fp8_memcheck_clean(tmp_path):
 
 def test_api_contiguous_and_paged(torch):
     import tiledsl
-    from tiledsl.fp8_reference import attention_fp8, paged_attention_fp8
+    from tiledsl.reference.fp8 import attention_fp8, paged_attention_fp8
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
     k, v = fp8_tensor(torch, (2, 2, 200, 128)), fp8_tensor(torch, (2, 2, 200, 128))
     ks = torch.tensor([0.1, 0.2], device="cuda")

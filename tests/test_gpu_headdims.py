@@ -15,10 +15,12 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl import attention, runtime, tuned  # noqa: E402
+from tiledsl.runtime import compile as runtime_compile, device, kernel as runtime
+from tiledsl.dispatch import tuned
+from tiledsl import attention
 from tiledsl.spec import DType, Mask  # noqa: E402
-from tiledsl.tensors import torch_dtype  # noqa: E402
-from tiledsl.validate import lse_error, reference_attention, relative_error  # noqa: E402
+from tiledsl.runtime.tensors import torch_dtype
+from tiledsl.reference.gpu import lse_error, reference_attention, relative_error
 
 TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3
 MASKS = ("none", "causal", "window")
@@ -32,7 +34,7 @@ CASES += [dict(d=40, dv=24, dtype=DType.BF16, mask="causal"), dict(d=24, dv=72, 
 
 def _spec(case: dict, q_len: int):
     mask = {"none": Mask.NONE, "causal": Mask.CAUSAL, "window": Mask.WINDOW}[case["mask"]]
-    spec, _ = tuned.tuned_spec(runtime.device_arch(), case["dtype"], case["d"], mask, case["dv"],
+    spec, _ = tuned.tuned_spec(device.device_arch(), case["dtype"], case["d"], mask, case["dv"],
                                WINDOW if mask is Mask.WINDOW else None, None, q_len)
     return spec
 
@@ -41,24 +43,24 @@ def _spec(case: dict, q_len: int):
 def compiled_kernels():
     """Every kernel the file runs, compiled in parallel into the disk cache (NVRTC releases the GIL)."""
     from tiledsl.families import compile
-    arch = runtime.device_arch()
+    arch = device.device_arch()
     kernels = {spec: compile(spec) for spec in {_spec(c, q) for c in CASES for q, _ in LENGTHS}}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda k: runtime.compile_cubin(k.source, k.name, arch), kernels.values()))
+        list(pool.map(lambda k: runtime_compile.compile_cubin(k.source, k.name, arch), kernels.values()))
     tuned._kernels.update(kernels)
     return kernels
 
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    real = runtime._allocate_outputs
+    real = runtime.allocate_outputs
 
     def allocate(q, shapes, problem, out, lse, name):
         out, lse = real(q, shapes, problem, out, lse, name)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         return out, lse
-    monkeypatch.setattr(runtime, "_allocate_outputs", allocate)
+    monkeypatch.setattr(runtime, "allocate_outputs", allocate)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c['d']}v{c['dv']}-{c['dtype'].value}-{c['mask']}")

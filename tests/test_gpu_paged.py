@@ -1,5 +1,5 @@
 """The decode kernel on a paged KV cache (and the decode sweep that found the merge bug) on the GPU,
-against the float64 references (tiledsl.serving_reference, tiledsl.validate): page sizes 1..256,
+against the float64 references (tiledsl.reference.serving, tiledsl.reference.gpu): page sizes 1..256,
 block tables with pages in random order and shared between sequences, kv_lens of 0, 1, a page
 boundary +- 1 and long, GQA, 1..16 queries with bottom-right masks, both dtypes, NaN-poisoned
 outputs; bad block tables refused; compute-sanitizer memcheck of a launch reading the cache's
@@ -49,7 +49,7 @@ def kernel_for(spec):
 
 
 def errors(out, lse, ref_o, ref_lse):
-    """(normwise relative O error, max LSE error over finite rows), NumPy, as tiledsl.validate
+    """(normwise relative O error, max LSE error over finite rows), NumPy, as tiledsl.reference.gpu
     computes them on the GPU: any NaN left in the outputs, or a row -inf on one side only, is inf."""
     out, lse = np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
     err_o = np.inf if not np.isfinite(out).all() else np.linalg.norm(out - ref_o) / (np.linalg.norm(ref_o) or 1.0)
@@ -89,7 +89,7 @@ def paged_inputs(torch, rng, dtype, batch, q_len, heads, kv_heads, d, page, kv_l
 
 def run_paged_kernel(torch, spec, q, k_cache, v_cache, table, lens):
     """Launch into NaN-poisoned O / LSE; (O errors vs the float64 paged reference)."""
-    from tiledsl.serving_reference import paged_attention as reference
+    from tiledsl.reference.serving import paged_attention as reference
     p = spec.problem
     batch, q_len, heads, _ = q.shape
     out = torch.full((batch, q_len, heads, p.head_dim_v), float("nan"), device="cuda", dtype=q.dtype)
@@ -113,7 +113,7 @@ def torch():
 @pytest.mark.parametrize("queries", SWEEP_QUERIES)
 @pytest.mark.parametrize("d", SWEEP_DIMS)
 def test_decode_sweep_contiguous(torch, d, queries, group):
-    from tiledsl.validate import reference_attention
+    from tiledsl.reference.gpu import reference_attention
     spec = sweep_spec(d, queries, None)
     kv_heads, heads = 2, 2 * group
     lens = torch.tensor([300, 129], device="cuda", dtype=torch.int32)
@@ -125,7 +125,7 @@ def test_decode_sweep_contiguous(torch, d, queries, group):
     kernel_for(spec)(q, k, v, kv_lens=lens, out=out, lse=lse)
     torch.cuda.synchronize()
     ref_o, ref_lse = reference_attention(spec.problem, q, k, v, kv_lens=lens)
-    from tiledsl.validate import lse_error, relative_error
+    from tiledsl.reference.gpu import lse_error, relative_error
     check((relative_error(out, ref_o), lse_error(lse, ref_lse)))
 
 
@@ -144,7 +144,7 @@ def test_decode_sweep_paged(torch, d, queries, group):
 @pytest.mark.parametrize("q_len", [1, 4, 16])
 @pytest.mark.parametrize("page", [1, 16, 64, 256])
 def test_paged_lengths_pages_gqa(torch, page, q_len, dtype):
-    from tiledsl.serving import paged_spec
+    from tiledsl.serving.paged import paged_spec
     rng = np.random.default_rng(page * 100 + q_len)
     lens = [0, 1, page - 1 or 2, page, page + 1, 2000]
     mask = Mask.CAUSAL if q_len > 1 else Mask.NONE
@@ -155,7 +155,7 @@ def test_paged_lengths_pages_gqa(torch, page, q_len, dtype):
 
 @pytest.mark.parametrize("page", [16, 256])
 def test_paged_window_and_long_split(torch, page):
-    from tiledsl.serving import paged_spec
+    from tiledsl.serving.paged import paged_spec
     rng = np.random.default_rng(7)
     spec = paged_spec(DType.BF16, 64, 64, Mask.WINDOW, page, 4, window=(300, 0))
     inputs = paged_inputs(torch, rng, DType.BF16, 3, 4, 8, 1, 64, page, [5000, 17, 4097])
@@ -164,7 +164,7 @@ def test_paged_window_and_long_split(torch, page):
 
 def test_api_matches_reference_and_returns_lse(torch):
     from tiledsl import paged_attention
-    from tiledsl.serving_reference import paged_attention as reference
+    from tiledsl.reference.serving import paged_attention as reference
     rng = np.random.default_rng(3)
     q, k_cache, v_cache, table, lens = paged_inputs(torch, rng, DType.BF16, 4, 4, 16, 4, 128, 16, [33, 0, 16, 1500])
     out, lse = paged_attention(q, k_cache, v_cache, table, lens, causal=True, return_lse=True)

@@ -1,6 +1,6 @@
 """Chunked prefill over a paged KV cache (the fa2 mma.sync kernel reading K/V through the block
-table, tiledsl.serving_prefill.paged_prefill) on the GPU, against the float64 reference
-tiledsl.serving_reference.paged_attention: page sizes 1, 16, 64, 256; pages in random order and
+table, tiledsl.serving.prefill.paged_prefill) on the GPU, against the float64 reference
+tiledsl.reference.serving.paged_attention: page sizes 1, 16, 64, 256; pages in random order and
 shared between sequences; kv_lens with q_len <= kv_len at page boundaries +- 1; q_len 17, 64, 300;
 causal / none / window (bottom-right aligned); GQA; bf16 / fp16; NaN-poisoned outputs; bad block
 tables refused; compute-sanitizer memcheck of a launch whose block table points at the last page.
@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 @functools.lru_cache(maxsize=None)
 def spec_for(dtype: DType, d: int, mask: str, page: int):
-    from tiledsl.runtime import device_arch
-    from tiledsl.serving_prefill import prefill_spec
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.serving.prefill import prefill_spec
     kind, left, right = MASKS[mask]
     return prefill_spec(device_arch(), dtype, d, d, Mask(kind), page, (left, right) if kind == "window" else None)
 
@@ -75,8 +75,8 @@ def paged_inputs(torch, rng, dtype, q_len, heads, kv_heads, d, page, kv_lens, sp
 
 def run_checked(torch, spec, q, k_cache, v_cache, table, lens):
     """Launch into NaN-poisoned O / LSE; (errors vs the float64 paged reference)."""
-    from tiledsl.serving_reference import paged_attention as reference
-    from tiledsl.tuned import kernel_for
+    from tiledsl.reference.serving import paged_attention as reference
+    from tiledsl.dispatch.tuned import kernel_for
     p = spec.problem
     batch, q_len, heads, _ = q.shape
     out = torch.full((batch, q_len, heads, p.head_dim_v), float("nan"), device="cuda", dtype=q.dtype)
@@ -137,8 +137,8 @@ def test_schedules_ring_and_tiles_across_pages(torch, page, tile_kv, stages):
 
 
 def test_api_routes_long_chunks_here_and_returns_lse(torch):
-    from tiledsl.serving import paged_attention
-    from tiledsl.serving_reference import paged_attention as reference
+    from tiledsl.serving.paged import paged_attention
+    from tiledsl.reference.serving import paged_attention as reference
     rng = np.random.default_rng(3)
     q, k_cache, v_cache, table, lens = paged_inputs(torch, rng, DType.BF16, 17, 8, 2, 128, 16, [17, 33, 700])
     out, lse = paged_attention(q, k_cache, v_cache, table, lens, causal=True, return_lse=True)
@@ -149,7 +149,7 @@ def test_api_routes_long_chunks_here_and_returns_lse(torch):
 
 
 def test_bad_inputs_are_refused(torch):
-    from tiledsl.serving_prefill import paged_prefill
+    from tiledsl.serving.prefill import paged_prefill
     rng = np.random.default_rng(5)
     q, k_cache, v_cache, table, lens = paged_inputs(torch, rng, DType.BF16, 32, 4, 4, 128, 16, [40, 64])
     bad = table.clone()

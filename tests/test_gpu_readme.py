@@ -28,7 +28,7 @@ def relative_error(out, ref) -> float:
 
 def test_readme_serving_example_runs_and_matches_the_references():
     torch = pytest.importorskip("torch")
-    from tiledsl.serving_reference import paged_attention, varlen_attention
+    from tiledsl.reference.serving import paged_attention, varlen_attention
     torch.manual_seed(0)
     ns: dict = {}
     exec(compile(serving_example(), "README.md:Serving", "exec"), ns)   # noqa: S102 - the README's own code

@@ -12,11 +12,13 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl import attention, tuned, warm  # noqa: E402
-from tiledsl.cli import main  # noqa: E402
-from tiledsl.parse import load_spec  # noqa: E402
+from tiledsl.dispatch import tuned
+from tiledsl.runtime import warm
+from tiledsl import attention
+from tiledsl.cli.main import main
+from tiledsl.frontend.parse import load_spec
 from tiledsl.spec import DType, Mask, Problem  # noqa: E402
-from tiledsl.validate import reference_attention, relative_error  # noqa: E402
+from tiledsl.reference.gpu import reference_attention, relative_error
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ pytest.importorskip("cupy")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl.cli import main  # noqa: E402
-from tiledsl.parse import load_spec  # noqa: E402
+from tiledsl.cli.main import main
+from tiledsl.frontend.parse import load_spec
 
 
 def test_tiny_backward_tune_checks_times_and_stores(tmp_path, capsys):
@@ -39,10 +39,11 @@ def test_tiny_backward_tune_checks_times_and_stores(tmp_path, capsys):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("vector", [2, 4])
 def test_dq_vector_variants(d, tile, causal, vector):
-    from tiledsl.backward import BackwardKernel, backward_spec
-    from tiledsl.lower_backward import lower_backward
+    from tiledsl.runtime.backward import BackwardKernel
+    from tiledsl.dispatch.backward import backward_spec
+    from tiledsl.lower.backward import lower_backward
     from tiledsl.spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask
-    from tiledsl.tune_backward import check_backward
+    from tiledsl.tune.backward import check_backward
     base = backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE)
     spec = KernelSpec(base.name, base.problem, base.schedule,
                       backward=BackwardSchedule(LoopOrder.KV_OUTER, *tile, dq=DqAccumulate.ATOMIC))

@@ -42,7 +42,7 @@ def _poisoned(total_q, heads, dv, tdtype):
 
 def _check(q, k, v, cu_q, cu_k, mask, left, right, out, lse, out_buf, lse_buf):
     import torch
-    from tiledsl.serving_reference import varlen_attention as reference
+    from tiledsl.reference.serving import varlen_attention as reference
     torch.cuda.synchronize()
     host = [x.float().cpu().numpy() for x in (q, k, v)]
     ref_o, ref_lse = reference(*host, cu_q.cpu().numpy(), cu_k.cpu().numpy(), mask=mask, window_left=left,
@@ -74,9 +74,9 @@ def _check(q, k, v, cu_q, cu_k, mask, left, right, out, lse, out_buf, lse_buf):
 
 def run_varlen(q_lens, k_lens, mask="none", d=128, dtype=DType.BF16, heads=4, kv_heads=2, persistent=None, seed=0):
     from tiledsl import varlen_attention
-    from tiledsl.runtime import device_arch
-    from tiledsl.tuned import kernel_for
-    from tiledsl.varlen import varlen_spec
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.dispatch.tuned import kernel_for
+    from tiledsl.serving.varlen import varlen_spec
     kind, left, right = MASKS[mask]
     q, k, v, cu_q, cu_k = _case(q_lens, k_lens, heads, kv_heads, d, dtype, seed)
     window = (left, right) if kind == "window" else None

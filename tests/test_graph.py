@@ -6,8 +6,9 @@ import dataclasses
 import networkx as nx
 import pytest
 
-from tiledsl.graph import EdgeKind, GraphError, Op, OpKind, Role, ScheduleGraph, Space, build_graph
-from tiledsl.passes import emission_order
+from tiledsl.schedule.ops import EdgeKind, GraphError, Op, OpKind, Role, Space
+from tiledsl.schedule.graph import ScheduleGraph, build_graph
+from tiledsl.schedule.passes import emission_order
 from tiledsl.spec import AUTO, Axis, CopyVia, KernelSpec, LoopOrder, Mask, Problem, Schedule
 
 

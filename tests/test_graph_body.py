@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl.graph import OpKind
+from tiledsl.schedule.ops import OpKind
 from tiledsl.families import lower
-from tiledsl.passes import emission_order, run_passes
+from tiledsl.schedule.passes import emission_order, run_passes
 from tiledsl.spec import Mma
 
 from .test_codegen import generable_specs

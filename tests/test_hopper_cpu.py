@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import nvcc
+from tiledsl.codegen import nvcc
 from tiledsl.families import lower
-from tiledsl.parse import load_specs
-from tiledsl.render import render
+from tiledsl.frontend.parse import load_specs
+from tiledsl.codegen.render import render
 from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl.explain import explain, to_dot
-from tiledsl.graph import EdgeKind, OpKind, Role
+from tiledsl.cli.report import explain, to_dot
+from tiledsl.schedule.ops import EdgeKind, OpKind, Role
 from tiledsl.layout import layout_of
-from tiledsl.parse import load_specs
-from tiledsl.passes import run_passes
+from tiledsl.frontend.parse import load_specs
+from tiledsl.schedule.passes import run_passes
 
 from .test_hopper_cpu import SWITCHES, spec_for
 

@@ -1,4 +1,4 @@
-"""The layout pass (tiledsl/layout.py): `check` accepts a config exactly when lowering builds it,
+"""The layout pass (tiledsl/layout/): `check` accepts a config exactly when lowering builds it,
 and the shared memory the layout counts is what the rendered kernel declares and launches with;
 accepted configs compile with nvcc for sm_90a; check, explain and compile agree on a refusal."""
 from __future__ import annotations
@@ -13,13 +13,14 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tiledsl import check, nvcc
-from tiledsl.cli import main
+from tiledsl.frontend import rules, space
+from tiledsl.codegen import nvcc
+from tiledsl.cli.main import main
 from tiledsl.errors import SpecError
 from tiledsl.layout import layout_of
 from tiledsl.families import lower
-from tiledsl.parse import parse_text
-from tiledsl.render import render
+from tiledsl.frontend.parse import parse_text
+from tiledsl.codegen.render import render
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD_DIMS = st.integers(1, 32).map(lambda n: 8 * n)          # 8..256 in steps of 8
@@ -84,9 +85,9 @@ def decode_texts(draw):
 
 
 def _rules_only(spec):
-    """check.validate without the layout: the family-feature rules only."""
+    """rules.validate without the layout: the family-feature rules only."""
     written = {key for key, _ in spec.spans}
-    for rule in check._RULES:
+    for rule in rules.RULES:
         broken = rule(spec, written)
         if broken:
             raise SpecError(broken[1])
@@ -94,7 +95,7 @@ def _rules_only(spec):
 
 def _verdicts(text: str):
     """(spec before the layout rules or None, check's verdict, lowering's verdict, plan)."""
-    with mock.patch.object(check, "validate", _rules_only):
+    with mock.patch.object(space, "validate", _rules_only):
         try:
             (spec,) = parse_text(text, "k.tile")
         except SpecError:
@@ -199,7 +200,7 @@ def test_explain_exits_0_on_every_bundled_spec_and_space(path, capsys):
 def test_explain_wait_text_is_the_number_the_kernel_waits_with():
     text = _text(64, 64, "bf16", "none", ["order q, kv", "tile q = 128, kv = 64", "warps 4 along q",
                                           "pipeline 2 stages via cp.async"])
-    from tiledsl.explain import explain
+    from tiledsl.cli.report import explain
     spec = parse_text(text, "k.tile")[0]
     out, plan = explain(spec), lower(spec)
     waits = {op.kind: op.pending for op in plan.loop_body if op.kind.startswith("wait")}

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tiledsl import nvcc
-from tiledsl.check import SpecSpace
+from tiledsl.codegen import nvcc
+from tiledsl.frontend.space import SpecSpace
 from tiledsl.errors import SpecError
 from tiledsl.families import WITH_TEMPLATE, lower
-from tiledsl.parse import parse_file
-from tiledsl.render import render
+from tiledsl.frontend.parse import parse_file
+from tiledsl.codegen.render import render
 
 from .test_codegen import SPEC_FILES, generable_specs
 

@@ -1,13 +1,15 @@
-"""tiledsl/nvcc.py without nvcc: the one ptxas-report parser (on a captured report and a synthetic
+"""tiledsl/codegen/nvcc.py without nvcc: the one ptxas-report parser (on a captured report and a synthetic
 one with spills), the one arch flag set, and the CLI and the tuner reading reports through it."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from tiledsl import nvcc, tune
-from tiledsl.cli import main
-from tiledsl.nvcc import Resources, arch_flags, parse_ptxas
-from tiledsl.parse import parse_file
+from tiledsl.codegen import nvcc
+from tiledsl.tune import search as tune
+from tiledsl.cli.main import main
+from tiledsl.codegen.nvcc import arch_flags, parse_ptxas
+from tiledsl.schedule.cost import Resources
+from tiledsl.frontend.parse import parse_file
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURED = (ROOT / "tests" / "data" / "ptxas_bundled_sm90a.txt").read_text()

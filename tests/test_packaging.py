@@ -20,8 +20,8 @@ import networkx
 import numpy
 
 from tiledsl.families import lower
-from tiledsl.parse import parse_file
-from tiledsl.render import render
+from tiledsl.frontend.parse import parse_file
+from tiledsl.codegen.render import render
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "fa2_d64.tile"
@@ -75,12 +75,12 @@ def installed(tmp_path_factory) -> Path:
 def test_wheel_ships_templates_and_grammar(installed):
     (wheel,) = (installed.parent.parent.parent / "dist").glob("tiledsl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "tiledsl/grammar.lark" in names
+    assert "tiledsl/frontend/grammar.lark" in names
     assert {f"tiledsl/templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")} <= names
 
 
 def test_installed_package_compiles_a_bundled_spec(installed, tmp_path):
-    where = _run([str(installed), "-c", "import tiledsl.render as r; print(r.__file__); print(r.TEMPLATE_DIR)"],
+    where = _run([str(installed), "-c", "import tiledsl.codegen.render as r; print(r.__file__); print(r.TEMPLATE_DIR)"],
                  cwd=tmp_path).stdout.split()
     assert all(str(installed.parent.parent) in path for path in where), where   # not this checkout
     _run([str(installed), "-m", "tiledsl.cli", "compile", str(SPEC), "-o", "out"], cwd=tmp_path)

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-from tiledsl import nvcc
+from tiledsl.codegen import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.families import lower
-from tiledsl.layout import layout_of, mma_width, tile_row_bytes
-from tiledsl.parse import load_spec
-from tiledsl.render import render
+from tiledsl.layout import layout_of
+from tiledsl.layout.base import mma_width, tile_row_bytes
+from tiledsl.frontend.parse import load_spec
+from tiledsl.codegen.render import render
 
 SPEC = """attention padded {{
     head_dim = {d}

@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from tiledsl.autoschedule import DECODE_HEAD_DIMS
+from tiledsl.dispatch.autoschedule import DECODE_HEAD_DIMS
 from tiledsl.errors import RuntimeInputError
 from tiledsl.families import compile as compile_kernel, lower
-from tiledsl.layout import decode_page_walk
-from tiledsl.lower_decode import constant
-from tiledsl.parse import load_specs
-from tiledsl.render import render
-from tiledsl.serving import paged_spec
+from tiledsl.layout.decode import decode_page_walk
+from tiledsl.runtime.decode import constant
+from tiledsl.frontend.parse import load_specs
+from tiledsl.codegen.render import render
+from tiledsl.serving.paged import paged_spec
 from tiledsl.spec import DType, Mask
 
 BUNDLED = load_specs("specs/decode_d128.tile")[0]   # kv 128, 4 warps: 32-key warp slices

@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from tiledsl import nvcc
+from tiledsl.codegen import nvcc
 from tiledsl.errors import RuntimeInputError, SpecError
 from tiledsl.families import compile as compile_kernel, lower, missing_template
-from tiledsl.parse import load_specs, parse_text
-from tiledsl.render import render
-from tiledsl.serving_prefill import prefill_spec
+from tiledsl.frontend.parse import load_specs, parse_text
+from tiledsl.codegen.render import render
+from tiledsl.serving.prefill import prefill_spec
 from tiledsl.spec import DType, Family, Mask, Mma
 
 BUNDLED = load_specs("specs/fa2_d128_causal.tile")[0]   # mma.sync, tile kv 64

@@ -1,4 +1,4 @@
-"""The paged kernels' shared input checks and views (tiledsl/paged_views.py), on the CPU: NumPy
+"""The paged kernels' shared input checks and views (tiledsl/runtime/paged_views.py), on the CPU: NumPy
 arrays stand in for GPU tensors (the test's `view` reads their shape and strides), so the stride
 re-ordering, the shapes and every refusal are checked without a GPU."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiledsl import paged_views
+from tiledsl.runtime import paged_views
 from tiledsl.errors import RuntimeInputError
 from tiledsl.spec import DType, Problem
-from tiledsl.tensors import TensorView
+from tiledsl.runtime.tensors import TensorView
 
 PROBLEM = Problem(64, 64, DType.BF16, kv_page_size=16, queries_per_seq=4)
 
@@ -20,7 +20,7 @@ def host_views(monkeypatch):
         dtype = {np.int32: "int32", np.int64: "int64", np.float32: DType.FP32, np.float16: DType.BF16}[x.dtype.type]   # fp16 plays bf16
         return TensorView(name, 4096, x.shape, tuple(s // x.itemsize for s in x.strides), dtype, 0, x)
     monkeypatch.setattr(paged_views, "view", view)
-    monkeypatch.setattr(paged_views, "_capturing", lambda q: False)
+    monkeypatch.setattr(paged_views, "capturing", lambda q: False)
 
 
 def inputs(batch=2, q_len=4, heads=8, kv_heads=2, pages=10, page=16, d=64, max_pages=4):

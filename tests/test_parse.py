@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import ast
+from tiledsl.frontend import syntax as ast
 from tiledsl.errors import SpecError
-from tiledsl.parse import parse_ast, parse_text
+from tiledsl.frontend.parse import parse_ast, parse_text
 from tiledsl.spec import AUTO, Axis, CopyVia, DType, LoopOrder, Mask, Problem, Schedule
 
 # Not imported from conftest: tests/ may or may not be a package.

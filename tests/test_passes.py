@@ -8,9 +8,10 @@ import pytest
 
 from tiledsl.device_limits import H200
 from tiledsl.errors import SpecError
-from tiledsl.graph import OpKind, build_graph
-from tiledsl.passes import (DEFAULT_PASSES, EmissionOrder, Pass, PassError, PassManager, ShapeInference,
-                            emission_order, run_passes)
+from tiledsl.schedule.ops import OpKind
+from tiledsl.schedule.graph import build_graph
+from tiledsl.schedule.passes import (DEFAULT_PASSES, EmissionOrder, Pass, PassError, PassManager, ShapeInference,
+    emission_order, run_passes)
 from tiledsl.spec import AUTO, Axis, CopyVia, DType, KernelSpec, LoopOrder, Mask, Problem, Schedule, Span
 
 TEXT = """attention k {

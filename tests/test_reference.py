@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from tiledsl import reference
-from tiledsl.reference import merge_partials, naive_attention, reference_attention
+from tiledsl.reference import forward as reference
+from tiledsl.reference.forward import merge_partials, naive_attention, reference_attention
 from tiledsl.spec import AUTO, Axis, CopyVia, KernelSpec, LoopOrder, Mask, Problem, Schedule
 
 rng = np.random.default_rng()

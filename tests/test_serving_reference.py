@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tiledsl.errors import RuntimeInputError
-from tiledsl.reference import naive_attention
-from tiledsl.serving_checks import check_paged, check_varlen
-from tiledsl.serving_reference import paged_attention, varlen_attention
+from tiledsl.reference.forward import naive_attention
+from tiledsl.runtime.serving_checks import check_paged, check_varlen
+from tiledsl.reference.serving import paged_attention, varlen_attention
 from tiledsl.spec import Mask
 
 MASKS = [(Mask.NONE, 0, 0), (Mask.CAUSAL, 0, 0), (Mask.WINDOW, 5, 2)]

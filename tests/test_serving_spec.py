@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 
 from tiledsl import parse_text
-from tiledsl.cli import main
+from tiledsl.cli.main import main
 from tiledsl.errors import SpecError
 from tiledsl.families import lower, missing_template
-from tiledsl.graph import OpKind
-from tiledsl.passes import run_passes
-from tiledsl.reference import naive_attention, reference_attention
-from tiledsl.serving_reference import gather_pages
+from tiledsl.schedule.ops import OpKind
+from tiledsl.schedule.passes import run_passes
+from tiledsl.reference.forward import naive_attention, reference_attention
+from tiledsl.reference.serving import gather_pages
 from tiledsl.spec import Family, SeqLayout
-from tiledsl.traffic import hbm_traffic, traffic_by_tensor
+from tiledsl.schedule.traffic import hbm_traffic, traffic_by_tensor
 
 DECODE = "attention dec {\n    head_dim = 64\n    queries = 1\n%s}\n"
 PREFILL = "attention pre {\n    head_dim = 64\n%s}\n"

@@ -8,9 +8,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiledsl.check import SpecSpace, validate
+from tiledsl.frontend.space import SpecSpace
+from tiledsl.frontend.rules import validate
 from tiledsl.errors import SpecError
-from tiledsl.parse import parse_ast, parse_text
+from tiledsl.frontend.parse import parse_ast, parse_text
 
 # Not imported from conftest: tests/ may or may not be a package.
 SPEC_FILES = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.tile"))

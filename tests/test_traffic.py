@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from tiledsl.passes import run_passes
-from tiledsl.masks import key_bounds
+from tiledsl.schedule.passes import run_passes
+from tiledsl.schedule.masks import key_bounds
 from tiledsl.spec import AUTO, Axis, DType, KernelSpec, LoopOrder, Mask, Problem, Schedule
-from tiledsl.splits import choose_splits, split_ranges
-from tiledsl.traffic import hbm_traffic, standard_elements, visible_pairs
+from tiledsl.schedule.splits import choose_splits, split_ranges
+from tiledsl.schedule.traffic import hbm_traffic, standard_elements, visible_pairs
 
 rng = np.random.default_rng()
 

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from tiledsl.cli import main
-from tiledsl.parse import parse_text
-from tiledsl.tune_backward import is_backward_space, plan_backward_candidates, store_key
-from tiledsl.tune_model import Shape
-from tiledsl.tune_store import entry_key
+from tiledsl.cli.main import main
+from tiledsl.frontend.parse import parse_text
+from tiledsl.tune.backward import is_backward_space, plan_backward_candidates, store_key
+from tiledsl.schedule.cost import Shape
+from tiledsl.tune.store import entry_key
 
 SPACE = """attention bwd_space {{
     head_dim = {d}
@@ -75,7 +75,7 @@ def test_dry_run_lists_members_with_ptxas(tmp_path, capsys, d):
     assert all(r["config"].startswith("backward q") for r in rows)
     timed = [r for r in rows if r["status"] == "pending"]
     assert len(timed) == out["budget"]
-    from tiledsl.tune import nvcc_available
+    from tiledsl.tune.search import nvcc_available
     if nvcc_available():
         assert all(r["resources_from"] == "ptxas" and r["registers"] <= 255 for r in timed)
 

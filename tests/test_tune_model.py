@@ -1,4 +1,4 @@
-"""The pruning model (tiledsl/tune_model.py) and the tuner's CPU half (tiledsl/tune.py).
+"""The pruning model (tiledsl/schedule/cost.py) and the tuner's CPU half (tiledsl/tune/search.py).
 
 Pure CPU: synthetic ptxas reports, synthetic resources, and the ptxas reports of the bundled FA2
 spaces (bf16, sm_90a, nvcc 13.0) captured below so the calibration test runs without nvcc.
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import tune_model as tm
-from tiledsl.nvcc import parse_ptxas
+from tiledsl.schedule import cost as tm
+from tiledsl.codegen.nvcc import parse_ptxas
 from tiledsl.families import lower
-from tiledsl.parse import parse_file
-from tiledsl.passes import run_passes
+from tiledsl.frontend.parse import parse_file
+from tiledsl.schedule.passes import run_passes
 from tiledsl.spec import DType, KernelSpec, Mask, Mma, Problem, Schedule
-from tiledsl.tune import plan_candidates, with_mask
+from tiledsl.tune.search import plan_candidates, with_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "bench" / "results" / "2026-11-30-fa2-sweep-1.json"

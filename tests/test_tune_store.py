@@ -1,4 +1,4 @@
-"""The tuner's results store (tiledsl/tune_store.py): keys, round trip, corrupted and foreign
+"""The tuner's results store (tiledsl/tune/store.py): keys, round trip, corrupted and foreign
 files moved aside with a warning, atomic writes, merging with another writer."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tiledsl import tune_store
-from tiledsl.tune_store import TuneStore, entry_key
+from tiledsl.tune import store as tune_store
+from tiledsl.tune.store import TuneStore, entry_key
 
 CONFIG = {"config_hash": "abc"}
 SHAPE = {"batch": 4, "heads": 16, "seqlen_q": 4096, "seqlen_kv": 4096}
@@ -144,9 +144,9 @@ class _FakeBench:
 
 def test_tune_rerun_answers_from_the_store_and_never_picks_a_wrong_kernel(tmp_path, monkeypatch):
     from pathlib import Path
-    from tiledsl.cli_tune import load_space
-    from tiledsl.tune import plan_candidates, tune
-    from tiledsl.tune_model import Shape
+    from tiledsl.cli.tune import load_space
+    from tiledsl.tune.search import plan_candidates, tune
+    from tiledsl.schedule.cost import Shape
     monkeypatch.setenv("TILEDSL_NO_NVCC", "1")
     space = load_space(str(Path(__file__).resolve().parent.parent / "specs" / "fa2_space_d64.tile"), None)
     shape = Shape(1, 4, 1024, 1024)

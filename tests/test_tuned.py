@@ -1,4 +1,4 @@
-"""Tuned defaults (tiledsl/tuned.py), the spec printer (tune.spec_to_dsl) and `tiledsl tune
+"""Tuned defaults (tiledsl/dispatch/tuned.py), the spec printer (tune.spec_to_dsl) and `tiledsl tune
 --dry-run`: all CPU."""
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import tuned
-from tiledsl.check import SpecSpace
-from tiledsl.cli import main
+from tiledsl.dispatch import tuned
+from tiledsl.frontend.space import SpecSpace
+from tiledsl.cli.main import main
 from tiledsl.families import lower
-from tiledsl.parse import load_spec, parse_file, parse_text
-from tiledsl.passes import run_passes
-from tiledsl.render import render
+from tiledsl.frontend.parse import load_spec, parse_file, parse_text
+from tiledsl.schedule.passes import run_passes
+from tiledsl.codegen.render import render
 from tiledsl.spec import DType, KernelSpec, Mask, Problem, Schedule
-from tiledsl.tune import spec_to_dsl
+from tiledsl.tune.search import spec_to_dsl
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_FILES = sorted((ROOT / "specs").glob("*.tile"))

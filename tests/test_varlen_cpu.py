@@ -8,11 +8,11 @@ import pytest
 
 from tiledsl.errors import SpecError
 from tiledsl.families import lower, missing_template
-from tiledsl.parse import load_specs
-from tiledsl.render import render
-from tiledsl.runtime_varlen import visible_keys, work_list
+from tiledsl.frontend.parse import load_specs
+from tiledsl.codegen.render import render
+from tiledsl.runtime.varlen import visible_keys, work_list
 from tiledsl.spec import DType, Family, Mask, SeqLayout
-from tiledsl.varlen import varlen_spec
+from tiledsl.serving.varlen import varlen_spec
 
 SPEC = "specs/hopper_varlen_d128_causal.tile"
 

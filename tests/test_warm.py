@@ -1,4 +1,4 @@
-"""Warm records (tiledsl/warm.py) without a GPU: a recorded kernel reads back in a fresh process with
+"""Warm records (tiledsl/runtime/warm.py) without a GPU: a recorded kernel reads back in a fresh process with
 its plan's fields, source and cubin path, without importing Lark, networkx or Jinja2; records of
 other code (fingerprint), with a missing cubin or unreadable bytes are ignored."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tiledsl import tuned, warm
+from tiledsl.dispatch import tuned
+from tiledsl.runtime import warm
 from tiledsl.families import compile
 from tiledsl.spec import DType, Mask
 
@@ -37,7 +38,7 @@ def test_a_record_reads_back_in_a_fresh_process_without_the_front_end(tmp_path, 
     kernel, found = _record(tmp_path, monkeypatch, which)
     code = f"""
 import json, sys
-from tiledsl import warm
+from tiledsl.runtime import warm
 kernel, found = warm.load("sm_90a", {LOOKUPS[which]!r})
 heavy = sorted(m for m in ("lark", "networkx", "jinja2") if m in sys.modules)
 print(json.dumps({{"class": type(kernel).__name__, "name": kernel.name, "found": found, "heavy": heavy,
@@ -80,7 +81,7 @@ def test_the_fingerprint_follows_the_package_files():
     before = warm.fingerprint()
     warm.fingerprint.cache_clear()
     assert warm.fingerprint() == before
-    target = ROOT / "tiledsl" / "warm.py"
+    target = ROOT / "tiledsl" / "runtime" / "warm.py"
     stat = target.stat()
     try:
         os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))

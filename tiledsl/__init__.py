@@ -12,9 +12,10 @@ from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mas
 from .version import __version__
 
 # name -> the module that defines it, imported on first access (PEP 562)
-_LAZY = {"load_specs": "parse", "parse_file": "parse", "parse_text": "parse", "SpecSpace": "check",
-         "attention": "api", "Kernel": "runtime", "compile": "families", "paged_attention": "serving",
-         "varlen_attention": "varlen"}   # tiledsl.compile(spec) is the documented API
+_LAZY = {"load_specs": "frontend.parse", "parse_file": "frontend.parse", "parse_text": "frontend.parse",
+         "SpecSpace": "frontend.space", "attention": "api", "Kernel": "runtime.kernel", "compile": "families",
+         "paged_attention": "serving.paged", "varlen_attention": "serving.varlen",
+         "attention_backward": "dispatch.backward"}   # tiledsl.compile(spec) is the documented API
 
 
 def __getattr__(name: str):
@@ -31,6 +32,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
-           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "paged_attention", "varlen_attention", "compile",
+           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
+           "varlen_attention", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

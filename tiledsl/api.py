@@ -1,4 +1,4 @@
-"""`tiledsl.attention`: the entry point. Torch tensors go to the custom op of tiledsl/autograd.py
+"""`tiledsl.attention`: the entry point. Torch tensors go to the custom op of tiledsl/dispatch/autograd.py
 (differentiable, traceable by torch.compile), anything else to tuned.forward. Its own module, so
 that autograd (whose op runs tuned.forward) and tuned do not import each other.
 
@@ -19,7 +19,7 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     caller's current stream (torch's for torch tensors, CuPy's otherwise); capturable in a CUDA
     graph once an eager call of the same shape has compiled the kernel.
 
-    Torch tensors go through the custom op tiledsl::attention_forward (tiledsl/autograd.py): the
+    Torch tensors go through the custom op tiledsl::attention_forward (tiledsl/dispatch/autograd.py): the
     result is differentiable when an input requires grad (the LSE is returned as a constant), and
     torch.compile(fullgraph=True) sees one opaque op. `deterministic=True` makes the backward
     bit-identical run to run. CuPy inputs have no autograd.
@@ -30,11 +30,11 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
-    from .runtime import _is_torch
+    from .runtime.device import is_torch
     fp8 = k_scale is not None or v_scale is not None or "float8" in str(getattr(k, "dtype", ""))
-    if _is_torch(q) and not fp8:
-        from .autograd import torch_attention
+    if is_torch(q) and not fp8:
+        from .dispatch.autograd import torch_attention
         return torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic)
-    from .tuned import forward
+    from .dispatch.tuned import forward
     out, lse = forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale)
     return (out, lse) if return_lse else out

@@ -2,7 +2,7 @@
 lowering, its template and its kernel class, and the two dispatchers that read the table (`lower`,
 `compile`).
 
-This is the only module that names the families' own modules: lower.py and runtime.py know none
+This is the only module that names the families' own modules: lower/ and runtime/ know none
 of them, so adding a family is writing its lowering, template and (if its launch differs) kernel
 class, then adding a row here."""
 from __future__ import annotations
@@ -12,19 +12,20 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import RuntimeInputError, SpecError
-from .lower import KernelPlan, lower_fa2
-from .lower_decode import lower_decode
-from .lower_fa1 import lower_fa1
-from .lower_hopper import lower_hopper
-from .lower_wgmma import lower_fa2_wgmma
-from .parse import load_specs
-from .runtime import Kernel
-from .runtime_decode import DecodeKernel
-from .runtime_paged import PagedDecodeKernel
-from .runtime_paged_prefill import PagedPrefillKernel
-from .runtime_fa1 import Fa1Kernel
-from .runtime_hopper import HopperKernel
-from .runtime_varlen import VarlenHopperKernel
+from .lower.plan import KernelPlan
+from .lower.fa2 import lower_fa2
+from .lower.decode import lower_decode
+from .lower.fa1 import lower_fa1
+from .lower.hopper import lower_hopper
+from .lower.fa2_wgmma import lower_fa2_wgmma
+from .frontend.parse import load_specs
+from .runtime.kernel import Kernel
+from .runtime.decode import DecodeKernel
+from .runtime.paged_decode import PagedDecodeKernel
+from .runtime.paged_prefill import PagedPrefillKernel
+from .runtime.fa1 import Fa1Kernel
+from .runtime.hopper import HopperKernel
+from .runtime.varlen import VarlenHopperKernel
 from .spec import Family, KernelSpec, Mma, SeqLayout
 
 
@@ -43,9 +44,11 @@ FAMILIES = (
     Row(Family.FA2, Mma.SYNC, lower_fa2, "fa2.cu.j2", Kernel, PagedPrefillKernel),
     Row(Family.FA2, Mma.WGMMA, lower_fa2_wgmma, "fa2_wgmma.cu.j2", Kernel),
     Row(Family.FA1, None, lower_fa1, "fa1.cu.j2", Fa1Kernel),
-    Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel, PagedDecodeKernel),   # split kernel + merge, workspace
+    # split kernel + merge, workspace
+    Row(Family.DECODE, None, lower_decode, "decode.cu.j2", DecodeKernel, PagedDecodeKernel),
     Row(Family.HOPPER, None, lower_hopper, "hopper.cu.j2", HopperKernel),   # TMA tensor maps, persistent launch
-    Row(Family.HOPPER, None, lower_hopper, "hopper_varlen.cu.j2", VarlenHopperKernel, seq_layout=SeqLayout.VARLEN),   # packed sequences
+    # packed sequences
+    Row(Family.HOPPER, None, lower_hopper, "hopper_varlen.cu.j2", VarlenHopperKernel, seq_layout=SeqLayout.VARLEN),
 )
 
 # Families with at least one template, in table order (what `compile --skip-unsupported` keeps).
@@ -60,7 +63,8 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
         return "kv_cache", "paged KV" + (f" on {spec.schedule.mma.value} ({' or '.join(paged)} reads it)"
                                          if paged else "")
     layout = spec.problem.seq_layout
-    if layout is not SeqLayout.BATCHED and not any(row.family is spec.family and row.seq_layout is layout for row in FAMILIES):
+    if layout is not SeqLayout.BATCHED and not any(row.family is spec.family and row.seq_layout is layout
+                                                   for row in FAMILIES):
         return "layout", f"layout = {layout.value}"
     return None
 
@@ -79,10 +83,12 @@ def row_for(spec: KernelSpec) -> Row:
     checker, explain and the float64 reference take those, the kernels come later."""
     refusal = _serving_refusal(spec)
     if refusal:
-        raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text, "`tiledsl explain` and tiledsl.serving_reference take it; "
+        raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text,
+                        "`tiledsl explain` and tiledsl.reference.serving take it; "
                         f"remove `{refusal[0]}` to build a kernel")
     for row in FAMILIES:
-        if row.family is spec.family and row.mma in (None, spec.schedule.mma) and row.seq_layout is spec.problem.seq_layout:
+        if (row.family is spec.family and row.mma in (None, spec.schedule.mma)
+                and row.seq_layout is spec.problem.seq_layout):
             return row
     built = ", ".join(f.value for f in WITH_TEMPLATE)
     if spec.family in WITH_TEMPLATE:

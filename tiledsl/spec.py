@@ -1,6 +1,6 @@
 """KernelSpec: the checked, hashable description of one attention kernel (problem + schedule).
 
-This is the plain data every later stage reads. The parser and checker (parse.py, check.py)
+This is the plain data every later stage reads. The parser and checker (frontend/parse.py, frontend/check.py)
 produce it; the graph, lowering, runtime and tuner consume it. Source spans ride along for
 error messages but take no part in equality or hashing: the same config written in two files
 is the same kernel.
@@ -47,7 +47,6 @@ class DType(Enum):
     BF16 = "bf16"
     FP32 = "fp32"
     E4M3 = "e4m3"      # storage only: an FP8 KV cache (kv_dtype), dequantized on chip
-
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import cupy
 import numpy as np
 import torch
 
-from tiledsl.bench import patch_source, record, sdpa_peers, time_ms
-from tiledsl.parse import load_spec
+from tiledsl.tune.bench import patch_source, record, sdpa_peers, time_ms
+from tiledsl.frontend.parse import load_spec
 from tiledsl import compile
-from tiledsl.validate import run_errors
+from tiledsl.reference.gpu import run_errors
 
 SHAPES = [(1, 32, 32, 32768), (4, 32, 8, 65536), (8, 32, 32, 8192), (1, 32, 32, 131072)]
 

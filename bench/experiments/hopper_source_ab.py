@@ -17,9 +17,9 @@ import numpy as np  # noqa: E402
 
 from hopper_ablation import hopper  # noqa: E402
 from tiledsl import compile  # noqa: E402
-from tiledsl.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms  # noqa: E402
-from tiledsl.tensor_maps import tensor_map  # noqa: E402
-from tiledsl.validate import run_errors  # noqa: E402
+from tiledsl.tune.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms
+from tiledsl.runtime.tensor_maps import tensor_map
+from tiledsl.reference.gpu import run_errors
 
 
 class OldSource:

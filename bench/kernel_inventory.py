@@ -1,0 +1,170 @@
+"""Every kernel tiledsl can emit, rendered to a folder: the bundled specs (search spaces expanded,
+backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
+head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen, the backward). A
+refactor that should change no kernel is checked by rendering before and after and comparing:
+identical sources compile to identical cubins; for sources that differ, both are compiled with
+nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
+
+Usage (no GPU):
+    python bench/kernel_inventory.py render DIR         # DIR/<kernel>.cu and DIR/manifest.json
+    python bench/kernel_inventory.py compare OLD NEW    # exit 1 when any cubin differs or a kernel is missing
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ARCH = "sm_90a"
+
+
+def api_specs():
+    """(what, KernelSpec) of every kernel the Python API can pick on sm_90a (forward)."""
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.dispatch.autoschedule import DECODE_HEAD_DIMS, pick_decode, supported_head_dims
+    from tiledsl.serving.paged import paged_spec
+    from tiledsl.serving.prefill import prefill_spec
+    from tiledsl.serving.varlen import varlen_spec
+    from tiledsl.spec import DType, KvScale, Mask, Problem
+    from tiledsl.errors import RuntimeInputError
+    masks = ((Mask.NONE, None), (Mask.CAUSAL, None), (Mask.WINDOW, (128, 0)), (Mask.WINDOW, (64, 32)))
+    for dtype in (DType.BF16, DType.FP16):
+        for d in supported_head_dims(dtype):
+            for mask, window in masks:
+                yield "prefill", tuned_spec(ARCH, dtype, d, mask, d, window)[0]
+        yield "prefill dv", tuned_spec(ARCH, dtype, 128, Mask.NONE, 64)[0]
+        yield "prefill scale", tuned_spec(ARCH, dtype, 128, Mask.CAUSAL, None, None, 0.1)[0]
+        for d in DECODE_HEAD_DIMS:
+            for q_len in (1, 2, 4, 16):
+                for mask, window in masks[:3]:
+                    yield "decode", tuned_spec(ARCH, dtype, d, mask, d, window, None, q_len)[0]
+        for d in (64, 128, 256):
+            for mask, window in masks[:3]:
+                for page in (1, 16, 64, 256):
+                    for q_len in (1, 4):
+                        yield "paged decode", paged_spec(dtype, d, d, mask, page, q_len, window)
+                    yield "paged prefill", prefill_spec(ARCH, dtype, d, d, mask, page, window)
+                spec = varlen_spec(ARCH, dtype, d, mask, d, window)
+                if spec is not None:
+                    yield "varlen", spec
+        for d in (64, 128, 192, 256):
+            for granularity in (KvScale.PER_HEAD, KvScale.PER_TENSOR):
+                for page in (None, 16):
+                    for q_len in (1, 8):
+                        problem = Problem(d, d, dtype, Mask.CAUSAL, kv_page_size=page, kv_dtype=DType.E4M3,
+                                          kv_scale=granularity)
+                        spec = pick_decode(problem, q_len)
+                        if spec is not None:
+                            yield "fp8 decode", spec
+        try:
+            yield "prefill d40", tuned_spec(ARCH, dtype, 40, Mask.NONE, 40)[0]
+        except RuntimeInputError:
+            pass
+
+
+def backward_specs():
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    from tiledsl.errors import RuntimeInputError
+    from tiledsl.spec import DType, Mask
+    for dtype in (DType.BF16, DType.FP16):
+        for d in range(16, 257, 16):
+            for mask, window in ((Mask.NONE, None), (Mask.CAUSAL, None), (Mask.WINDOW, (128, 0))):
+                for deterministic in (False, True):
+                    for mma in (None, "mma.sync"):
+                        try:
+                            yield "backward", chosen_backward_spec(ARCH, dtype, d, mask, d, window, None,
+                                                                   deterministic, mma)
+                        except RuntimeInputError:
+                            pass
+
+
+def bundled_specs():
+    from tiledsl.cli.common import concrete_specs
+    paths = sorted(str(p) for p in Path("specs").glob("*.tile"))
+    return [("bundled", spec) for spec in concrete_specs(paths, expand_spaces=True, notes=[])]
+
+
+def sources():
+    """{kernel name: CUDA source} of every kernel above (forward and backward modules)."""
+    from tiledsl.families import lower
+    from tiledsl.codegen.render import render
+    from tiledsl.lower.backward import backward_kernel_name, lower_backward
+    from tiledsl.layout.backward import backward_has_template
+    out: dict[str, str] = {}
+    forward = list(bundled_specs()) + list(api_specs())
+    for _, spec in forward:
+        if spec.kernel_name not in out:
+            out[spec.kernel_name] = render(lower(spec))
+        if spec.backward is not None and not backward_has_template(spec):
+            out.setdefault(backward_kernel_name(spec), render(lower_backward(spec)))
+    for _, spec in backward_specs():
+        name = backward_kernel_name(spec)
+        if name not in out:
+            out[name] = render(lower_backward(spec))
+    return out
+
+
+def render_all(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for name, text in sorted(sources().items()):
+        (folder / f"{name}.cu").write_text(text)
+        manifest[name] = hashlib.sha256(text.encode()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    print(f"{len(manifest)} kernels rendered into {folder}")
+
+
+def cubin(source: Path, tmp: Path, tag: str) -> bytes:
+    """nvcc's cubin of `source`, compiled under the same file name whichever tree it came from."""
+    work = tmp / tag
+    work.mkdir(parents=True, exist_ok=True)
+    cu = work / source.name
+    cu.write_text(source.read_text())
+    out = work / (source.stem + ".cubin")
+    subprocess.run(["nvcc", f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}", "--cubin", "-o", str(out), str(cu)],
+                   check=True, capture_output=True, cwd=work)
+    return out.read_bytes()
+
+
+def compare(old: Path, new: Path) -> int:
+    a = json.loads((old / "manifest.json").read_text())
+    b = json.loads((new / "manifest.json").read_text())
+    missing, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    changed = sorted(name for name in set(a) & set(b) if a[name] != b[name])
+    print(f"{len(a)} kernels before, {len(b)} after; {len(set(a) & set(b)) - len(changed)} sources identical, "
+          f"{len(changed)} differ, {len(missing)} missing, {len(added)} new")
+    for name in missing:
+        print(f"  missing: {name}")
+    for name in added:
+        print(f"  new: {name}")
+    different = []
+
+    def check(name):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = Path(tmp)
+            return name, cubin(old / f"{name}.cu", t, "old") == cubin(new / f"{name}.cu", t, "new")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for name, same in pool.map(check, changed):
+            print(f"  {'cubin identical' if same else 'CUBIN DIFFERS'}: {name}")
+            if not same:
+                different.append(name)
+    return 1 if different or missing else 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "render":
+        render_all(Path(argv[1]))
+        return 0
+    if len(argv) == 3 and argv[0] == "compare":
+        return compare(Path(argv[1]), Path(argv[2]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""The `tiledsl` command: one module per subcommand."""

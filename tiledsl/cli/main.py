@@ -1,0 +1,102 @@
+"""The `tiledsl` command. Each subcommand lives in its own module (cli/<name>.py) exposing
+`add_arguments(parser)` and `run(args) -> int`; this file only wires them together and turns
+every expected failure (a SpecError, a bad option, a path that can't be read or written, a
+missing optional dependency) into its message and exit status 2, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import CliError, LaunchError, RuntimeInputError, SpecError
+from ..version import __version__
+
+# (name, module, one-line help), in the order a user meets them.
+SUBCOMMANDS = [
+    ("check", "check", "parse and check specs; print each kernel's name and config"),
+    ("explain", "explain", "print the loop nest, graph, on-chip budget and HBM traffic"),
+    ("compile", "compile", "emit CUDA (and PTX, cubin, ptxas resources, SASS) for specs"),
+    ("run", "run", "run a spec on the GPU and validate it against the float64 reference"),
+    ("bench", "bench", "time specs on the GPU next to PyTorch SDPA"),
+    ("tune", "tune", "search a spec's schedule space on the GPU"),
+    ("warmup", "warmup", "compile the tuned kernels for this GPU into the disk cache"),
+]
+
+
+# Optional dependencies a command may need: module -> (what it is for, the extra that installs it).
+OPTIONAL = {"cupy": ("CuPy, to run kernels on a GPU", "gpu"), "cupy_backends": ("CuPy, to run kernels on a GPU", "gpu"),
+            "torch": ("PyTorch, to time the SDPA peers", "bench"), "matplotlib": ("matplotlib, for --plot", "plot")}
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad option is one line (`tiledsl explain: error: argument --seqlen: ...`) and exit 2,
+    not the usage block: the line already names the option and what it accepts."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tiledsl", description="A tile DSL compiler for attention kernels.")
+    parser.add_argument("--version", action="version", version=f"tiledsl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, module_name, help_text in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f".{module_name}", __package__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__package__}.{module_name}":
+                raise
+            continue   # a subcommand not built yet
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except SpecError as err:
+        print(err.render(), file=sys.stderr)
+        return 2
+    except (RuntimeInputError, LaunchError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except CliError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:   # `tiledsl check ... | head`: the reader left; stop quietly
+        sys.stdout = None
+        return 1
+    except OSError as err:   # a spec path, -o, --dot, --record: name the path and what went wrong
+        print(f"error: {err.filename or ''}: {_os_reason(err)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        top = (err.name or "").split(".")[0]
+        if top not in OPTIONAL:
+            raise
+        what, extra = OPTIONAL[top]
+        print(f"error: tiledsl {args.command} needs {what}, which is not installed: "
+              f"pip install 'tiledsl[{extra}]'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _os_reason(err: OSError) -> str:
+    if isinstance(err, FileNotFoundError):
+        return "no such file or directory"
+    if isinstance(err, IsADirectoryError):
+        return "is a directory; expected a file"
+    if isinstance(err, NotADirectoryError):
+        return "a parent of this path is a file, not a directory"
+    if isinstance(err, PermissionError):
+        return "permission denied"
+    return err.strerror or str(err)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

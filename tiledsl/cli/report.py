@@ -1,0 +1,300 @@
+"""`tiledsl explain`: a schedule as text (and as Graphviz DOT).
+
+Four sections, all read from the annotated graph: the loop nest as pseudo-code with the DSL
+line each piece comes from, the ops in emission order, the on-chip budget against the GPU's
+limits, and the HBM traffic and FLOPs next to standard attention's.
+"""
+from __future__ import annotations
+
+import os
+
+from ..device_limits import H200, DeviceLimits
+from ..schedule.ops import EdgeKind, OpKind, Role, Space
+from ..schedule.graph import ScheduleGraph
+from ..schedule.passes import emission_order, run_passes
+from ..spec import AUTO, Family, KernelSpec
+from ..schedule.traffic import Traffic, hbm_traffic, traffic_by_tensor
+
+WIDTH = 92   # the source tags start at this column (or after the text, when it is longer)
+
+
+def source_tag(spec: KernelSpec, key: str) -> str:
+    """`[file.tile:LINE]` of the DSL setting `key` (the block's line when it was not written)."""
+    span = spec.span_of(key)
+    if span is None:
+        return f"[{spec.name}]"
+    return f"[{os.path.basename(span.file)}:{span.line}]"
+
+
+def _tagged(text: str, tag: str) -> str:
+    return f"{text:<{WIDTH}} {tag}" if len(text) < WIDTH else f"{text}  {tag}"
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or prefix == "P":
+            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.2f} {prefix}{unit}"
+        n /= 1000
+    return f"{n} {unit}"
+
+
+def loop_nest(graph: ScheduleGraph) -> list[str]:
+    """The schedule as indented pseudo-code, one op or loop per line, each with its DSL source."""
+    lines: list[str] = []
+    specialized = graph.family is Family.HOPPER
+
+    def walk(loop: str | None, depth: int) -> None:
+        for name in graph.children(loop):
+            op = graph.op(name)
+            pad = "    " * depth
+            if op.kind is OpKind.LOOP:
+                if op.init:   # state the loop carries, set before its first trip
+                    where = "in HBM, before the kernel" if op.init_space is Space.HBM else "on chip"
+                    state = ", ".join(f"{n} = {v}" for n, v in op.init)
+                    lines.append(_tagged(f"{pad}{state}   ({where})", source_tag(graph.spec, op.key)))
+                kernel = f"kernel {op.kernel}: " if op.kernel else ""
+                lines.append(_tagged(f"{pad}{kernel}{op.text}", source_tag(graph.spec, op.key)))
+                walk(name, depth + 1)
+                continue
+            text = op.text
+            if op.kind in (OpKind.LOAD_K, OpKind.LOAD_V) and op.buffer:
+                text += f"[{op.buffer}] via {op.via}"
+            if op.kind is OpKind.MMA_WAIT:
+                text += f"   (wgmma.wait_group {op.pending})"
+            if op.tx_bytes:
+                text += f"   (+{op.tx_bytes} B)"
+            if specialized and op.role is not Role.ALL:
+                text = f"{op.role.value}{f' (tile j-{op.lag})' if op.lag else ''}: {text}"
+            lines.append(_tagged(pad + text, source_tag(graph.spec, op.key)))
+
+    walk(None, 0)
+    if graph.has(OpKind.STORE_O_STATE):
+        lines.append(_tagged("O = O_state; lse = m + log l   (from the state FA1 leaves in HBM)",
+                             source_tag(graph.spec, "order")))
+    return lines
+
+
+def role_and_barrier_lines(graph: ScheduleGraph) -> list[str]:
+    """A warp-specialized kernel's roles (warpgroups, threads, setmaxnreg budget) and its barriers:
+    arrivals per phase, TMA transaction bytes, and the ops that arrive and wait."""
+    if not graph.barriers:
+        return []
+    lines = ["roles:"]
+    for role, info in graph.roles.items():
+        lines.append(f"  {role:<9} {info['warpgroups']} warpgroup(s), {info['threads']} threads, "
+                     f"setmaxnreg {info['registers']} registers per thread")
+    lines.append("barriers (count: arrivals per phase; tx: TMA bytes that must land too):")
+    lines.append(f"  {'name':<8} {'kind':<9} {'count':>5} {'tx bytes':>9}   arrive -> wait")
+    for b in graph.barriers.values():
+        copies = "per consumer" if b.kind == "named" else "per stage"
+        lines.append(f"  {b.name:<8} {b.kind:<9} {b.count:>5} {b.tx_bytes:>9}   "
+                     f"{', '.join(b.arrive)} ({b.arrive_role}) -> {', '.join(b.wait)} ({b.wait_role})"
+                     + (f"   [{b.stages} {copies}]" if b.stages > 1 else ""))
+    return lines
+
+
+def op_table(graph: ScheduleGraph) -> list[str]:
+    lines = []
+    for i, name in enumerate(emission_order(graph), 1):
+        op = graph.op(name)
+        if op.kind is OpKind.LOOP:
+            detail = f"var {op.var}, {op.extent} trips, {'grid' if op.grid else 'serial'}"
+        else:
+            dims = "x".join(str(s) for s in op.sizes) if op.sizes else "-"
+            detail = f"{op.space.value:<9} {'(' + ','.join(op.shape) + ')' if op.shape else '':<9} {dims:<9}"
+            if op.barrier:
+                detail += f" {op.barrier}"
+            if op.buffer:
+                detail += f"[{op.buffer}]" if op.barrier else f" slot {op.buffer}"
+        lines.append(f"{i:>3}. {name:<16} {op.kind.value:<15} {op.role.value:<8} {detail:<50} "
+                     f"{source_tag(graph.spec, op.key)}")
+    return lines
+
+
+def budget_lines(graph: ScheduleGraph) -> list[str]:
+    """The kernel's layout (layout/): the same numbers the lowering writes into the kernel."""
+    return layout_budget_lines(graph.layout, graph.roles)
+
+
+def layout_budget_lines(lay, roles: dict | None = None) -> list[str]:
+    """Shared memory, registers and resident blocks of one kernel's Layout."""
+    lines = [f"shared memory per block (limit {lay.smem_limit} B on {lay.arch}"
+             + ("" if lay.generated else "; the graph's dense-tile model, no template") + "):"]
+    for b in lay.buffers:
+        where = f"reuses {b.reuses}'s bytes" if b.reuses else f"at {b.offset}"
+        detail = ", ".join(x for x in (where, b.layout) if x)
+        lines.append(f"    {b.name:<20} {b.bytes:>8} B   {b.formula}   ({detail})")
+    lines.append(f"    {'total':<20} {lay.smem_bytes:>8} B   {100 * lay.smem_bytes / lay.smem_limit:.0f}% of "
+                 f"{lay.smem_limit}")
+    lines.append(f"registers per thread (estimate, limit {lay.register_limit}; {lay.threads} threads per block):")
+    for r in lay.registers:
+        lines.append(f"    {r.name:<20} {r.amount:>8}     {r.formula}")
+    lines.append(f"    {'total':<20} {lay.register_estimate:>8}     of {lay.register_limit} (accumulators and "
+                 f"allowance {lay.accumulator_registers} must fit)")
+    for role, info in (roles or {}).items():
+        regs = f", {info['registers']} registers (setmaxnreg)" if info.get("registers") else ""
+        lines.append(f"    role {role}: {info['threads']} threads{regs}")
+    lines.append(f"    {lay.resident_blocks} block(s) resident per SM (limited by {lay.limit_reason}); "
+                 f"launch bounds promise {lay.min_blocks_per_sm}")
+    return lines
+
+
+def traffic_lines(graph: ScheduleGraph, t: Traffic, limits: DeviceLimits) -> list[str]:
+    lines = [f"HBM traffic, no cache (batch {t.batch} x heads {t.heads}, seqlen q {t.seqlen_q}, kv {t.seqlen_kv}):"]
+    for (tensor, mode), nbytes in traffic_by_tensor(t).items():
+        lines.append(f"    {mode:<5} {tensor:<9} {_human(nbytes):>12}")
+    lines.append(f"    {'total':<15} {_human(t.bytes):>12}   ({t.elements} elements)")
+    lines.append(f"    {'standard':<15} {_human(t.standard_bytes):>12}   ({t.standard_elements} elements: "
+                 "S and P written and read back)")
+    lines.append(f"    ratio standard / this schedule: {t.ratio:.2f}x")
+    lines.append(f"FLOPs: {_human(t.flops, 'FLOP')} useful (visible pairs), {_human(t.flops_executed, 'FLOP')} "
+                 f"executed (whole tiles); {t.flops_executed / max(t.bytes, 1):.1f} FLOP/byte")
+    if limits.hbm_bytes_per_s and limits.dense_flops_per_s:
+        memory_s, compute_s = t.bytes / limits.hbm_bytes_per_s, t.flops_executed / limits.dense_flops_per_s
+        bound = "memory" if memory_s > compute_s else "compute"
+        lines.append(f"    lower bounds on {limits.name}: memory {memory_s * 1e6:.1f} us, compute "
+                     f"{compute_s * 1e6:.1f} us ({bound}-bound without cache)")
+    return lines
+
+
+def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | None = None,
+            seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200) -> str:
+    """The full explanation of `spec` for one problem shape (SpecError when it is illegal).
+    seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
+    seqlen q (4096 for decode)."""
+    graph = run_passes(spec, limits)
+    plan, no_plan = _lowered(spec)
+    nq = seqlen_q or spec.problem.queries_per_seq or 4096
+    nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, _blocks_per_sm(spec, plan))
+    p, s = spec.problem, spec.schedule
+    out = [f"{spec.name}: {spec.kernel_name}",
+           f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask "
+           f"{p.mask.value}, "
+           f"tiles Br={s.tile_q} Bc={s.tile_kv}, {graph.op('mma_qk').mma} tensor cores, "
+           f"target {limits.name} ({limits.arch})", ""]
+    if t.splits is not None:
+        chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
+        out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})"
+                + (f": {t.split_reason}" if t.split_reason else ""),
+                ""]
+    if spec.family is Family.FA2 and plan is not None:
+        out += [_launch_order_line(spec, graph.layout, batch * heads, -(-nq // s.tile_q), limits), ""]
+    out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
+    if graph.barriers:
+        out += role_and_barrier_lines(graph) + [""]
+    out += ["ops in emission order:"] + ["  " + line for line in op_table(graph)] + [""]
+    out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
+    out += generated_kernel_lines(plan, no_plan) + [""]
+    out += traffic_lines(graph, t, limits)
+    out += backward_lines(spec)
+    return "\n".join(out) + "\n"
+
+
+def backward_lines(spec: KernelSpec) -> list[str]:
+    """The backward schedule's loop nest and ops, and its main kernel's budget (layout.backward_layout:
+    the numbers the backward lowering writes) or why no template builds it (the float64 reference
+    still runs the graph)."""
+    if spec.backward is None:
+        return []
+    from ..schedule.backward import build_backward_graph
+    from ..layout.backward import backward_has_template, backward_layout
+    from ..spec import backward_name_parts
+    b, graph = spec.backward, build_backward_graph(spec)
+    lines = ["", f"backward ({'_'.join(backward_name_parts(b))}): order {b.order.value}, tiles Br={b.tile_q} "
+             f"Bc={b.tile_kv}, {b.warps} warps, {b.stages} stages, {b.mma.value}; P recomputed from O and LSE",
+             "backward loop nest:"] + ["  " + line for line in loop_nest(graph)] + [
+             "", "backward ops in emission order:"] + ["  " + line for line in op_table(graph)]
+    why = backward_has_template(spec)
+    if why:
+        return lines + ["", f"backward kernels: none generated ({why})"]
+    lay = backward_layout(spec)
+    lines += ["", "backward main kernel:"] + ["  " + line for line in layout_budget_lines(lay.main)]
+    if lay.dq_kernel:
+        lines.append(f"  dQ kernel (`dq accumulate separate`): {lay.dq_kernel_smem} B shared memory, "
+                     f"{lay.dq_kernel_threads} threads")
+    return lines
+
+
+def _lowered(spec: KernelSpec):
+    """(the lowered plan, None), or (None, why not) for a family without a CUDA template."""
+    from ..errors import SpecError
+    from ..families import lower
+    try:
+        return lower(spec), None
+    except SpecError as err:
+        return None, str(err).splitlines()[0]
+
+
+def generated_kernel_lines(plan, no_plan: str | None) -> list[str]:
+    """The same schedule as the loop nest above, as the lowering spells it: each loop body's graph
+    ops in emission order and the CUDA steps each becomes (an op another step covers, such as V's
+    load issued with K's, becomes none), then the lowering's notes (buffers, resident blocks)."""
+    if plan is None:
+        return [f"generated kernel: none ({no_plan})"]
+    lines = [f"generated kernel ({plan.template}): {plan.kernel_name}, {plan.launch.threads} threads, "
+             f"{plan.launch.smem_bytes} B shared memory"]
+    lines += ["    " + note for note in plan.notes]
+    lines.append("    steps of each loop body, in the emission order above (graph op -> CUDA step):")
+    for loop, body in plan.loop_bodies:
+        lines.append(f"      {loop}:")
+        width = max((len(op.kind) for op in body), default=0)
+        for op in body:
+            detail = (f" (cp.async groups left in flight: {op.pending})" if op.kind.startswith("wait") else
+                      f" (tile j+{op.distance})" if op.kind.startswith("prefetch") else "")
+            lines.append(f"        {op.node:<18} -> {op.kind:<{width}}  {op.what}{detail}   [{op.where}]")
+    return lines
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_ROLE_COLOR = {Role.ALL: "white", Role.PRODUCER: "lightblue", Role.CONSUMER: "lightyellow"}
+
+
+def to_dot(graph: ScheduleGraph) -> str:
+    """Graphviz DOT text: loops as nested clusters, data edges solid, sync edges dashed, loop-carried
+    dependencies dotted. Written by hand (no pydot dependency); the same graph gives the same text."""
+    lines = [f"digraph {_dot_quote(graph.spec.name)} {{", "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace", fontsize=10, style=filled];']
+
+    def walk(loop: str | None, depth: int) -> None:
+        pad = "  " * (depth + 1)
+        for name in graph.children(loop):
+            op = graph.op(name)
+            if op.kind is OpKind.LOOP:
+                lines.append(f"{pad}subgraph {_dot_quote('cluster_' + name)} {{")
+                lines.append(f"{pad}  label={_dot_quote(op.text)};")
+                walk(name, depth + 1)
+                lines.append(f"{pad}}}")
+                continue
+            dims = "x".join(map(str, op.sizes))
+            label = "\\n".join(x for x in (name, f"{op.space.value} {dims}".strip(), op.buffer and f"slot {op.buffer}",
+                                           op.lag and f"tile j-{op.lag}", op.tx_bytes and f"+{op.tx_bytes} B tx")
+                               if x and x != "none")
+            lines.append(f"{pad}{_dot_quote(name)} [label=\"{label}\", fillcolor={_ROLE_COLOR[op.role]}];")
+
+    walk(None, 0)
+    for u, v, data in sorted(graph.edges(), key=lambda e: (graph.seq(e[0]), graph.seq(e[1]))):
+        style = "dashed" if data["kind"] is EdgeKind.SYNC else "solid"
+        lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)} [label={_dot_quote(data['value'])}, style={style}];")
+    for c in graph.carried:
+        lines.append(f"  {_dot_quote(c.src)} -> {_dot_quote(c.dst)} [label={_dot_quote(c.value + ' (next trip)')}, "
+                     "style=dotted, constraint=false];")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _blocks_per_sm(spec, plan) -> int:
+    """Resident blocks per SM of the lowered decode kernel (the estimate before compiling)."""
+    if spec.family is not Family.DECODE or plan is None:
+        return 1
+    from ..lower.decode import decode_blocks_per_sm
+    return decode_blocks_per_sm(plan)
+
+
+def _launch_order_line(spec, layout, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
+    """runtime/block_order.py's choice for this shape, with resident blocks from the layout."""
+    from ..runtime.block_order import describe
+    return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(layout.resident_blocks, 1))

@@ -1,0 +1,165 @@
+"""Training with tiledsl: `tiledsl.attention` on torch tensors as two torch.library custom ops.
+
+    tiledsl::attention_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right,
+                               scale, deterministic) -> (o, lse)
+    tiledsl::attention_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left,
+                                window_right, scale, deterministic) -> (dq, dk, dv)
+
+Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces a model that calls
+`tiledsl.attention` as one opaque op, and the forward's autograd formula (register_autograd) saves
+q, k, v, O and the LSE and calls the backward op (recomputation: P is never kept). The real
+implementations are the forward of dispatch/tuned.py and tiledsl.dispatch.backward.attention_backward, both on the
+caller's current stream. The LSE is returned as a constant (marked non-differentiable): a loss
+that uses it gets no gradient through it, rather than a wrong one.
+
+Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
+imports torch._dynamo on the op's first call (1.5 s on a CPU box, ~3.5 s on the H200 machine:
+bench/results/2026-12-01-first-call-3.json), more than the rest of a warm first call. So outside
+torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same two
+implementations (`run_forward`, `run_backward`) the ops call; under torch.compile (dynamo has been
+imported by then) it calls the forward op, which dynamo traces as one node.
+
+`import tiledsl` does not import torch; this module imports it when torch is installed and
+registers the ops then (api.attention imports this module on its first torch call, and under
+torch.compile that import runs for real, not traced). Without torch the pure helpers below still
+import, for the CPU tests. No `from __future__ import annotations` here: torch.library reads the
+ops' schema from their annotations, which must be real types.
+"""
+WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops take no Optional tuple
+
+
+def encode_window(window):
+    """(has_window, left, right) of attention's `window` argument (None or (left, right))."""
+    if window is None:
+        return WINDOW_NONE
+    try:
+        left, right = (int(w) for w in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}") from None
+    if left < 0 or right < 0:
+        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}")
+    return True, left, right
+
+
+def decode_window(has_window: bool, left: int, right: int):
+    """attention's `window` argument back from the ops' scalars."""
+    return (int(left), int(right)) if has_window else None
+
+
+def encode_scale(scale):
+    """The ops' `scale`: a float, or None for 1/sqrt(head_dim)."""
+    return None if scale is None else float(scale)
+
+
+def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None, return_lse=False,
+                    deterministic=False):
+    """api.attention's body for torch tensors: the forward custom op (torch.compile traces this
+    function, so it holds only what dynamo can trace)."""
+    import torch
+    if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
+        kv_lens = torch.as_tensor(kv_lens, device=q.device)   # e.g. a CuPy array, zero-copy
+    has_window, left, right = encode_window(window)
+    args = (q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale), bool(deterministic))
+    if torch.compiler.is_compiling():
+        o, lse = torch.ops.tiledsl.attention_forward(*args)
+    else:
+        o, lse = EagerAttention.apply(*args)
+    return (o, lse) if return_lse else o
+
+
+def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation."""
+    from .tuned import forward
+    # The autograd layer hands in the caller's tensors; DLPack refuses ones that need grad.
+    lens = None if kv_lens is None else kv_lens.detach()
+    return forward(q.detach(), k.detach(), v.detach(), causal, decode_window(has_window, window_left, window_right),
+                   scale, lens)
+
+
+def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation."""
+    from .backward import attention_backward as backward
+    lens = None if kv_lens is None else kv_lens.detach()
+    grads = backward(*(x.detach() for x in (q, k, v, o, lse, do)), causal=causal,
+                     window=decode_window(has_window, window_left, window_right), scale=scale, kv_lens=lens,
+                     deterministic=deterministic)
+    # The backward op's fake promises contiguous gradients (a no-op when they already are).
+    return tuple(g.contiguous() for g in grads)
+
+
+def _dtype_name(torch, dtype):
+    """A torch dtype as tiledsl's DType (or its torch name), for the fake op's refusals."""
+    from ..spec import DType
+    return {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}.get(
+        dtype, str(dtype).replace("torch.", ""))
+
+
+def _register(torch):
+    """Define the two ops, their fakes and the autograd formula (once per process)."""
+    from typing import Optional, Tuple
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op("tiledsl::attention_forward", mutates_args=())
+    def attention_forward(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor], causal: bool,
+                          has_window: bool, window_left: int, window_right: int, scale: Optional[float],
+                          deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic)
+
+    @attention_forward.register_fake
+    def _(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+        from .tuned import check_q_v
+        check_q_v(_dtype_name(torch, q.dtype), tuple(q.shape), tuple(v.shape))
+        batch, heads, q_len = q.shape[:3]
+        return q.new_empty((batch, heads, q_len, v.shape[-1])), q.new_empty((batch, heads, q_len), dtype=torch.float32)
+
+    @torch.library.custom_op("tiledsl::attention_backward", mutates_args=())
+    def attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                           kv_lens: Optional[Tensor], causal: bool, has_window: bool, window_left: int,
+                           window_right: int, scale: Optional[float], deterministic: bool
+                           ) -> Tuple[Tensor, Tensor, Tensor]:
+        return run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale,
+                            deterministic)
+
+    @attention_backward.register_fake
+    def _(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, kv_lens, *scalars = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, kv_lens)
+        ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, deterministic
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse, kv_lens = ctx.saved_tensors
+        dq, dk, dv = torch.ops.tiledsl.attention_backward(q, k, v, o, lse, grad_o.contiguous(), kv_lens, *ctx.scalars)
+        return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))   # kv_lens and the scalars: no gradient
+
+    attention_forward.register_autograd(backward, setup_context=setup_context)
+
+    class EagerAttention(torch.autograd.Function):
+        """The forward op's autograd formula without the op (see the module docstring: why)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, kv_lens, *scalars):
+            o, lse = run_forward(q, k, v, kv_lens, *scalars)
+            setup_context(ctx, (q, k, v, kv_lens, *scalars), (o, lse))
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            q, k, v, o, lse, kv_lens = ctx.saved_tensors
+            dq, dk, dv = run_backward(q, k, v, o, lse, grad_o.contiguous(), kv_lens, *ctx.scalars)
+            return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))
+
+    return attention_forward, attention_backward, EagerAttention
+
+
+try:
+    import torch as _torch
+except ImportError:
+    _torch = None
+# (forward op, backward op, EagerAttention); None without torch
+OPS = _register(_torch) if _torch is not None else None
+EagerAttention = OPS[2] if OPS is not None else None

@@ -1,0 +1,131 @@
+"""The backward's choice of schedule: `attention_backward(q, k, v, o, lse, do, ...)` picks the backward spec
+(BACKWARD_TUNED / BACKWARD_WGMMA_TUNED, measured on the H200, or the first fallback tile that fits) and runs
+its module (runtime/backward.py).
+
+    o, lse = tiledsl.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = tiledsl.attention_backward(q, k, v, o, lse, do, causal=True)
+
+With BACKWARD_WGMMA on, head dims 64 and 128 on Hopper take the wgmma main kernel
+(templates/backward_wgmma.cu.j2); `attention_backward(..., mma=...)` forces either.
+
+GQA: a main-kernel block loops over the query heads of its kv head itself (dK, dV stay in registers), so
+the group's sum has a fixed order and needs no fp32 workspace, atomics or convert kernel; the price is
+fewer blocks (kv tiles x batch x kv heads) when kv heads are few."""
+from __future__ import annotations
+
+import functools
+
+from ..errors import RuntimeInputError, SpecError
+from ..layout.backward import backward_layout
+from ..runtime.backward import kernel_for
+from ..runtime.tensors import view
+from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule
+
+# (head dim) -> (tile q, tile kv, warps, stages), bf16 at 4k on H200, dq atomic
+# (bench/results/2026-11-30-backward-1.json):
+# d64 q128/kv128/w8 230 / 207 TFLOP/s none / causal (0.91x / 0.96x SDPA flash backward); d128 q64/kv128/w8
+# 240 / 210 (0.88x / 0.87x). fp16 has the same shapes. Other head dims take the first fallback that fits.
+BACKWARD_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
+
+_FALLBACK_TILES = ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 1))
+
+# The wgmma main kernel (templates/backward_wgmma.cu.j2): attention_backward uses it when this is on,
+# the GPU is a Hopper (sm_90a) and BACKWARD_WGMMA_TUNED has the head dim (same qk and v head dims, atomic dQ);
+# everything else keeps the mma.sync kernel. On: validated on the H200 (tests/test_gpu_backward_wgmma.py) and
+# 1.3-1.5x the mma.sync kernel at 1k-16k (bench/results/2026-12-01-backward-ab-2.json).
+BACKWARD_WGMMA = True
+
+# (head dim) -> (tile q, tile kv, warps, stages) of the wgmma kernel: 2 warpgroups x 64 keys.
+# d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns): bench/results/2026-12-01-backward-ab-1.json
+# (d64 q64 splits dQ by keys, twice the atomics: no faster than mma.sync there).
+BACKWARD_WGMMA_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
+
+
+@functools.lru_cache(maxsize=None)
+def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+                  window: tuple[int, int] | None = None, scale: float | None = None,
+                  deterministic: bool = False, mma: Mma = Mma.SYNC) -> KernelSpec:
+    """The backward spec for a problem: BACKWARD_TUNED's schedule for the head dim, else the first of
+    the fallback tiles that fits (layout.backward_layout); `deterministic` sums dQ on chip
+    (`dq accumulate separate`) instead of with atomics. `mma` wgmma: BACKWARD_WGMMA_TUNED's schedule
+    (RuntimeInputError where the wgmma kernel has none). `arch` is for the table's future rows."""
+    problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=scale)
+    dq = DqAccumulate.SEPARATE if deterministic else DqAccumulate.ATOMIC
+    if mma is Mma.WGMMA:
+        why = wgmma_refusal(arch, head_dim, head_dim_v, deterministic)
+        if why:
+            raise RuntimeInputError(f"attention_backward: the wgmma backward {why}")
+        b = BackwardSchedule(LoopOrder.KV_OUTER, *BACKWARD_WGMMA_TUNED[head_dim], mma=Mma.WGMMA, dq=dq)
+        spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
+        backward_layout(spec)
+        return spec
+    tuned = BACKWARD_TUNED.get(head_dim) if head_dim_v in (None, head_dim) else None
+    error = None
+    for tile_q, tile_kv, warps, stages in ((tuned,) if tuned else ()) + _FALLBACK_TILES:
+        b = BackwardSchedule(LoopOrder.KV_OUTER, tile_q, tile_kv, warps, stages, dq=dq)
+        spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
+        try:
+            backward_layout(spec)
+            return spec
+        except SpecError as err:
+            error = err
+    raise RuntimeInputError(f"attention_backward: no backward schedule fits head dim {head_dim}/{head_dim_v}: {error}")
+
+
+def wgmma_refusal(arch: str, head_dim: int, head_dim_v: int | None, deterministic: bool) -> str:
+    """Why the wgmma backward can't take a problem ("" when it can)."""
+    if not arch.startswith("sm_90"):
+        return f"needs a Hopper GPU (sm_90a), this one is {arch}"
+    if head_dim not in BACKWARD_WGMMA_TUNED or head_dim_v not in (None, head_dim):
+        return (f"is built for head dims {sorted(BACKWARD_WGMMA_TUNED)} (qk = v), not "
+                f"{head_dim}/{head_dim_v or head_dim}; "
+                "the mma.sync backward takes the others")
+    if deterministic:
+        return "sums dQ with fp32 atomics; deterministic=True takes the mma.sync backward"
+    return ""
+
+
+def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
+                       scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None):
+    """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
+    d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
+    returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
+    run (dQ summed on chip by a second kernel instead of fp32 atomics). Outputs in q's framework and
+    dtype, shaped like q, k, v; launched on the caller's stream. `mma`: "wgmma" or "mma.sync" forces the
+    main kernel's instruction (wgmma refuses problems it has no kernel for); None: wgmma when
+    BACKWARD_WGMMA is on and it takes the problem, else mma.sync."""
+    from ..runtime.device import device_arch
+    if causal and window is not None:
+        raise ValueError("attention_backward: pass causal=True or window=(left, right), not both")
+    qv, vv = view(q, "q"), view(v, "v")
+    if qv.dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"attention_backward: q must be fp16 or bf16, got "
+                                f"{getattr(qv.dtype, 'value', qv.dtype)}")
+    if len(qv.shape) != 4 or len(vv.shape) != 4:
+        raise RuntimeInputError(f"attention_backward: q and v must be 4-d (batch, heads, seqlen, head_dim), got "
+                                f"shapes {qv.shape} and {vv.shape}")
+    d, dv = qv.shape[-1], vv.shape[-1]
+    if d % 16 or dv % 16:
+        raise RuntimeInputError(f"attention_backward: head dims must be multiples of 16, got q {d}, v {dv}")
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    window = tuple(int(w) for w in window) if window is not None else None
+    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
+                                bool(deterministic), mma)
+    return kernel_for(spec)(q, k, v, o, lse, do, kv_lens)
+
+
+def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+                         window: tuple[int, int] | None = None, scale: float | None = None, deterministic: bool = False,
+                         mma: str | None = None) -> KernelSpec:
+    """The spec attention_backward runs: `mma` "wgmma" / "mma.sync" forced, or None: wgmma when
+    BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync."""
+    if mma is None:
+        chosen = Mma.WGMMA if BACKWARD_WGMMA and not wgmma_refusal(arch, head_dim, head_dim_v,
+                                                                   deterministic) else Mma.SYNC
+    else:
+        table = {m.value: m for m in Mma}
+        if mma not in table:
+            raise ValueError(f"attention_backward: mma must be one of {sorted(table)} or None, got {mma!r}")
+        chosen = table[mma]
+    return backward_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, deterministic, chosen)

@@ -1,0 +1,200 @@
+"""Tuned defaults: the best known spec per (arch, dtype, head dim, mask), and the forward path
+`attention()` (tiledsl/api.py) runs on them.
+
+    o = tiledsl.attention(q, k, v, causal=True)        # q (batch, heads, seqlen, d), k/v alike
+    o, lse = tiledsl.attention(q, k, v, kv_lens=lens, return_lse=True)
+
+picks the spec from TUNED for the current GPU, compiles it once per process (kernels are cached
+per spec) and runs it on the caller's current stream (runtime.caller_stream). A q_len of 1..16
+runs the decode family (split kv picked at launch); a (arch, dtype, head dim, mask) not in the
+table gets the best legal schedule of autoschedule.pick (layout pass + tune model, no GPU) and a
+one-line hint, once per process, to run `tiledsl tune` for it. A window mask uses the causal
+entry's schedule (both skip whole tiles); `scale` is passed through as the spec's softmax scale.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+from ..spec import DType, Family, KernelSpec, Mask, Problem
+
+# From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
+# `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
+# serves; its best schedule per entry, as a ratio to SDPA cuDNN at 4k-16k:
+#   d64 none / causal:    3 consumers, q192/kv128, intra overlap       (0.99-1.08 / 0.97-1.06)
+#   d128 none:            2 consumers, q128/kv128, intra overlap       (0.99-1.01)
+#   d128 causal:          2 consumers, q128/kv128, ping-pong + intra   (0.96-1.02)
+#   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra        (0.91-0.94 / 0.98-1.02)
+# fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
+# both are measured. Before the hopper family the table held FA2-on-wgmma schedules
+# (bench/results/2026-11-30-tune-bench-3.json), 0.67-0.85x cuDNN.
+def _hopper(tile_q: int, tile_kv: int, consumers: int, overlap: str) -> str:
+    regs = {2: "producer 1 regs 24, consumer 2 regs 240", 3: "producer 1 regs 32, consumer 3 regs 160"}[consumers]
+    lines = [f"tile q = {tile_q}, kv = {tile_kv}", f"warpgroups {regs}", "pipeline 2 stages via tma"]
+    return "\n        ".join(lines + ([f"overlap {overlap}"] if overlap else []))
+
+
+_SCHEDULES = {(64, "none"): _hopper(192, 128, 3, "intra"), (64, "causal"): _hopper(192, 128, 3, "intra"),
+              (128, "none"): _hopper(128, 128, 2, "intra"), (128, "causal"): _hopper(128, 128, 2, "pingpong, intra"),
+              (256, "none"): _hopper(128, 80, 2, ""), (256, "causal"): _hopper(128, 64, 2, "intra")}
+_TEMPLATE = """attention {name} {{
+    head_dim = {d}
+    dtype    = {dtype}
+    mask     = {mask}
+    schedule {{
+        order q, kv
+        {schedule}
+    }}
+}}
+"""
+
+
+def _entry(dtype: str, d: int, mask: str) -> str:
+    return _TEMPLATE.format(name=f"tuned_sm90_{dtype}_d{d}_{mask}", d=d, dtype=dtype, mask=mask,
+                            schedule=_SCHEDULES[(d, mask)])
+
+
+TUNED: dict[tuple[str, str, int, str], str] = {
+    ("sm_90", dtype, d, mask): _entry(dtype, d, mask)
+    for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
+}
+
+_kernels: dict[KernelSpec, object] = {}
+_hinted: set[tuple] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+               window: tuple[int, int] | None = None, scale: float | None = None,
+               q_len: int | None = None) -> tuple[KernelSpec, bool]:
+    """(the spec to run, whether it came from the table). Pure and cached: no GPU needed. A q_len
+    of 1..16 picks the decode family where it serves the shape (autoschedule.pick); the table
+    holds prefill schedules only."""
+    from ..spec import DECODE_MAX_QUERIES
+    from .autoschedule import pick
+    from ..frontend.parse import load_spec
+    problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
+                      window_left=window[0] if window else 0, window_right=window[1] if window else 0,
+                      softmax_scale=scale)
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
+        spec = pick(arch, problem, q_len)
+        if spec.family is Family.DECODE:
+            return spec, False
+    lookup = Mask.CAUSAL if mask is Mask.WINDOW else mask
+    table_arch = arch.rstrip("a")   # sm_90a compiles sm_90's table entries
+    text = TUNED.get((table_arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
+    if text is None:
+        return pick(arch, problem), False
+    return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem,
+                      load_spec(text).schedule), True
+
+
+def _hint_once(key: tuple, arch: str, spec: KernelSpec) -> None:
+    if key in _hinted:
+        return
+    _hinted.add(key)
+    p = spec.problem
+    print(f"tiledsl: no tuned schedule for {arch} {p.dtype.value} head_dim {p.head_dim_qk} mask {p.mask.value}; "
+          f"using {spec.kernel_name} (the tune model's pick). Run `tiledsl tune SPACE.tile --seqlen N` to find a "
+          f"faster one.", file=sys.stderr)
+
+
+def kernel_for(spec: KernelSpec):
+    """The compiled kernel of `spec`, built once per process. The module is loaded (and its shared
+    memory limit raised) here, at first use, so no later launch -- e.g. one under CUDA graph
+    capture -- does either."""
+    kernel = _kernels.get(spec)
+    if kernel is None:
+        from ..families import compile
+        kernel = compile(spec)
+        kernel.function()
+        _kernels[spec] = kernel
+    return kernel
+
+
+_resolved: dict[tuple, tuple] = {}
+
+
+def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
+            window: tuple[int, int] | None = None, scale: float | None = None, q_len: int | None = None):
+    """(the loaded kernel for this call, whether the tuned table had it): from this process's memo,
+    else the warm record on disk (runtime/warm.py: no front end, no NVRTC), else tuned_spec + compile, whose
+    result is recorded for the next process. Prefill lengths share one lookup."""
+    from ..runtime import warm
+    from ..spec import DECODE_MAX_QUERIES
+    decode_q = q_len if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES else None
+    lookup = (dtype.value, head_dim, mask.value, head_dim_v or head_dim, window, scale, decode_q)
+    hit = _resolved.get((arch, lookup))
+    if hit is None:
+        hit = warm.load(arch, lookup)
+        if hit is None:
+            spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, decode_q)
+            hit = kernel_for(spec), found
+            warm.save(arch, lookup, *hit)
+        else:
+            hit[0].function()   # load the module now, not under a later graph capture
+            _kernels.setdefault(hit[0].spec, hit[0])
+        _resolved[(arch, lookup)] = hit
+    return hit
+
+
+def _attention_fp8(q, k, v, qv, kv, vv, mask, window, scale, kv_lens, k_scale, v_scale):
+    """attention() over an FP8 KV cache: the decode family with kv_dtype = e4m3 (not in the warm
+    records yet: the first call of a shape compiles)."""
+    from .autoschedule import pick_decode
+    from ..errors import RuntimeInputError
+    from ..runtime.kv_fp8 import granularity
+    from ..spec import DECODE_MAX_QUERIES, Problem
+    if kv.dtype is not DType.E4M3 or vv.dtype is not DType.E4M3:
+        raise RuntimeInputError("attention: k_scale / v_scale go with an FP8 KV cache: k and v both float8_e4m3fn; "
+                                f"got k {getattr(kv.dtype, 'value', kv.dtype)}, v "
+                                f"{getattr(vv.dtype, 'value', vv.dtype)}")
+    q_len = qv.shape[2]
+    if not 1 <= q_len <= DECODE_MAX_QUERIES:
+        raise RuntimeInputError(f"attention: an FP8 KV cache is served by the decode kernel, 1..{DECODE_MAX_QUERIES} "
+                                f"queries per sequence; q has {q_len} (prefill over FP8 K/V is not implemented)")
+    if len(kv.shape) != 4:
+        raise RuntimeInputError(f"attention: k must be 4-d (batch, kv_heads, seqlen, head_dim), got {kv.shape}")
+    problem = Problem(qv.shape[-1], vv.shape[-1], qv.dtype, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=None if scale is None else float(scale),
+                      kv_dtype=DType.E4M3, kv_scale=granularity(k_scale, v_scale, kv.shape[1]))
+    spec = pick_decode(problem, q_len)
+    if spec is None:
+        raise RuntimeInputError(f"attention: no decode kernel for an FP8 KV cache at head dims {qv.shape[-1]} / "
+                                f"{vv.shape[-1]} (FP8 needs multiples of 32)")
+    return kernel_for(spec)(q, k, v, kv_lens=kv_lens, k_scale=k_scale, v_scale=v_scale)
+
+
+def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
+    """attention's refusals of q and v by dtype and rank (eager here; the fake op repeats them at
+    trace time, tiledsl/dispatch/autograd.py)."""
+    from ..errors import RuntimeInputError
+    if dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"attention: q must be fp16 or bf16, got {getattr(dtype, 'value', dtype)}")
+    if len(q_shape) != 4 or len(v_shape) != 4:
+        raise RuntimeInputError(f"attention: q and v must be 4-d (batch, heads, seqlen, head_dim), got shapes "
+                                f"{q_shape} and {v_shape}")
+
+
+def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+            kv_lens=None, k_scale=None, v_scale=None):
+    """(O, LSE) of attention with the tuned spec: the path `attention` takes for CuPy inputs and FP8
+    KV caches, and the custom op's implementation for torch tensors (which must not need grad: DLPack
+    refuses them). float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16),
+    dequantized on chip with `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats /
+    1-element tensors; None: 1.0)."""
+    from ..runtime.device import device_arch
+    from ..runtime.tensors import view
+    qv, vv = view(q, "q"), view(v, "v")
+    check_q_v(qv.dtype, qv.shape, vv.shape)
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    window = tuple(int(w) for w in window) if window is not None else None
+    kv8 = view(k, "k")
+    if DType.E4M3 in (kv8.dtype, vv.dtype) or k_scale is not None or v_scale is not None:
+        return _attention_fp8(q, k, v, qv, kv8, vv, mask, window, scale, kv_lens, k_scale, v_scale)
+    arch = device_arch()
+    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
+                            None if scale is None else float(scale), qv.shape[2])
+    if not found and kernel.spec.family is not Family.DECODE:
+        _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
+    return kernel(q, k, v, kv_lens=kv_lens)

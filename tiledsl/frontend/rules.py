@@ -1,0 +1,160 @@
+"""The rules between a spec's values, run on a whole KernelSpec: family features, warps against tiles, the
+warpgroup register budget, the backward block's rules; then the kernel's layout (the same layout_of the
+lowering calls), so `check` refuses what `compile` refuses. Also the defaults that depend on the family."""
+from __future__ import annotations
+
+from ..device_limits import H200
+from ..errors import SpecError
+from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
+from ..layout import layout_of
+from ..layout.backward import backward_has_template, backward_layout
+from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
+from . import check_backward
+from .words import EXAMPLES
+
+WARP_COUNTS = (1, 2, 4, 8, 16)
+
+
+def schedule_with_defaults(problem: Problem, written: dict) -> Schedule:
+    """The Schedule of written values plus defaults. spec.Schedule's defaults hold, except:
+    decode splits warps along kv and tiles q by 16 (its few query rows fill one MMA tile); hopper
+    copies with TMA, has warps = 4 per warpgroup, producer 1 regs 24, consumer 2 with the most regs
+    that fit the register file."""
+    values = dict(written)
+    if "producer_warpgroups" in values or "consumer_warpgroups" in values:
+        producers = values.setdefault("producer_warpgroups", 1)
+        consumers = values.setdefault("consumer_warpgroups", 2)
+        producer_regs = values.setdefault("producer_regs", 24)
+        fit = (H200.registers_per_sm // WARPGROUP_THREADS - producer_regs * producers) // consumers // 8 * 8
+        values.setdefault("consumer_regs", min(256, fit))
+        values.setdefault("copy", CopyVia.TMA)
+        values.setdefault("mma", Mma.WGMMA)   # the family's only instruction
+        values.setdefault("warps", 4 * (producers + consumers))
+    elif problem.queries_per_seq is not None:
+        values.setdefault("warp_axis", Axis.KV)
+        values.setdefault("tile_q", MMA_ROWS)
+    return Schedule(**values)
+
+
+def _rule_family_features(spec: KernelSpec, written: set):
+    s, p, fam = spec.schedule, spec.problem, spec.family
+    if fam is Family.HOPPER and p.queries_per_seq is not None:
+        return ("queries", "queries (decode) and warpgroups (hopper) exclude each other: the hopper family has no "
+                "decode path", "remove `warpgroups` for a decode kernel, or `queries` for a hopper kernel")
+    if p.seq_layout is SeqLayout.VARLEN and fam is Family.DECODE:
+        return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
+                "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
+    if p.kv_dtype is not None and fam is not Family.DECODE:
+        return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the decode family; this "
+                f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
+    if s.fp8_convert is not None and p.kv_dtype is None:
+        return ("dequant", "`dequant` says where an FP8 KV cache becomes 16-bit; this kernel reads a "
+                f"{p.dtype.value} cache", "add `kv_dtype = e4m3` (decode), or remove `dequant`")
+    if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
+        return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
+                "write `dtype = bf16` or `dtype = fp16`")
+    if s.split_kv != 1 and fam is not Family.DECODE:
+        return ("split", f"split kv = {s.split_kv} is only for the decode family; this kernel is {fam.value}",
+                "split-KV needs `queries = N` (decode); for prefill remove `split`")
+    if s.order is LoopOrder.KV_OUTER and fam in (Family.HOPPER, Family.DECODE):
+        return ("order", f"the {fam.value} family runs q outer; `order kv, q` is FA1", "write `order q, kv`")
+    if fam is Family.FA2 and s.warp_axis is Axis.KV:
+        return ("warps", "q-outer (FA2) splits warps along q; warps along kv is FA1's split-K: write `order kv, q`",
+                "or write `warps N along q`")
+    if fam is Family.DECODE and s.warp_axis is Axis.Q:
+        return ("warps", "the decode family splits warps along kv: its few query rows can't be shared out",
+                "write `warps N along kv` (the default for decode)")
+    if s.copy is CopyVia.TMA and fam is not Family.HOPPER:
+        return ("pipeline", f"TMA copies need the hopper family; {fam.value} copies with cp.async",
+                "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
+    if s.copy is not CopyVia.TMA and fam is Family.HOPPER:
+        return ("pipeline", f"the hopper family copies with TMA, not {s.copy.value}", "write `via tma`")
+    if s.mma is Mma.WGMMA and fam not in (Family.FA2, Family.HOPPER):
+        return ("mma", f"`mma wgmma` is built for the fa2 and hopper families; this kernel is {fam.value}",
+                "remove `mma` (fa1 and decode use mma.sync)")
+    if s.mma is not Mma.WGMMA and fam is Family.HOPPER:
+        return ("mma", f"the hopper family runs on wgmma, not {s.mma.value}", "remove `mma` or write `mma wgmma`")
+    if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
+        return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
+                "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
+    return None
+
+
+def _rule_hopper(spec: KernelSpec, written: set):
+    s = spec.schedule
+    if spec.family is not Family.HOPPER:
+        return None
+    if "warps" in written:
+        return ("warps", "the hopper family gets its warps from `warpgroups` (4 warps each)", "remove `warps`")
+    if s.producer_warpgroups != 1 or not 1 <= s.consumer_warpgroups <= 3:
+        return ("warpgroups", "hopper needs producer 1 and consumer 1..3 warpgroups", EXAMPLES["warpgroups"])
+    total = (s.producer_regs * s.producer_warpgroups + s.consumer_regs * s.consumer_warpgroups) * WARPGROUP_THREADS
+    if total > H200.registers_per_sm:
+        fit = (H200.registers_per_sm // WARPGROUP_THREADS - s.producer_regs) // s.consumer_warpgroups // 8 * 8
+        return ("warpgroups", f"warpgroups need ({s.producer_regs} + {s.consumer_warpgroups} x {s.consumer_regs}) x "
+                f"{WARPGROUP_THREADS} = {total} registers; an SM has {H200.registers_per_sm}",
+                f"use consumer regs <= {fit}")
+    rows = WGMMA_ROWS * s.consumer_warpgroups
+    if s.tile_q % rows:   # point at what was written: the tile, else the warpgroups that need it
+        return ("tile" if "tile" in written else "warpgroups",
+                f"tile q = {s.tile_q} is not a multiple of {WGMMA_ROWS} x {s.consumer_warpgroups} consumer "
+                f"warpgroups = {rows} (each consumer's wgmma covers {WGMMA_ROWS} rows)", f"use tile q = {rows}")
+    if s.pingpong and s.consumer_warpgroups < 2:
+        return ("overlap", "pingpong alternates two consumer warpgroups; this kernel has 1",
+                "use `consumer 2`, or drop pingpong")
+    return None
+
+
+def _rule_wgmma(spec: KernelSpec, written: set):
+    """fa2 on wgmma: whole warpgroups of 4 warps, 64 query rows each; 64-column panels."""
+    s, p = spec.schedule, spec.problem
+    if spec.family is not Family.FA2 or s.mma is not Mma.WGMMA:
+        return None
+    if s.warps % 4 or s.tile_q != s.warps // 4 * WGMMA_ROWS:
+        fit = max(4, s.tile_q // WGMMA_ROWS * 4)
+        return ("warps" if "warps" in written else "tile" if "tile" in written else "mma",
+                f"wgmma runs whole warpgroups (4 warps), each owning {WGMMA_ROWS} query rows: {s.warps} warps and "
+                f"tile q = {s.tile_q} do not match", f"use warps {fit} with tile q = {fit // 4 * WGMMA_ROWS}")
+    if p.head_dim_qk % 64 or p.head_dim_v % 64:
+        return ("head_dim" if p.head_dim_qk % 64 else "head_dim_v",
+                f"wgmma reads 64-column panels: head dims must be multiples of 64, got "
+                f"{p.head_dim_qk}/{p.head_dim_v}", "use mma.sync for other head dims")
+    if s.tile_kv > 256:
+        return ("tile", f"wgmma's n is at most 256: tile kv = {s.tile_kv}", "use tile kv <= 256")
+    threads, chunks = s.warps * 32, max(p.head_dim_qk, p.head_dim_v) // 8
+    if threads % chunks or (threads // chunks) % 8:
+        return ("head_dim", f"{threads} threads copy whole groups of 8 rows of a {chunks * 8}-wide tile per pass only "
+                f"for head dims 64 and 128 (4 warps) or 64, 128 and 256 (8+ warps)", "use mma.sync for this head dim")
+    return None
+
+
+def _rule_warps_fit(spec: KernelSpec, written: set):
+    s = spec.schedule
+    if spec.family is Family.HOPPER:
+        return None
+    tile = s.tile_q if s.warp_axis is Axis.Q else s.tile_kv
+    if tile % (MMA_ROWS * s.warps):
+        default = "" if "warps" in written else " (the default)"
+        fits = [w for w in WARP_COUNTS if tile % (MMA_ROWS * w) == 0]
+        return ("warps" if "warps" in written else "tile",
+                f"{s.warps} warps{default} along {s.warp_axis.value} give each warp {tile / s.warps:g} of "
+                f"tile {s.warp_axis.value} = {tile}'s rows; a warp needs a multiple of {MMA_ROWS}",
+                f"use warps {fits[-1]}, or tile {s.warp_axis.value} = {MMA_ROWS * s.warps}")
+    return None
+
+
+RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, check_backward.rule_backward)
+
+
+def validate(spec: KernelSpec) -> None:
+    """Raise SpecError for the first rule between values that `spec` breaks, then for what its
+    kernel's layout refuses (shapes and resources: the same function lowering calls)."""
+    written = {key for key, _ in spec.spans}
+    for rule in RULES:
+        broken = rule(spec, written)
+        if broken:
+            key, message, hint = broken
+            raise SpecError(message, spec.span_of(key), spec.source_text, hint)
+    layout_of(spec)
+    if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
+        backward_layout(spec)

@@ -1,0 +1,28 @@
+"""The words the front end answers with: an example of every setting and statement (the hint under an error),
+and the closest known word to a misspelt one."""
+from __future__ import annotations
+
+import difflib
+
+EXAMPLES = {
+    "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
+    "mask": "mask = causal   (none | causal | window(left = 256, right = 0))",
+    "scale": "scale = 0.125", "queries": "queries = 1",
+    "kv_cache": "kv_cache = paged(page = 16)   (or: contiguous, the default)",
+    "layout": "layout = varlen   (or: batched, the default)",
+    "kv_dtype": "kv_dtype = e4m3   (FP8 KV cache, decode only; default: the spec's dtype)",
+    "kv_scale": "kv_scale = per_head   (or: per_tensor; with kv_dtype = e4m3)",
+    "order": "order q, kv   (or: kv, q)", "tile": "tile q = 128, kv = 64", "warps": "warps 4 along q",
+    "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
+    "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
+    "mma": "mma wgmma   (or: mma.sync, the default)",
+    "dequant": "dequant fragments   (or: shared, the default; with kv_dtype = e4m3)",
+    "schedule": "schedule {", "attention": "attention NAME {",
+    "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
+}
+
+
+def did_you_mean(word: str, candidates) -> str:
+    """"; did you mean 'tile'?" for the closest candidate, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""

@@ -1,0 +1,59 @@
+"""The warp-specialized hopper family's layout: Q, K, V as TMA panels in a ring, O's own panels where they
+fit (else staged in Q's), the mbarriers, and a consumer's register budget."""
+from __future__ import annotations
+
+from ..device_limits import DeviceLimits
+from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, SWIZZLE_ATOM, TMA_BOX_MAX, WARPGROUP_THREADS, WGMMA_ROWS
+from ..spec import KernelSpec
+from .base import Buffer, Layout, Registers, buffers_end, finish, qkv_buffers, require
+
+HOPPER_CONSUMER_OVERHEAD = 16   # a consumer keeps loop state and barrier addresses; the producer computes the copies
+
+
+def hopper_barriers(stages: int) -> int:
+    """mbarriers of the hopper kernel: Q full and empty, then K and V full and empty per stage."""
+    return 2 + 4 * stages
+
+
+def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
+    p, s = spec.problem, spec.schedule
+    consumers = s.consumer_warpgroups
+    require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0 and p.head_dim_v <= p.head_dim_qk,
+             spec, "head_dim", f"the hopper family loads 64-column TMA panels and stages O in Q's: head dims must be "
+             f"multiples of 64 with head_dim_v <= head_dim, got {p.head_dim_qk}/{p.head_dim_v}",
+             "head_dim = 64, 128 or 256; other head dims: the fa2 family")
+    require(16 <= s.tile_kv <= TMA_BOX_MAX and s.tile_kv % 16 == 0, spec, "tile",
+             f"tile kv = {s.tile_kv}: a TMA box and a wgmma n hold at most {TMA_BOX_MAX} keys, in steps of 16",
+             "tile kv = 64, 128 or 176")
+    require(s.tile_q == WGMMA_ROWS * consumers and s.tile_q <= TMA_BOX_MAX, spec, "tile",
+             f"tile q = {s.tile_q}: each of the {consumers} consumer warpgroups owns {WGMMA_ROWS} query rows, and Q's "
+             f"TMA box holds at most {TMA_BOX_MAX}", f"use tile q = {WGMMA_ROWS * consumers}")
+    total = WARPGROUP_THREADS * (s.producer_warpgroups * s.producer_regs + consumers * s.consumer_regs)
+    require(total <= limits.registers_per_sm, spec, "warpgroups",
+             f"registers: {total} per block ({WARPGROUP_THREADS} x ({s.producer_warpgroups}x{s.producer_regs} + "
+             f"{consumers}x{s.consumer_regs})) > {limits.registers_per_sm} per SM")
+    threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
+    buffers = qkv_buffers(spec, s.tile_q, s.tile_kv, s.stages, p.head_dim_qk * 2, p.head_dim_v * 2, SWIZZLE_ATOM,
+                           panels=True)
+    kv_end = buffers_end(buffers, SWIZZLE_ATOM)
+    barriers = hopper_barriers(s.stages)
+    barrier_bytes = MBARRIER_BYTES * barriers
+    o_bytes = s.tile_q * p.head_dim_v * 2
+    # O gets its own panels when they fit, so the producer can load the next item's Q while the
+    # consumers store this one's O (persistent launch); else O is staged in Q's (dv <= d).
+    o_in_q = kv_end + o_bytes + barrier_bytes > limits.max_shared_per_block
+    o_offset = 0 if o_in_q else kv_end
+    buffers.append(Buffer("O staging", o_offset, o_bytes, SWIZZLE_ATOM, layout=f"wgmma {PANEL_COLUMNS}-col panels",
+                          formula=f"Br*dv*2 = {s.tile_q}*{p.head_dim_v}*2", reuses="Q" if o_in_q else ""))
+    bar_offset = kv_end if o_in_q else kv_end + o_bytes
+    buffers.append(Buffer("mbarriers", bar_offset, barrier_bytes, MBARRIER_BYTES,
+                          formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty x {s.stages})"))
+    smem = bar_offset + barrier_bytes
+    # A consumer holds O and S (and, while P V of the previous tile is in flight, its P fragments).
+    registers = [Registers("O accumulator", p.head_dim_v // 2, f"dv/2 = {p.head_dim_v}/2", True),
+                 Registers("S/P accumulator", s.tile_kv // 2, f"Bc/2 = {s.tile_kv}/2", True),
+                 Registers("P fragments", s.tile_kv // 4, f"Bc/4 = {s.tile_kv}/4", True),
+                 Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
+    entry = limits.registers_per_sm // threads // 8 * 8   # __launch_bounds__(threads, 1) before setmaxnreg
+    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs, launch_registers=entry,
+                   stages=s.stages, rows_per_warp=16, keys_per_warp=s.tile_kv)

@@ -1,0 +1,1 @@
+"""Lowering: (spec, layout, graph) -> KernelPlan, one module per family."""

@@ -1,0 +1,252 @@
+"""Lowering of the decode family (flash-decoding): KernelSpec -> KernelPlan for templates/decode.cu.j2.
+
+One thread block per (kv split, batch, kv head, row tile). The queries that read the same KV
+head -- the kv group's heads times the queries per sequence -- are packed into the rows of one
+MMA tile, so every K/V byte is read once per group. The block's warps split each kv tile along
+the keys (split-K), each runs attention.cuh's QK^T / online softmax / PV on its own key slice,
+and combine.cuh merges the warps' (m, l, O) through shared memory at the end. A split writes
+normalised O (fp32) and LSE to a workspace; the last split of each (batch, kv head) to finish
+merges them (an atomic ticket), so a call is one launch. With one split the block writes the
+final output directly.
+
+Sizes come from layout/ (its _decode); the template only names them.
+"""
+from __future__ import annotations
+
+from ..device_limits import H200, resident_blocks
+from dataclasses import dataclass, replace
+
+from ..schedule.ops import Op
+from ..schedule.graph import build_graph
+from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_convert_of, kv_stage_row_bytes,
+    kv_stage_swizzled)
+from ..layout.base import cp_async_pending
+from ..layout import layout_of
+from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, smem_constants,
+    softmax_constants, tile_row_constants)
+from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from ..layout.base import tile_row_bytes
+from ..schedule.passes import run_passes
+from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
+
+
+@dataclass(frozen=True)
+class DecodePlan(KernelPlan):
+    kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" | "pages" | "rows"
+    kv_fp8: bool = False   # K/V stored as e4m3: loaded as bytes, dequantized by each warp before its MMA
+    fp8_convert: str = ""  # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
+
+
+def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> list[Constant]:
+    """An FP8 KV cache: the rings hold e4m3 rows as loaded (kv_stage_row_bytes). With `shared` each
+    warp dequantizes its slice into one 16-bit tile (the mma.sync layout of K_OFFSET's usual tile);
+    with `fragments` ldmatrix reads the rings (swizzled or padded rows) and the lanes convert."""
+    p = spec.problem
+    k8, v8 = (kv_stage_row_bytes(d, p.kv_dtype, convert) for d in (p.head_dim_qk, p.head_dim_v))
+    consts = [Constant("K8_ROW_BYTES", "int", k8, "e4m3 K row in the ring: the HBM row as it is"
+                       + ("" if convert == "shared" else " (padded to an odd number of chunks where not swizzled)")),
+              Constant("V8_ROW_BYTES", "int", v8),
+              Constant("K8_CHUNKS", "int", p.head_dim_qk * DTYPE_BYTES[p.kv_dtype] // 16,
+                       "16-byte chunks of an e4m3 K row"),
+              Constant("V8_CHUNKS", "int", p.head_dim_v * DTYPE_BYTES[p.kv_dtype] // 16),
+              Constant("WARP_K8_BYTES", "u32", keys_per_warp * k8, "offset of a warp's key slice in an e4m3 K tile"),
+              Constant("WARP_V8_BYTES", "u32", keys_per_warp * v8)]
+    if convert == "shared":
+        consts += [Constant("KD_OFFSET", "u32", lay.buffer("K dequantized").offset, "the warps' dequantized K slices"),
+                   Constant("VD_OFFSET", "u32", lay.buffer("V dequantized").offset)]
+    else:
+        consts += [Constant("K8_SWIZZLE", "bool", kv_stage_swizzled(k8), "ldmatrix reads 8 rows: XOR-swizzled chunks, "
+                            "else an odd number of chunks a row"),
+                   Constant("V8_SWIZZLE", "bool", kv_stage_swizzled(v8))]
+    return consts + [Constant("KV_SCALE_PER_HEAD", "bool", p.kv_scale is KvScale.PER_HEAD,
+                              "k_scale / v_scale hold one float per kv head (else one)"),
+                     Constant("DEQUANT_VIA_F32", "bool", p.dtype is DType.BF16,
+                              "e4m3 -> f16 is one cvt; bf16 goes through f32 (exact either way)")]
+
+
+def paged_constants(page_size: int, walk: str) -> list[Constant]:
+    """The page arithmetic of a paged cache: key t lies in page block_table[b, t >> PAGE_SHIFT]
+    at slot t & PAGE_MASK (page sizes are powers of two)."""
+    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
+            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
+            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
+            Constant("PAGE_PER_SLICE", "bool", walk == "slice",
+                     "a warp's key slice lies in one page: one block-table read per slice"),
+            Constant("PAGES_TILE_SLICE", "bool", walk == "pages",
+                     "whole pages tile a warp's key slice: one block-table read per page")]
+
+
+def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
+    """The kv loop of one split, in the scheduler graph's emission order. Each warp runs it on its
+    own key slice of every tile (the graph's warp-scope loads and waits): it loads the slice it
+    multiplies, so waits and buffer reuse are per warp (a warp barrier, no block barrier), and keeps
+    its own running softmax state, merged with the other warps' once after the loop (the graph's
+    combine_warps). K and V are separate cp.async groups (QK^T starts before V lands).
+
+    Lowering places the loads by the pipeline depth. One stage: one buffer each for K and V,
+    refilled as soon as the warp has read it (the refill of K follows QK^T, of V follows PV), so
+    K_{j+1} loads during the softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T. With 2+ stages
+    the warp refills the buffer it finished last step with tile j+S-1 before it waits for tile j
+    (`prefetch_first`), so S tiles are in flight while it waits, not S-1; waiting first (the order
+    a block-wide barrier forces) holds the refill back until tile j has landed."""
+    graph = run_passes(_with_stages(spec, stages), check_legality=False)   # the order, for any variant
+
+    def lower_op(name: str, op: Op) -> list[LoopOp]:
+        where = spec_line(spec, op.key or "order")
+        kind = op.kind.value
+        if kind in ("load_k", "load_v"):
+            if kind == "load_v" or stages == 1 or not prefetch_first:
+                return []   # V goes with K; one stage refills after the MMA; wait-first prefetches after the wait
+            return [LoopOp("barrier", where, "the warp is done with its slice of the buffer of tile j-1"),
+                    LoopOp("prefetch_kv", where, f"refill it with the warp's slice of K, V of tile j+{stages - 1}, "
+                           "before waiting for tile j", distance=stages - 1)]
+        if kind == "wait" and op.barrier.startswith("k"):
+            if stages == 1:
+                return [LoopOp("wait_k", where, "wait for the warp's slice of K_j (V_j may still be in flight)",
+                               pending=cp_async_pending(Family.DECODE, 1, "k"))]
+            steps = [LoopOp("wait_k", where,
+                            "wait for the warp's slice of K_j (V_j and later tiles may still be in flight)",
+                            pending=cp_async_pending(Family.DECODE, stages, "k", prefetch_first))]
+            if not prefetch_first:
+                steps.append(LoopOp("prefetch_kv", where, f"prefetch the warp's slice of K, V of tile j+{stages - 1} "
+                                    "into the buffer it freed last step", distance=stages - 1))
+            return steps
+        if kind == "wait":
+            if stages == 1:
+                return [LoopOp("wait_v", where, "wait for the warp's slice of V_j (K_{j+1} may still be in flight)",
+                                pending=cp_async_pending(Family.DECODE, 1, "v"))]
+            return [LoopOp("wait_v", where, "wait for the warp's slice of V_j",
+                            pending=cp_async_pending(Family.DECODE, stages, "v"))]
+        if kind == "mma_qk":
+            step = LoopOp("mma_qk", where, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)")
+            return [step] + _refill("k", spec_line(spec, "pipeline")) if stages == 1 else [step]
+        if kind == "mask":
+            return [LoopOp("mask", where,
+                           "mask keys past the sequence / after the query's diagonal / outside the window")]
+        if kind == "online_softmax":
+            return [LoopOp("online_softmax", where, LOOP_TEXT["online_softmax"] + " (per warp)")]
+        if kind == "mma_pv":
+            step = LoopOp("mma_pv", where, LOOP_TEXT["mma_pv"])
+            return [step] + _refill("v", spec_line(spec, "pipeline")) if stages == 1 else [step]
+        if kind == "rescale_o":
+            return []   # folded into online_softmax: O is rescaled by exp(m_old - m_new) there
+        if kind == "page_lookup":
+            return []   # folded into the loads: each warp reads the entries of its own key slice
+        raise AssertionError(f"decode lowering has no CUDA for graph op {name} ({kind})")
+
+    return graph_loop_body(graph, "loop_kv", lower_op)
+
+
+def _refill(t: str, where: str) -> list[LoopOp]:
+    """One stage: the warp has read its slice of the K or V buffer; refill it with tile j+1."""
+    tile = t.upper()
+    return [LoopOp("barrier", where, f"the warp is done with its slice of {tile}_j"),
+            LoopOp(f"prefetch_{t}", where, f"refill the {tile} buffer with the warp's slice of {tile}_{{j+1}}",
+                   distance=1)]
+
+
+def _with_stages(spec: KernelSpec, stages: int) -> KernelSpec:
+    return replace(spec, schedule=replace(spec.schedule, stages=stages))
+
+
+def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None,
+                 prefetch_first: bool = True) -> KernelPlan:
+    """The decode plan. `stages` / `tile_kv` / `prefetch_first` override the spec's or the default
+    (benchmarks compare variants)."""
+    p, s = spec.problem, spec.schedule
+    stages = s.stages if stages is None else stages
+    tile_kv = s.tile_kv if tile_kv is None else tile_kv
+    require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
+             f"the decode template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
+    require(p.queries_per_seq is not None and p.queries_per_seq >= 1, spec, "queries",
+             "the decode template needs `queries = N` (N >= 1)")
+    lay = layout_of(spec, H200, stages=stages, tile_kv=tile_kv)
+    threads, keys_per_warp, smem, q_in_registers = lay.threads, lay.keys_per_warp, lay.smem_bytes, lay.q_in_registers
+    m_tiles, min_blocks_per_sm = s.tile_q // 16, lay.min_blocks_per_sm
+    qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
+    v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
+    q, k, v, combine = (lay.buffer(name) for name in ("Q", "K", "V", "warp partials"))
+    k_stage, v_stage = k.stage_bytes, v.stage_bytes
+    blocks_per_sm = max(1, lay.blocks_by_shared)
+    # One stage: the K and V buffers are refilled half a step apart, so about one tile is in flight.
+    bytes_in_flight = (stages - 1) * (k_stage + v_stage) if stages > 1 else k_stage + v_stage
+
+    consts = [
+        Constant("BC", "int", tile_kv, "keys per kv tile (tile kv); one cp.async tile"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("WARPS", "int", s.warps, "warps, split along kv: each owns a slice of every kv tile"),
+        Constant("THREADS", "int", threads),
+        Constant("ROWS", "int", s.tile_q, "packed query rows per block: (head in kv group, query) pairs"),
+        Constant("M_TILES", "int", m_tiles, "16-row mma tiles of packed rows"),
+        Constant("KEYS_PER_WARP", "int", keys_per_warp, "keys of each kv tile one warp multiplies"),
+        Constant("WARP_S_TILES", "int", keys_per_warp // 8, "8-column mma tiles of S per warp"),
+        Constant("WARP_K_BYTES", "u32", keys_per_warp * qk_row, "offset of a warp's key slice in a K tile"),
+        Constant("WARP_V_BYTES", "u32", keys_per_warp * v_row, "offset of a warp's key slice in a V tile"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column mma tiles of O"),
+        *tile_row_constants(qk_row, qk_swizzle, v_row, v_swizzle),
+        *kv_buffer_constants(stages, q.offset, k.offset, k_stage, v.offset, v_stage),
+        Constant("COMBINE_OFFSET", "u32", combine.offset, "warp states for the combine reuse the Q/K/V bytes"),
+        Constant("COMBINE_ROW_FLOATS", "int", p.head_dim_v + DECODE_COMBINE_PAD_FLOATS,
+                 "staged O row, padded against bank conflicts"),
+        Constant("COMBINE_BYTES", "u32", combine.bytes),
+        *smem_constants(lay),
+        Constant("Q_PENDING_GROUPS", "int", 2 * max(stages - 1, 1), "cp.async groups issued after Q's"),
+        Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
+        Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
+        *softmax_constants(p),
+    ]
+    walk = decode_page_walk(p.kv_page_size, keys_per_warp)
+    if walk:
+        consts += paged_constants(p.kv_page_size, walk)
+    if p.kv_fp8:
+        consts += fp8_constants(spec, lay, keys_per_warp, fp8_convert_of(spec))
+    tile_where, pipe_where = spec_line(spec, "tile"), spec_line(spec, "pipeline")
+    regions = {
+        "kv_range": Region(spec_line(spec, "split"), "this split's kv tiles: an even share of the sequence's tiles "
+                           "(a split with none writes LSE = -inf)"),
+        "load_q": Region(tile_where, f"load the packed {s.tile_q} x {p.head_dim_qk} Q tile: row r is head "
+                         "r / queries of the kv group, query r % queries (zero-filled past the group)"),
+        "prologue": Region(pipe_where, f"pipeline prologue: first {max(stages - 1, 1)} K/V tile(s) in flight"),
+        "kv_loop": Region(spec_line(spec, "warps"), f"each warp: keys [warp * {keys_per_warp}, +{keys_per_warp}) "
+                          "of every tile, its own online softmax state"),
+        "combine": Region(spec_line(spec, "warps"), "combine the warps' (m, l, O) through shared memory"),
+        "epilogue": Region(spec_line(spec, "split"), "one split: final O and LSE; several: fp32 partial O and LSE "
+                           "to the workspace"),
+        "merge": Region(spec_line(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
+                        "O = sum exp(lse_i - lse) O_i"),
+    }
+    if walk:
+        regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
+                                      f"block table ({p.kv_page_size} keys a page, " + (
+                                          {"slice": "one entry per warp slice)", "pages": "one entry per page)",
+                                           "rows": "one entry per key row)"}[walk]))
+    notes = (f"{s.warps} warps x {keys_per_warp} keys of a {tile_kv}-key tile, each warp loading its own slice; "
+             + (f"{stages} stages: {bytes_in_flight} B of K/V in flight per block while one tile is computed"
+                if stages > 1 else f"one K and one V buffer, each refilled as soon as it is read: about "
+                f"{bytes_in_flight} B of K/V in flight per block"),
+             f"{smem} B shared memory -> {min(blocks_per_sm, min_blocks_per_sm)} resident block(s) per SM"
+             + (f" (shared memory alone would allow {blocks_per_sm}; the launch bounds promise ptxas "
+                f"{min_blocks_per_sm})" if blocks_per_sm > min_blocks_per_sm else ""))
+    name = spec.kernel_name if (stages, tile_kv) == (s.stages,
+                                                     s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
+    if not prefetch_first:
+        name += "__wait_first"
+    return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
+                     lay.register_estimate,
+                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope,
+                     mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk,
+                     kv_fp8=p.kv_fp8, fp8_convert=fp8_convert_of(spec))
+
+
+def decode_blocks_per_sm(plan: KernelPlan) -> int:
+    """Resident blocks per SM before compiling (explain, the traffic model): device_limits'
+    resident_blocks on the H200 from the plan's estimates, but no more than the launch bounds
+    promise ptxas (min_blocks_per_sm): past that ptxas may use up to 255 registers a thread, and 3
+    blocks of 128 threads at more than 170 registers do not fit. The runtime counts with the
+    compiled kernel's registers instead (Kernel.slots)."""
+    per_sm, _ = resident_blocks(H200, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
+    return max(1, min(per_sm, plan.min_blocks_per_sm))
+
+

@@ -1,0 +1,182 @@
+"""Lowering of the Hopper warp-specialized family (FA3-style): KernelSpec -> HopperPlan for
+templates/hopper.cu.j2.
+
+Warpgroup 0 is the producer: one thread issues TMA copies (Q per work item; K and V per ring
+stage) that complete on full barriers. Warpgroups 1..C are consumers, 64 query rows each: S = Q Kᵀ
+as an SS wgmma, O += P V as an RS wgmma with P in registers, online softmax in registers; a
+consumer frees a stage (and Q) by arriving on its empty barrier. Every size comes from the layout
+pass; the consumer's loop is the scheduler graph's emission order (schedule/hopper.py). Two schedule
+switches reorder it:
+
+* `overlap intra`: the loop issues tile j's Q Kᵀ and tile j-1's P V together and waits for the
+  first with `wgmma.wait_group 1`, so tile j's softmax runs while P V of j-1 is on the tensor
+  cores; that P V is waited for at the top of the next trip (ptxas hoists a wgmma wait to the top
+  of its basic block: the back edge keeps it behind the softmax), and O is rescaled by alpha_{j-1}
+  while Q K_jᵀ runs.
+* `overlap pingpong`: consumers take turns issuing their GEMMs (named barriers passed round a
+  ring), so one's softmax runs while the tensor cores work on another's GEMMs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..device_limits import H200
+from ..hw import PANEL_ROW_BYTES, WARPGROUP_THREADS
+from ..layout import layout_of
+from ..schedule.graph import ScheduleGraph
+from ..schedule.ops import OpKind, Role
+from ..schedule.passes import emission_order, run_passes
+from ..spec import Family, KernelSpec
+from .fa2_wgmma import WgmmaAsm
+from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from .steps import mma_instruction, smem_constants, softmax_constants, spec_line
+
+
+@dataclass(frozen=True)
+class HopperPlan(KernelPlan):
+    pingpong: bool = False
+    o_in_q: bool = False                # O staged in Q's panels (no room for its own buffer)
+    loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
+    prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
+    epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
+
+
+# Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
+_STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
+         (OpKind.WAIT, "turn"): "turn_wait",
+         (OpKind.ARRIVE, "turn"): "turn_pass", (OpKind.ARRIVE, "k_empty"): "release_k",
+         (OpKind.ARRIVE, "v_empty"): "release_v",
+         (OpKind.MMA_WAIT, "S"): "wait_qk", (OpKind.MMA_WAIT, "PV"): "wait_pv", (OpKind.MMA_QK, ""): "mma_qk",
+         (OpKind.MMA_PV, ""): "mma_pv", (OpKind.MASK, ""): "mask", (OpKind.ONLINE_SOFTMAX, ""): "softmax",
+         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p"}
+_WAITED = {"S": OpKind.MMA_QK, "PV": OpKind.MMA_PV}
+
+
+def consumer_ops(spec: KernelSpec, graph: ScheduleGraph) -> tuple[tuple[LoopOp, ...], tuple[LoopOp, ...],
+                                                                  tuple[LoopOp, ...], int]:
+    """(prologue, loop body, epilogue, loop start) of a consumer warpgroup: the graph's consumer ops
+    of the kv loop in emission order, peeled by their lags. An op `lag` tiles behind runs in trip
+    tile + lag; the loop starts at tile 1 when any op lags (the prologue is tile 0's lag-0 ops), and
+    the epilogue runs the trips past the last tile, each op whose tile exists (`distance` counts back
+    from one past the last). In the loop's first trips the ops more than one tile behind reach before
+    the first tile: the template guards a release (`local >= distance`), and a wgmma wait with
+    nothing in flight returns at once. Ping-pong turns go with the trips that issue a GEMM."""
+    ops = [n for n in emission_order(graph) if graph.op(n).loops[-1:] == ("loop_kv",)
+           and graph.op(n).role is Role.CONSUMER]
+    lags = {n: graph.op(n).lag for n in ops}
+    start = 1 if any(lags.values()) else 0
+    bad = [n for n in ops if lags[n] > start and graph.op(n).kind not in (OpKind.ARRIVE, OpKind.MMA_WAIT)]
+    assert not bad, f"ops that reach before the first tile in the loop's first trip: {bad}"
+
+    def trip(keep) -> list[tuple[str, int]]:
+        """(op, distance) of one trip: the ops `keep(lag)` gives a distance, and turns if it issues a GEMM."""
+        turn = {n for n in ops if graph.op(n).barrier == "turn"}
+        kept = {n: keep(lags[n]) for n in ops if n not in turn and keep(lags[n]) is not None}
+        gemm = any(graph.op(n).kind in (OpKind.MMA_QK, OpKind.MMA_PV) for n in kept)
+        return [(n, kept.get(n, 0)) for n in ops if n in kept or (n in turn and gemm)]
+
+    prologue = [s for t in range(start) for s in trip(lambda lag, t=t: lag if lag <= t else None)]
+    body = trip(lambda lag: lag)
+    epilogue = [s for e in range(max(lags.values())) for s in trip(lambda lag, e=e: lag - e if lag > e else None)]
+    steps = [tuple(_step(spec, graph, seq, i, context) for i in range(len(seq)))
+             for seq, context in ((prologue, []), (body, body), (epilogue, body))]
+    for (name, _), step in zip(body, steps[1]):
+        assert step.pending == graph.op(name).pending, \
+            f"{name}: the graph's wait_group {graph.op(name).pending}, issued {step.pending}"
+    return steps[0], steps[1], steps[2], start
+
+
+def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i: int, before: list) -> LoopOp:
+    """The CUDA step of seq[i]; a wgmma wait leaves in flight the GEMMs issued after the one it waits
+    for (looked for back through `before`, the trips that ran earlier)."""
+    name, distance = seq[i]
+    op = graph.op(name)
+    kind = _STEP[(op.kind, op.barrier or (op.variant if op.kind is OpKind.MMA_WAIT else ""))]
+    pending = 0
+    if op.kind is OpKind.MMA_WAIT:
+        for earlier, _ in reversed(before + seq[:i]):
+            if graph.op(earlier).kind is _WAITED[op.variant]:
+                break
+            pending += graph.op(earlier).kind in (OpKind.MMA_QK, OpKind.MMA_PV)
+    return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
+
+
+def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperPlan:
+    """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
+    p, s = spec.problem, spec.schedule
+    lay = layout_of(spec, H200)   # every size and every resource rule of the family
+    graph = run_passes(spec, H200)
+    bars = graph.barriers
+    consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
+    q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
+    panel_q, panel_kv = s.tile_q * PANEL_ROW_BYTES, s.tile_kv * PANEL_ROW_BYTES
+    o_in_q = o.reuses == "Q"
+    consts = [
+        Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
+        Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
+        Constant("D", "int", p.head_dim_qk, "head dim of q and k"),
+        Constant("DV", "int", p.head_dim_v, "head dim of v and o"),
+        Constant("CONSUMERS", "int", consumers, "consumer warpgroups, 64 query rows each"),
+        Constant("EMPTY_ARRIVALS", "int", empty_arrivals or bars["k_empty"].count,
+                 "arrivals that free Q or a stage: one per consumer warp"),
+        Constant("THREADS", "int", threads, "producer + consumer warpgroups"),
+        Constant("PRODUCER_REGS", "int", s.producer_regs, "setmaxnreg.dec: the producer only issues copies"),
+        Constant("CONSUMER_REGS", "int", s.consumer_regs, "setmaxnreg.inc: accumulators of S, O and P"),
+        Constant("M_TILES", "int", 1),
+        Constant("ROWS_PER_WARP", "int", 16, "a warp's slice of its consumer's 64 rows"),
+        Constant("S_TILES", "int", s.tile_kv // 8, "8-column tiles of S in a thread's accumulators"),
+        Constant("O_TILES", "int", p.head_dim_v // 8, "8-column tiles of O in a thread's accumulators"),
+        Constant("STAGES", "int", s.stages, "K/V ring stages"),
+        Constant("Q_OFFSET", "u32", q.offset),
+        Constant("Q_PANEL_BYTES", "u32", panel_q, "64 columns of every Q row: one TMA box"),
+        Constant("Q_BYTES", "u32", bars["q_full"].tx_bytes, "transaction bytes of Q's full barrier"),
+        Constant("K_OFFSET", "u32", k.offset),
+        Constant("K_PANEL_BYTES", "u32", panel_kv),
+        Constant("K_STAGE_BYTES", "u32", bars["k_full"].tx_bytes, "one K tile: transaction bytes of its full barrier"),
+        Constant("V_OFFSET", "u32", v.offset),
+        Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
+        Constant("V_STAGE_BYTES", "u32", bars["v_full"].tx_bytes, "one V tile: transaction bytes of its full barrier"),
+        Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
+        Constant("BAR_OFFSET", "u32", mbarriers.offset, "mbarriers"),
+        Constant("Q_FULL_BAR", "int", 0),
+        Constant("Q_EMPTY_BAR", "int", 1),
+        Constant("K_FULL_BAR", "int", 2),
+        Constant("V_FULL_BAR", "int", 2 + s.stages),
+        Constant("K_EMPTY_BAR", "int", 2 + 2 * s.stages),
+        Constant("V_EMPTY_BAR", "int", 2 + 3 * s.stages),
+        *smem_constants(lay),
+        Constant("TURN_BAR", "int", 1, "ping-pong: named barrier of consumer c is TURN_BAR + c"),
+        Constant("TURN_THREADS", "int", bars["turn"].count if "turn" in bars else 2 * WARPGROUP_THREADS,
+                 "a consumer waits, the one before it arrives"),
+        Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
+        *softmax_constants(p),
+    ]
+    prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
+    mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
+    regions = {
+        "kv_range": Region(spec_line(spec, "mask"),
+                           "the kv tiles this query tile can see (tiles past the diagonal or outside the window are "
+                           "never loaded)"),
+        "producer": Region(spec_line(spec, "warpgroups"),
+                           f"producer warpgroup: {s.producer_regs} registers, one thread issues TMA copies"),
+        "load_q": Region(spec_line(spec, "tile"),
+                         f"Q tile ({s.tile_q} x {p.head_dim_qk}) per work item, as 64-column swizzled panels (one TMA "
+                         f"box each)"),
+        "load_kv": Region(spec_line(spec, "pipeline"),
+                          f"K, V tiles through a {s.stages}-stage ring: wait for the slot's empty barrier, then copy "
+                          f"onto its full barrier"),
+        "consumer": Region(spec_line(spec, "warpgroups"),
+                           f"{consumers} consumer warpgroup(s): {s.consumer_regs} registers, 64 query rows each"),
+        "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
+                          + ("; intra-warpgroup overlap" if s.intra_overlap else "")
+                          + ("; ping-pong between consumers" if s.pingpong else "")),
+        "epilogue": Region(spec_line(spec, "order"),
+                           "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
+    }
+    return make_plan(spec, Family.HOPPER, consts, regions, body,
+                     Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
+                     plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
+                     wgmma_pv=WgmmaAsm.of(mma_pv, 5),
+                     pingpong=s.pingpong, o_in_q=o_in_q,
+                     loop_start=loop_start, prologue=prologue, epilogue=epilogue)
+

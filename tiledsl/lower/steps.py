@@ -1,0 +1,107 @@
+"""What every family's lowering shares: the spec line a step came from, the constants of the mask and
+softmax scale, of tile rows and K/V buffers, and the loop body read off the scheduler graph in its emission
+order."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import SpecError
+from ..layout.base import Layout
+from ..schedule.graph import ScheduleGraph, build_graph
+from ..schedule.ops import Op
+from ..schedule.passes import emission_order
+from ..spec import KernelSpec, Mask
+from .plan import Constant, LoopOp
+
+MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
+
+
+def spec_line(spec: KernelSpec, key: str) -> str:
+    span = spec.span_of(key)
+    if span is None:
+        return f"{Path(spec.source_file).name}"
+    return f"{Path(span.file).name}:{span.line}"
+
+
+def require(cond: bool, spec: KernelSpec, key: str, message: str, hint: str = "") -> None:
+    if not cond:
+        raise SpecError(message, spec.span_of(key), spec.source_text, hint)
+
+
+def softmax_constants(p) -> list[Constant]:
+    """The mask and softmax-scale constexprs every family's attention.cuh functions read."""
+    return [
+        Constant("MASK", "MaskKind", MASK_KIND[p.mask]),
+        Constant("WINDOW_LEFT", "int", p.window_left),
+        Constant("WINDOW_RIGHT", "int", p.window_right),
+        Constant("SCALE", "float", p.scale, "softmax scale"),
+        Constant("SCALE_LOG2", "float", p.scale * math.log2(math.e), "scale * log2(e): softmax through exp2"),
+    ]
+
+
+def tile_row_constants(qk_row: int, qk_swizzle: bool, v_row: int, v_swizzle: bool) -> list[Constant]:
+    """The shared-memory row layout of Q/K and V tiles (tile_row_bytes) that common.cuh's loads and
+    attention.cuh's ldmatrix addressing read."""
+    return [
+        Constant("QK_ROW_BYTES", "int", qk_row, "shared-memory row of Q and K tiles"),
+        Constant("QK_SWIZZLE", "bool", qk_swizzle, "XOR swizzle (else padded rows)"),
+        Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of V (and O) tiles"),
+        Constant("V_SWIZZLE", "bool", v_swizzle),
+    ]
+
+
+def smem_constants(lay: Layout) -> list[Constant]:
+    """The kernel's shared-memory total and the limit its static_assert checks it against (both
+    from the layout)."""
+    return [
+        Constant("SMEM_BYTES", "u32", lay.smem_bytes),
+        Constant("SMEM_LIMIT", "u32", lay.smem_limit, f"opt-in shared memory per block on {lay.arch}"),
+    ]
+
+
+def kv_buffer_constants(stages: int, q_offset: int, k_offset: int, k_stage: int, v_offset: int,
+                        v_stage: int) -> list[Constant]:
+    """Where Q and the STAGES K and V buffers sit in shared memory (every family lays them out so)."""
+    return [
+        Constant("STAGES", "int", stages, "K/V buffers (pipeline stages)"),
+        Constant("Q_OFFSET", "u32", q_offset),
+        Constant("K_OFFSET", "u32", k_offset),
+        Constant("K_STAGE_BYTES", "u32", k_stage),
+        Constant("V_OFFSET", "u32", v_offset),
+        Constant("V_STAGE_BYTES", "u32", v_stage),
+    ]
+
+
+def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, ...]:
+    """The ops directly inside `loop`, in the graph's emission order, each lowered by
+    `lower_op(name, op) -> [LoopOp, ...]` (nothing for ops a neighbour's CUDA covers, and for
+    nested loops, which the template opens itself). Every LoopOp records the node it lowers."""
+    body: list[LoopOp] = []
+    for name in emission_order(graph):
+        op = graph.op(name)
+        if op.loops and op.loops[-1] == loop:
+            body += [replace(step, node=name, **_prefetch_target(step)) for step in lower_op(name, op)]
+    return tuple(body)
+
+
+def _prefetch_target(step: LoopOp) -> dict:
+    """A prefetch's tile and ring slot, `distance` tiles ahead of the loop's `tile` and `stage`."""
+    if not step.kind.startswith("prefetch"):
+        return {}
+    return {"tile": f"tile + {step.distance}", "stage": f"(stage + {step.distance}) % C::STAGES"}
+
+
+def mma_instruction(spec: KernelSpec) -> tuple[Op, Op]:
+    """The graph's two MMA ops (mma_qk, mma_pv), which carry the tensor-core instruction."""
+    graph = build_graph(spec)
+    return graph.op("mma_qk"), graph.op("mma_pv")
+
+
+LOOP_TEXT = {
+    "mma_qk": "S = Q K_j^T (mma.sync m16n8k16, fp32 accumulate)",
+    "mask": "mask keys outside the sequence / diagonal / window (only tiles that need it)",
+    "online_softmax": "m = max(m, rowmax S); P = exp(scale (S - m)); rescale l and O",
+    "mma_pv": "O += P V_j (P from registers, V via ldmatrix.trans)",
+}

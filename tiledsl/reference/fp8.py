@@ -1,0 +1,66 @@
+"""Float64 reference for an FP8 (e4m3) KV cache: decode the stored bytes, scale, then attend with
+serving_reference (paged) or per sequence (contiguous).
+
+e4m3 (OCP "E4M3FN", torch.float8_e4m3fn): 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits.
+Exponent 0 is subnormal (m/8 * 2^-6); S.1111.111 is NaN; there are no infinities, so the
+largest value is 1.1110.110 = 448. NumPy has no e4m3: the bits are decoded here, from the same
+bytes the kernel reads (torch tensors through .view(torch.uint8)).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .serving import attend, paged_attention as _paged
+
+
+def e4m3_values() -> np.ndarray:
+    """The float64 value of each of the 256 e4m3 bytes."""
+    bits = np.arange(256)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
+    normal = (1.0 + mantissa / 8.0) * np.exp2(exponent - 7.0)
+    subnormal = (mantissa / 8.0) * 2.0 ** -6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(bits & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+_TABLE = e4m3_values()
+
+
+def decode_e4m3(raw) -> np.ndarray:
+    """float64 values of an array of e4m3 bytes (uint8)."""
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+        raise TypeError(f"decode_e4m3 takes the bytes as uint8, got {raw.dtype}")
+    return _TABLE[raw]
+
+
+def dequantize(raw, scale, head_axis: int) -> np.ndarray:
+    """decode_e4m3(raw) * scale, scale a float (per tensor) or one value per kv head along head_axis."""
+    values = decode_e4m3(raw)
+    scale = np.asarray(scale, dtype=np.float64).reshape(-1)
+    if scale.size == 1:
+        return values * scale[0]
+    shape = [1] * values.ndim
+    shape[head_axis] = scale.size
+    return values * scale.reshape(shape)
+
+
+def paged_attention_fp8(q, k_bytes, v_bytes, k_scale, v_scale, block_table, kv_lens, **mask):
+    """serving_reference.paged_attention over caches (pages, page size, kv heads, d) of e4m3 bytes."""
+    return _paged(q, dequantize(k_bytes, k_scale, 2), dequantize(v_bytes, v_scale, 2), block_table, kv_lens, **mask)
+
+
+def attention_fp8(q, k_bytes, v_bytes, k_scale, v_scale, kv_lens=None, **mask):
+    """Contiguous decode layout: q (batch, heads, nq, d), k/v bytes (batch, kv heads, n, d) ->
+    (o (batch, heads, nq, dv), lse (batch, heads, nq)), sequence b using its first kv_lens[b] keys."""
+    q = np.asarray(q, dtype=np.float64)
+    k, v = dequantize(k_bytes, k_scale, 1), dequantize(v_bytes, v_scale, 1)
+    batch, heads, nq, _ = q.shape
+    o, lse = np.zeros((batch, heads, nq, v.shape[3])), np.full((batch, heads, nq), -np.inf)
+    for b in range(batch):
+        n = k.shape[2] if kv_lens is None else int(np.asarray(kv_lens)[b])
+        ob, lb = attend(q[b].transpose(1, 0, 2), k[b, :, :n].transpose(1, 0, 2), v[b, :, :n].transpose(1, 0, 2), **mask)
+        o[b], lse[b] = ob.transpose(1, 0, 2), lb.T
+    return o, lse
