@@ -100,7 +100,7 @@ def test_backwards_without_a_template_check_but_do_not_lower(backward, why):
 
 def test_backward_spec_table_and_fallbacks():
     spec = backward_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL)
-    assert (spec.backward.tile_q, spec.backward.tile_kv, spec.backward.warps) == BACKWARD_TUNED[128][:3]
+    assert spec.backward == BACKWARD_TUNED[128]
     assert spec.backward.dq is DqAccumulate.ATOMIC
     assert backward_spec("sm_90a", DType.FP16, 64, Mask.NONE, deterministic=True).backward.dq is DqAccumulate.SEPARATE
     odd = backward_spec("sm_90a", DType.BF16, 80, Mask.NONE)   # 8 warps can't split an 80-wide dQ: 4 warps

@@ -14,20 +14,24 @@ fewer blocks (kv tiles x batch x kv heads) when kv heads are few."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import backward_layout
 from ..runtime.backward import kernel_for
 from ..runtime.tensors import view
-from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule
+from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 # (head dim) -> (tile q, tile kv, warps, stages), bf16 at 4k on H200, dq atomic
 # (bench/results/2026-11-30-backward-1.json):
 # d64 q128/kv128/w8 230 / 207 TFLOP/s none / causal (0.91x / 0.96x SDPA flash backward); d128 q64/kv128/w8
 # 240 / 210 (0.88x / 0.87x). fp16 has the same shapes. Other head dims take the first fallback that fits.
-BACKWARD_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
+BACKWARD_TUNED: dict[int, BackwardSchedule] = {64: BackwardSchedule(tile_q=128, tile_kv=128, warps=8, stages=2),
+                                               128: BackwardSchedule(tile_q=64, tile_kv=128, warps=8, stages=2)}
 
-_FALLBACK_TILES = ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4, 1))
+_FALLBACKS = tuple(BackwardSchedule(tile_q=q, tile_kv=kv, warps=w, stages=s)
+                   for q, kv, w, s in ((64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (16, 128, 8, 2), (16, 64, 4,
+                                                                                                           1)))
 
 # The wgmma main kernel (templates/backward_wgmma.cu.j2): attention_backward uses it when this is on,
 # the GPU is a Hopper (sm_90a) and BACKWARD_WGMMA_TUNED has the head dim (same qk and v head dims, atomic dQ);
@@ -38,7 +42,9 @@ BACKWARD_WGMMA = True
 # (head dim) -> (tile q, tile kv, warps, stages) of the wgmma kernel: 2 warpgroups x 64 keys.
 # d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns): bench/results/2026-12-01-backward-ab-1.json
 # (d64 q64 splits dQ by keys, twice the atomics: no faster than mma.sync there).
-BACKWARD_WGMMA_TUNED: dict[int, tuple[int, int, int, int]] = {64: (128, 128, 8, 2), 128: (64, 128, 8, 2)}
+BACKWARD_WGMMA_TUNED: dict[int, BackwardSchedule] = {
+    64: BackwardSchedule(tile_q=128, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA),
+    128: BackwardSchedule(tile_q=64, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,14 +62,14 @@ def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v
         why = wgmma_refusal(arch, head_dim, head_dim_v, deterministic)
         if why:
             raise RuntimeInputError(f"attention_backward: the wgmma backward {why}")
-        b = BackwardSchedule(LoopOrder.KV_OUTER, *BACKWARD_WGMMA_TUNED[head_dim], mma=Mma.WGMMA, dq=dq)
+        b = replace(BACKWARD_WGMMA_TUNED[head_dim], dq=dq)
         spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
         backward_layout(spec)
         return spec
     tuned = BACKWARD_TUNED.get(head_dim) if head_dim_v in (None, head_dim) else None
     error = None
-    for tile_q, tile_kv, warps, stages in ((tuned,) if tuned else ()) + _FALLBACK_TILES:
-        b = BackwardSchedule(LoopOrder.KV_OUTER, tile_q, tile_kv, warps, stages, dq=dq)
+    for candidate in ((tuned,) if tuned else ()) + _FALLBACKS:
+        b = replace(candidate, dq=dq)
         spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
         try:
             backward_layout(spec)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..spec import DType, Family, KernelSpec, Mask, Problem
+from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
 
 # From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
 # `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
@@ -28,34 +28,26 @@ from ..spec import DType, Family, KernelSpec, Mask, Problem
 # fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
 # both are measured. Before the hopper family the table held FA2-on-wgmma schedules
 # (bench/results/2026-11-30-tune-bench-3.json), 0.67-0.85x cuDNN.
-def _hopper(tile_q: int, tile_kv: int, consumers: int, overlap: str) -> str:
-    regs = {2: "producer 1 regs 24, consumer 2 regs 240", 3: "producer 1 regs 32, consumer 3 regs 160"}[consumers]
-    lines = [f"tile q = {tile_q}, kv = {tile_kv}", f"warpgroups {regs}", "pipeline 2 stages via tma"]
-    return "\n        ".join(lines + ([f"overlap {overlap}"] if overlap else []))
+def hopper_schedule(tile_q: int, tile_kv: int, consumers: int, pingpong: bool = False, intra: bool = False) -> Schedule:
+    """A hopper schedule as the checker completes one (frontend.rules.schedule_with_defaults): producer 1,
+    the consumers' register split, 2 TMA stages, wgmma, 4 warps a warpgroup."""
+    producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[consumers]
+    return Schedule(tile_q=tile_q, tile_kv=tile_kv, warps=4 * (1 + consumers), stages=2, copy=CopyVia.TMA,
+                    mma=Mma.WGMMA, producer_warpgroups=1, producer_regs=producer_regs,
+                    consumer_warpgroups=consumers, consumer_regs=consumer_regs, pingpong=pingpong,
+                    intra_overlap=intra)
 
 
-_SCHEDULES = {(64, "none"): _hopper(192, 128, 3, "intra"), (64, "causal"): _hopper(192, 128, 3, "intra"),
-              (128, "none"): _hopper(128, 128, 2, "intra"), (128, "causal"): _hopper(128, 128, 2, "pingpong, intra"),
-              (256, "none"): _hopper(128, 80, 2, ""), (256, "causal"): _hopper(128, 64, 2, "intra")}
-_TEMPLATE = """attention {name} {{
-    head_dim = {d}
-    dtype    = {dtype}
-    mask     = {mask}
-    schedule {{
-        order q, kv
-        {schedule}
-    }}
-}}
-"""
+_SCHEDULES = {(64, "none"): hopper_schedule(192, 128, 3, intra=True),
+              (64, "causal"): hopper_schedule(192, 128, 3, intra=True),
+              (128, "none"): hopper_schedule(128, 128, 2, intra=True),
+              (128, "causal"): hopper_schedule(128, 128, 2, pingpong=True, intra=True),
+              (256, "none"): hopper_schedule(128, 80, 2),
+              (256, "causal"): hopper_schedule(128, 64, 2, intra=True)}
 
-
-def _entry(dtype: str, d: int, mask: str) -> str:
-    return _TEMPLATE.format(name=f"tuned_sm90_{dtype}_d{d}_{mask}", d=d, dtype=dtype, mask=mask,
-                            schedule=_SCHEDULES[(d, mask)])
-
-
-TUNED: dict[tuple[str, str, int, str], str] = {
-    ("sm_90", dtype, d, mask): _entry(dtype, d, mask)
+# (arch, dtype, head dim, mask) -> the schedule `tiledsl.attention` runs (Schedule objects: no call parses DSL).
+TUNED: dict[tuple[str, str, int, str], Schedule] = {
+    ("sm_90", dtype, d, mask): _SCHEDULES[(d, mask)]
     for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
 }
 
@@ -72,7 +64,6 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
     holds prefill schedules only."""
     from ..spec import DECODE_MAX_QUERIES
     from .autoschedule import pick
-    from ..frontend.parse import load_spec
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
                       softmax_scale=scale)
@@ -82,11 +73,10 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
             return spec, False
     lookup = Mask.CAUSAL if mask is Mask.WINDOW else mask
     table_arch = arch.rstrip("a")   # sm_90a compiles sm_90's table entries
-    text = TUNED.get((table_arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
-    if text is None:
+    schedule = TUNED.get((table_arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
+    if schedule is None:
         return pick(arch, problem), False
-    return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem,
-                      load_spec(text).schedule), True
+    return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, schedule), True
 
 
 def _hint_once(key: tuple, arch: str, spec: KernelSpec) -> None:
