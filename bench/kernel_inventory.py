@@ -5,14 +5,19 @@ refactor that should change no kernel is checked by rendering before and after a
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
 
+Sources that differ only in comments compile to the same cubin (no -G / -lineinfo): they are counted
+apart and not compiled. `--sample N` compiles at most N differing kernels per template family (the
+bundled specs' kernels always), for a refactor that touches thousands of sources.
+
 Usage (no GPU):
-    python bench/kernel_inventory.py render DIR         # DIR/<kernel>.cu and DIR/manifest.json
-    python bench/kernel_inventory.py compare OLD NEW    # exit 1 when any cubin differs or a kernel is missing
+    python bench/kernel_inventory.py render DIR                     # DIR/<kernel>.cu and DIR/manifest.json
+    python bench/kernel_inventory.py compare OLD NEW [--sample N]   # exit 1 when a cubin differs or a kernel is missing
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,13 +135,40 @@ def cubin(source: Path, tmp: Path, tag: str) -> bytes:
     return out.read_bytes()
 
 
-def compare(old: Path, new: Path) -> int:
+COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def without_comments(text: str) -> str:
+    return "\n".join(line.rstrip() for line in COMMENT.sub("", text).splitlines() if line.strip())
+
+
+def sampled(names: list[str], per_family: int | None, bundled: set[str]) -> list[str]:
+    """All of `names` (per_family None), else the bundled ones and at most per_family of each family prefix."""
+    if per_family is None:
+        return names
+    taken: dict[str, int] = {}
+    out = []
+    for name in names:
+        family = name.split("_")[0] + ("_bwd" if "_bwd_" in name or name.startswith("backward") else "")
+        if name in bundled or taken.get(family, 0) < per_family:
+            out.append(name)
+            taken[family] = taken.get(family, 0) + 1
+    return out
+
+
+def compare(old: Path, new: Path, per_family: int | None = None) -> int:
     a = json.loads((old / "manifest.json").read_text())
     b = json.loads((new / "manifest.json").read_text())
     missing, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-    changed = sorted(name for name in set(a) & set(b) if a[name] != b[name])
-    print(f"{len(a)} kernels before, {len(b)} after; {len(set(a) & set(b)) - len(changed)} sources identical, "
-          f"{len(changed)} differ, {len(missing)} missing, {len(added)} new")
+    differ = sorted(name for name in set(a) & set(b) if a[name] != b[name])
+    comments = [n for n in differ if without_comments((old / f"{n}.cu").read_text())
+                == without_comments((new / f"{n}.cu").read_text())]
+    changed = [n for n in differ if n not in set(comments)]
+    bundled = {p.stem for p in Path("generated").glob("*.cu")}
+    compiled = sampled(changed, per_family, bundled)
+    print(f"{len(a)} kernels before, {len(b)} after; {len(set(a) & set(b)) - len(differ)} sources identical, "
+          f"{len(comments)} differ in comments only, {len(changed)} differ in code ({len(compiled)} compiled), "
+          f"{len(missing)} missing, {len(added)} new")
     for name in missing:
         print(f"  missing: {name}")
     for name in added:
@@ -149,7 +181,7 @@ def compare(old: Path, new: Path) -> int:
             return name, cubin(old / f"{name}.cu", t, "old") == cubin(new / f"{name}.cu", t, "new")
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for name, same in pool.map(check, changed):
+        for name, same in pool.map(check, compiled):
             print(f"  {'cubin identical' if same else 'CUBIN DIFFERS'}: {name}")
             if not same:
                 different.append(name)
@@ -160,8 +192,9 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "render":
         render_all(Path(argv[1]))
         return 0
-    if len(argv) == 3 and argv[0] == "compare":
-        return compare(Path(argv[1]), Path(argv[2]))
+    if len(argv) in (3, 5) and argv[0] == "compare":
+        per_family = int(argv[4]) if len(argv) == 5 and argv[3] == "--sample" else None
+        return compare(Path(argv[1]), Path(argv[2]), per_family)
     print(__doc__, file=sys.stderr)
     return 2
 
