@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tiledsl.bench import HIDDEN, attention_flops, record, sdpa_peers, time_ms  # noqa: E402
+from tiledsl.tune.bench import HIDDEN, attention_flops, record, sdpa_peers, time_ms  # noqa: E402
 
 
 def draw_lengths(total: int, seed: int, low: int = 256, high: int = 8192) -> list[int]:
@@ -44,10 +44,10 @@ def check_against_sdpa(out, q, k, v, cu, causal: bool) -> float:
 
 def warmup(dims) -> int:
     import concurrent.futures
-    from tiledsl.runtime import device_arch
+    from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
-    from tiledsl.tuned import kernel_for, tuned_spec
-    from tiledsl.varlen import varlen_spec
+    from tiledsl.dispatch.tuned import kernel_for, tuned_spec
+    from tiledsl.serving.varlen import varlen_spec
     arch, specs = device_arch(), []
     for d in dims:
         for dtype in (DType.BF16, DType.FP16):
@@ -75,10 +75,10 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from tiledsl.runtime import device_arch
+    from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
-    from tiledsl.tuned import kernel_for, tuned_spec
-    from tiledsl.varlen import varlen_spec
+    from tiledsl.dispatch.tuned import kernel_for, tuned_spec
+    from tiledsl.serving.varlen import varlen_spec
     lengths = draw_lengths(args.total, args.seed)
     total, longest = sum(lengths), max(lengths)
     cu_host = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)

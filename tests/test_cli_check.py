@@ -1,5 +1,5 @@
 """`tiledsl check`: output for kernels and spaces, --json, and bad specs exiting 2 with a
-file:line:col message and a caret, in-process and as a real `python -m tiledsl.cli.main` process."""
+file:line:col message and a caret, in-process and as a real `python -m tiledsl.cli` process."""
 from __future__ import annotations
 
 import json

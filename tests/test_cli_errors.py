@@ -1,5 +1,5 @@
 """Every way the CLI used to show a traceback, hang or exit with the wrong status (issue 13): each
-case is a real `python -m tiledsl.cli.main` process that must exit 2 with a one-line (or one-screen
+case is a real `python -m tiledsl.cli` process that must exit 2 with a one-line (or one-screen
 SpecError) message naming what was wrong, with no traceback, and huge inputs must be refused fast."""
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_bad_inputs_are_refused(torch):
 
 SANITIZED = r"""
 import torch
-from tiledsl.serving_prefill import paged_prefill
+from tiledsl.serving.prefill import paged_prefill
 pages, page = 6, 16
 q = torch.randn(1, 17, 4, 128, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(pages, page, 2, 128, device="cuda", dtype=torch.bfloat16)

@@ -229,13 +229,14 @@ class Workbench:
     its limits and the toolchain versions that key the store."""
 
     def __init__(self):
-        from ..runtime import kernel as runtime
+        from ..runtime.compile import compile_cubin
+        from ..runtime.device import device_arch
         from .bench import gpu_name
         from ..device_limits import current_limits
         import cupy
         from cupy_backends.cuda.libs import nvrtc
-        self.runtime = runtime
-        self.arch = runtime.device_arch()
+        self.compile_cubin = compile_cubin
+        self.arch = device_arch()
         self.limits = current_limits()
         self.gpu = gpu_name()
         self.toolchain = {"nvrtc": list(nvrtc.getVersion()), "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
@@ -250,7 +251,7 @@ class Workbench:
         kernels = {s: compile_kernel(s) for s in todo}
         failed = {}
         with concurrent.futures.ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 4)) as pool:
-            futures = {pool.submit(self.runtime.compile_cubin, k.source, k.name, self.arch): s for s,
+            futures = {pool.submit(self.compile_cubin, k.source, k.name, self.arch): s for s,
                        k in kernels.items()}
             for f in concurrent.futures.as_completed(futures):
                 if f.exception() is not None:
