@@ -65,7 +65,7 @@ def ab_rows(torch, spec, k_tok, v_tok, q, lens, page, want, random_inputs) -> di
                  "const int* pages = (const int*)(i64)(batch * table_stride);"),
                 ("        if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE) return first;\n"
                  "        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4);\n"
-                 "        else return table[key >> C::PAGE_SHIFT];",
+                 "        else return page_of_key<C>(table, key);",
                  "        return (int)(i64)table + (key >> C::PAGE_SHIFT);"),
                 ("pages.first = tile * C::BC < seq_kv ? load_shared_s32(pages.slot) : 0;",
                  "pages.first = (int)(i64)table + ((tile * C::BC) >> C::PAGE_SHIFT);"),

@@ -76,7 +76,9 @@ def test_wheel_ships_templates_and_grammar(installed):
     (wheel,) = (installed.parent.parent.parent / "dist").glob("tiledsl-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "tiledsl/frontend/grammar.lark" in names
-    assert {f"tiledsl/templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")} <= names
+    shipped = [p for pattern in ("*.j2", "*.cuh") for p in (ROOT / "templates").glob(pattern)]
+    assert any(p.suffix == ".cuh" for p in shipped)
+    assert {f"tiledsl/templates/{p.name}" for p in shipped} <= names
 
 
 def test_installed_package_compiles_a_bundled_spec(installed, tmp_path):

@@ -64,3 +64,24 @@ def test_serving_spec_follows_the_decode_pick():
         paged_spec(DType.BF16, 72, 72, Mask.NONE, 16, 1)
     with pytest.raises(RuntimeInputError, match="equal for k and v"):
         paged_spec(DType.BF16, 128, 64, Mask.NONE, 16, 1)
+
+
+@pytest.mark.parametrize("family", ["decode", "fa2"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_one_paged_header_serves_decode_and_fa2(family, page):
+    """Both paged templates paste templates/paged_kv.cuh verbatim and read the block table only through
+    its table_entry (one place for the table's reads); contiguous kernels paste none of it."""
+    from tiledsl.codegen.render import header
+    from tiledsl.serving.prefill import prefill_spec
+    spec = paged(page) if family == "decode" else prefill_spec("sm_90a", DType.BF16, 128, 128, Mask.CAUSAL, page)
+    source = render(lower(spec))
+    assert source.count(header("paged_kv.cuh")) == 1
+    assert source.count("table[") == 1 and "return table[index];" in source   # the body of table_entry
+    contiguous = render(lower(replace(spec, problem=replace(spec.problem, kv_page_size=None))))
+    assert "table_entry" not in contiguous and "block_table" not in contiguous
+
+
+def test_only_plain_headers_are_pasted_verbatim():
+    from tiledsl.codegen.render import header
+    with pytest.raises(ValueError, match="only plain .cuh headers"):
+        header("fa2.cu.j2")

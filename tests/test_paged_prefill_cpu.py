@@ -119,6 +119,6 @@ def test_padded_head_dims_load_only_their_chunks(d, page):
     plan = lower(spec)
     assert constant(plan, "QK_CHUNKS") == d // 8 and constant(plan, "D") > d
     source = render(plan)
-    assert source.count("load_paged_tile<C::BC, C::QK_CHUNKS,") == 2 and source.count("load_paged_tile<C::BC, C::V_CHUNKS,") == 2
+    assert source.count("load_paged_tile<C, C::BC, C::QK_CHUNKS,") == 2 and source.count("load_paged_tile<C, C::BC, C::V_CHUNKS,") == 2
     res = nvcc.resources(source, spec.kernel_name)
     assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res.report

@@ -43,7 +43,16 @@ def environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                              keep_trailing_newline=True, autoescape=False)
     env.filters["cuda_literal"] = cuda_literal
+    env.globals["header"] = header
     return env
+
+
+@functools.lru_cache(maxsize=None)
+def header(name: str) -> str:
+    """A plain CUDA header under templates/ (`.cuh`, no Jinja), pasted into a kernel verbatim."""
+    if not name.endswith(".cuh"):
+        raise ValueError(f"{name}: only plain .cuh headers are pasted verbatim")
+    return (TEMPLATE_DIR / name).read_text()
 
 
 def render(plan: KernelPlan) -> str:

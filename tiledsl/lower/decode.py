@@ -22,8 +22,8 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
     kv_stage_swizzled)
 from ..layout.base import cp_async_pending
 from ..layout import layout_of
-from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, smem_constants,
-    softmax_constants, tile_row_constants)
+from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, page_constants,
+    smem_constants, softmax_constants, tile_row_constants)
 from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
 from ..layout.base import tile_row_bytes
 from ..schedule.passes import run_passes
@@ -32,7 +32,6 @@ from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
 
 @dataclass(frozen=True)
 class DecodePlan(KernelPlan):
-    kv_pages: str = ""   # layout.decode_page_walk: "" contiguous K/V | "slice" | "pages" | "rows"
     kv_fp8: bool = False   # K/V stored as e4m3: loaded as bytes, dequantized by each warp before its MMA
     fp8_convert: str = ""  # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
 
@@ -65,15 +64,12 @@ def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> li
 
 
 def paged_constants(page_size: int, walk: str) -> list[Constant]:
-    """The page arithmetic of a paged cache: key t lies in page block_table[b, t >> PAGE_SHIFT]
-    at slot t & PAGE_MASK (page sizes are powers of two)."""
-    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
-            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
-            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
-            Constant("PAGE_PER_SLICE", "bool", walk == "slice",
-                     "a warp's key slice lies in one page: one block-table read per slice"),
-            Constant("PAGES_TILE_SLICE", "bool", walk == "pages",
-                     "whole pages tile a warp's key slice: one block-table read per page")]
+    """A paged cache's addressing and how each warp walks it (layout.decode_page_walk)."""
+    return page_constants(page_size) + [
+        Constant("PAGE_PER_SLICE", "bool", walk == "slice",
+                 "a warp's key slice lies in one page: one block-table read per slice"),
+        Constant("PAGES_TILE_SLICE", "bool", walk == "pages",
+                 "whole pages tile a warp's key slice: one block-table read per page")]
 
 
 def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:

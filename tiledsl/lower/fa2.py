@@ -2,7 +2,7 @@
 wgmma variant shares). Sizes are the layout's; the loop body is the scheduler graph's emission order."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..device_limits import H200
 from ..layout import layout_of
@@ -16,18 +16,13 @@ from .steps import (
     LOOP_TEXT,
     graph_loop_body,
     kv_buffer_constants,
+    page_constants,
     require,
     smem_constants,
     softmax_constants,
     spec_line,
     tile_row_constants,
 )
-
-
-@dataclass(frozen=True)
-class PagedFa2Plan(KernelPlan):
-    """An fa2 plan whose kernel reads K and V through a block table (`kv_cache = paged(page = N)`)."""
-    kv_pages: str = ""   # layout.fa2_page_walk: "slice" the tile lies in one page | "rows" an entry per key
 
 
 def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
@@ -140,20 +135,16 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
                                           else "one entry per page of the tile") + (
                                           f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots
                                           else ", read inline)"))
-        paged = {"plan_class": PagedFa2Plan, "kv_pages": walk}
+        paged = {"kv_pages": walk}
     return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"), **paged)
 
 
 def fa2_page_constants(page_size: int, walk: str) -> list[Constant]:
-    """A paged cache's addressing: key t lies in page block_table[b, t >> PAGE_SHIFT] at slot
-    t & PAGE_MASK (page sizes are powers of two)."""
-    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
-            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
-            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK"),
-            Constant("PAGE_PER_TILE", "bool", walk == "slice",
-                     "a kv tile lies in one page: one block-table read per tile")]
+    """A paged cache's addressing and how the block walks it (layout.fa2_page_walk)."""
+    return page_constants(page_size) + [Constant("PAGE_PER_TILE", "bool", walk == "slice",
+                                                 "a kv tile lies in one page: one block-table read per tile")]
 
 
 def _padded(dim: int, width: int) -> str:

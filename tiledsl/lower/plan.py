@@ -82,6 +82,8 @@ class KernelPlan:
     mask_rows: str = "tile"        # "tile": rows are the block's query rows | "packed": decode's (head, query) rows
     kv_range: KvRange = KvRange()  # the rows whose kv tiles the kernel walks (kv_range region)
     hbm_chunks: tuple[str, str] = ("C::D / 8", "C::DV / 8")   # 16-byte chunks of a K and a V row in HBM (CUDA)
+    # a paged KV cache's block-table walk (layout: fa2_page_walk, decode_page_walk); "": contiguous K/V
+    kv_pages: str = ""
 
 
     @property

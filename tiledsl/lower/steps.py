@@ -74,6 +74,14 @@ def kv_buffer_constants(stages: int, q_offset: int, k_offset: int, k_stage: int,
     ]
 
 
+def page_constants(page_size: int) -> list[Constant]:
+    """A paged cache's addressing (templates/paged_kv.cuh): key t lies in page block_table[b, t >> PAGE_SHIFT]
+    at slot t & PAGE_MASK (page sizes are powers of two). Each family adds the flags of its walk."""
+    return [Constant("PAGE_SIZE", "int", page_size, "keys per page of the KV cache"),
+            Constant("PAGE_SHIFT", "int", page_size.bit_length() - 1, "key -> block-table entry: key >> PAGE_SHIFT"),
+            Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK")]
+
+
 def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, ...]:
     """The ops directly inside `loop`, in the graph's emission order, each lowered by
     `lower_op(name, op) -> [LoopOp, ...]` (nothing for ops a neighbour's CUDA covers, and for

@@ -1,0 +1,178 @@
+// Paged KV cache (kv_cache = paged(page = N)): the device code of every kernel that reads K and V
+// through a block table. fa2 (chunked prefill) loads a block's whole kv tile with all its threads;
+// decode loads each warp's key slice of the tile with that warp's lanes. Key t of a sequence lies
+// in the page that entry t >> PAGE_SHIFT of the sequence's block-table row names, at slot
+// t & PAGE_MASK (page sizes are powers of two); `page_stride` elements separate pages, `row_stride`
+// key slots. Keys at or past seq_kv are zero-filled and their entries never read (unused entries
+// may hold anything). Every function takes the kernel's config C: PAGE_SIZE, PAGE_SHIFT,
+// PAGE_MASK, the walk's flags (fa2: PAGE_PER_TILE; decode: PAGE_PER_SLICE, PAGES_TILE_SLICE) and
+// fa2's ring (PAGE_RING, TILE_PAGES, PAGES_OFFSET, BC, THREADS).
+
+// Entry `index` of a sequence's block-table row: the page that holds its keys index * PAGE_SIZE..
+// Every global read of the table goes through here (fa2's ring also copies entries by cp.async).
+__device__ __forceinline__ int table_entry(const int* table, int index) {
+    return table[index];
+}
+
+// The page that holds key `key`.
+template <class C>
+__device__ __forceinline__ int page_of_key(const int* table, int key) {
+    return table_entry(table, key >> C::PAGE_SHIFT);
+}
+
+__device__ __forceinline__ int load_shared_s32(u32 address) {
+    int value;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
+    return value;
+}
+
+// fa2: where a kv tile's page indices come from. With PAGE_RING the tile's entries (pages first..
+// of this sequence) were copied into its slot of a shared-memory ring a pipeline step before its
+// loads (copy_tile_pages), so the loads never wait on a global read; without, they read the block
+// table row itself.
+template <class C>
+struct TilePages {
+    // Ring entries a thread holds in registers: a tile's few pages (read back to back, one wait for
+    // all, instead of a dependent shared read in front of each page's copies); 1 = none held.
+    static constexpr int HELD = C::PAGE_RING > 0 && !C::PAGE_PER_TILE && C::TILE_PAGES <= 4 ? C::TILE_PAGES : 1;
+    const int* table;   // this sequence's block-table row
+    u32 slot;           // PAGE_RING: the tile's ring slot (shared-memory address)
+    int first;          // the page of the tile's first key (PAGE_RING with PAGE_PER_TILE: the tile's page itself)
+    int held[HELD];
+    __device__ __forceinline__ int operator()(int key) const {   // the page of key `key` of this tile
+        if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE) return first;
+        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4);
+        else return page_of_key<C>(table, key);
+    }
+    __device__ __forceinline__ int entry(int index) const {      // the tile's page `index` (a constant after unrolling)
+        if constexpr (HELD > 1) return held[index];
+        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + index * 4);
+        else return table_entry(table, first + index);
+    }
+};
+
+// Tile j's entries live in slot j % PAGE_RING.
+template <class C>
+__device__ __forceinline__ u32 page_slot(u32 smem_base, int tile) {
+    return smem_base + C::PAGES_OFFSET + (C::PAGE_RING > 0 ? tile % C::PAGE_RING : 0) * C::TILE_PAGES * 4;
+}
+
+template <class C>
+__device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 smem_base, int tile, int seq_kv) {
+    TilePages<C> pages{table, page_slot<C>(smem_base, tile), (tile * C::BC) >> C::PAGE_SHIFT};
+    if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE)   // one lookup serves K and V
+        pages.first = tile * C::BC < seq_kv ? load_shared_s32(pages.slot) : 0;
+    if constexpr (TilePages<C>::HELD > 1) {
+#pragma unroll
+        for (int j = 0; j < TilePages<C>::HELD; ++j) pages.held[j] = load_shared_s32(pages.slot + j * 4);
+    }
+    return pages;
+}
+
+// fa2: tile `tile`'s entries into its ring slot, by cp.async into the caller's open group (ASYNC),
+// or by plain loads and stores (the caller syncs).
+template <class C, bool ASYNC>
+__device__ __forceinline__ void copy_tile_pages(const int* table, u32 smem_base, int tile, int seq_kv) {
+    const int first = (tile * C::BC) >> C::PAGE_SHIFT;
+    const u32 slot = page_slot<C>(smem_base, tile);
+    if (threadIdx.x < C::TILE_PAGES)   // threads past the entries skip the loop (and ptxas keeps fewer registers live)
+        for (int e = threadIdx.x; e < C::TILE_PAGES; e += C::THREADS) {
+            if ((first + e) << C::PAGE_SHIFT >= seq_kv) break;
+            if constexpr (ASYNC)
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                             :: "r"(slot + e * 4), "l"(table + first + e) : "memory");
+            else
+                store_shared_u32(slot + e * 4, table_entry(table, first + e));
+        }
+}
+
+// fa2: keys key0.. of one kv tile (ROWS rows, CHUNKS 16-byte chunks of each) of K or V, this kv
+// head's rows at `head_rows`, pages from `pages`, loaded by the block's THREADS threads. A tile
+// inside one page (PAGE_PER_TILE) takes one lookup and contiguous rows. Else each thread keeps one
+// chunk column and steps down ROW_STEP rows a pass, as load_tile_async does; when tiles start on a
+// page (BC a multiple of PAGE_SIZE) and ROW_STEP <= PAGE_SIZE its rows of pass i lie in page
+// i * ROW_STEP / PAGE_SIZE of the tile, so it looks up one entry per page, not per row; tiles that
+// straddle pages look up every row. Rows that don't split evenly over the threads (head dims padded
+// on chip) look up an entry per copy, one copy at a time.
+template <class C, int ROWS, int CHUNKS, int ROW_BYTES, bool SWIZZLE, int THREADS>
+__device__ __forceinline__ void load_paged_tile(u32 tile, const u16* head_rows, const TilePages<C>& pages,
+                                                i64 page_stride, i64 row_stride, int key0, int seq_kv) {
+    constexpr int TOTAL = ROWS * CHUNKS;
+    if constexpr (C::PAGE_PER_TILE) {
+        const int page = key0 < seq_kv ? pages(key0) : 0;
+        load_tile_async<ROWS, CHUNKS, ROW_BYTES, SWIZZLE, THREADS>(
+            tile, head_rows + page * page_stride + (key0 & C::PAGE_MASK) * row_stride, row_stride, seq_kv - key0);
+    } else if constexpr (THREADS % CHUNKS == 0 && TOTAL % THREADS == 0) {
+        constexpr int ROW_STEP = THREADS / CHUNKS;
+        constexpr bool PAGE_PER_PASSES = C::BC % C::PAGE_SIZE == 0 && ROW_STEP <= C::PAGE_SIZE;
+        const int row0 = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+        const u16* from = head_rows + chunk * 8;
+        const u32 to = tile + chunk_offset<ROW_BYTES, SWIZZLE>(row0, chunk);
+        const u16* page_rows = from;
+#pragma unroll
+        for (int i = 0; i < TOTAL / THREADS; ++i) {
+            const int row = row0 + i * ROW_STEP, key = key0 + row;
+            const bool valid = key < seq_kv;   // once false, false for the rest of the tile
+            if (!PAGE_PER_PASSES)
+                page_rows = from + (valid ? pages(key) : 0) * page_stride;
+            else if ((i * ROW_STEP) % C::PAGE_SIZE == 0)
+                page_rows = from + (valid ? pages.entry(i * ROW_STEP / C::PAGE_SIZE) : 0) * page_stride;
+            const u32 dst = (ROW_STEP % 8 == 0 || !SWIZZLE) ? to + i * ROW_STEP * ROW_BYTES
+                                                             : tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk);
+            cp_async_16(dst, valid ? page_rows + (key & C::PAGE_MASK) * row_stride : head_rows, valid);
+        }
+    } else {   // not unrolled: an address per copy, live at once, would spill
+#pragma unroll 1
+        for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
+            const int index = i * THREADS + threadIdx.x;
+            if (TOTAL % THREADS == 0 || index < TOTAL) {
+                const int row = index / CHUNKS, chunk = index % CHUNKS, key = key0 + row;
+                const bool valid = key < seq_kv;
+                cp_async_16(tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk),
+                            valid ? head_rows + pages(key) * page_stride + (key & C::PAGE_MASK) * row_stride
+                                        + chunk * 8 : head_rows, valid);
+            }
+        }
+    }
+}
+
+// decode: one warp's key slice (ROWS keys from key0) of K or V, this kv head's rows at
+// `head_rows`, pages from the sequence's block-table row `table`, loaded by the warp's lanes. With
+// the slice inside one page (PAGE_PER_SLICE) one block-table read gives its base and the rows are
+// contiguous; with whole pages tiling it (PAGES_TILE_SLICE) one read per page; else each row reads
+// its own entry, once per tile.
+template <class C, int ROWS, int CHUNKS, int ROW_BYTES, bool SWIZZLE>
+__device__ __forceinline__ void load_paged_slice(u32 tile, const u16* head_rows, const int* table, i64 page_stride,
+                                                 i64 row_stride, int key0, int seq_kv, int lane) {
+    if constexpr (C::PAGE_PER_SLICE) {
+        const int page = key0 < seq_kv ? page_of_key<C>(table, key0) : 0;
+        load_tile_async<ROWS, CHUNKS, ROW_BYTES, SWIZZLE, 32>(
+            tile, head_rows + page * page_stride + (key0 & C::PAGE_MASK) * row_stride, row_stride, seq_kv - key0, lane);
+    } else if constexpr (C::PAGES_TILE_SLICE) {
+        // key0 is a multiple of the slice, so page p's first key is slot 0; PAGE_SIZE is a
+        // multiple of 8, so the swizzle of its rows is the rows' own.
+        int page[ROWS / C::PAGE_SIZE];
+#pragma unroll
+        for (int p = 0; p < ROWS / C::PAGE_SIZE; ++p) {   // the entries first: their loads overlap
+            const int key = key0 + p * C::PAGE_SIZE;
+            page[p] = key < seq_kv ? page_of_key<C>(table, key) : 0;
+        }
+#pragma unroll
+        for (int p = 0; p < ROWS / C::PAGE_SIZE; ++p)
+            load_tile_async<C::PAGE_SIZE, CHUNKS, ROW_BYTES, SWIZZLE, 32>(
+                tile + p * C::PAGE_SIZE * ROW_BYTES, head_rows + page[p] * page_stride, row_stride,
+                seq_kv - (key0 + p * C::PAGE_SIZE), lane);
+    } else {
+        constexpr int TOTAL = ROWS * CHUNKS;
+        static_assert(TOTAL % 32 == 0, "a slice is a multiple of 16 rows of an even number of 16-byte chunks");
+#pragma unroll
+        for (int i = 0; i < TOTAL / 32; ++i) {
+            const int index = i * 32 + lane;
+            const int row = index / CHUNKS, chunk = index % CHUNKS, key = key0 + row;
+            const bool valid = key < seq_kv;
+            const u16* src = valid ? head_rows + page_of_key<C>(table, key) * page_stride
+                                         + (key & C::PAGE_MASK) * row_stride + chunk * 8 : head_rows;
+            cp_async_16(tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk), src, valid);
+        }
+    }
+}
