@@ -387,7 +387,7 @@ class KernelFigure:
         items += [{"skip": text} for text in skips.get(len(steps), [])]
         return {"id": self.fid, "kind": "kernel", "elements": self.elements, "height": round(self.height),
                 "entries": items, "data": json.dumps({"base": self.base, "steps": steps, "track": self.track_id},
-                                                   separators=(",", ":")),
+                                                   separators=(",", ":")).replace("</", "<\\/"),   # inside <script>
                 "model": self.model, "real": self.real, "count": len(steps)}
 
 
