@@ -79,10 +79,10 @@ def check_layout(browser, fid: str) -> None:
     pixels inside the SVG are not all one colour."""
     box = browser.evaluate(f"""(() => {{
         const svg = document.querySelector('#{fid} svg'), r = svg.getBoundingClientRect();
-        const inside = [...svg.querySelectorAll('rect')].filter(e => e.closest('.kgroup.off') === null
-            && e.closest('g.arrows') === null && e.closest('clipPath') === null && e.closest('[clip-path]') === null)
-            .map(e => e.getBoundingClientRect()).filter(b => b.width > 0)
-            .every(b => b.left >= r.left - 1 && b.right <= r.right + 1 && b.top >= r.top - 1 && b.bottom <= r.bottom + 1);
+        const drawn = [...svg.querySelectorAll('rect, text')].filter(e => e.closest('.kgroup.off') === null
+            && e.closest('g.arrows') === null && e.closest('clipPath') === null && e.closest('[clip-path]') === null);
+        const inside = drawn.map(e => e.getBoundingClientRect()).filter(b => b.width > 0).every(b =>
+            b.left >= r.left - 1 && b.right <= r.right + 1 && b.top >= r.top - 1 && b.bottom <= r.bottom + 1);
         const tile = svg.querySelector('rect.tile').getBoundingClientRect();
         const place = [...svg.querySelectorAll('.kgroup:not(.off) rect.place')][0].getBoundingClientRect();
         return {{left: r.left, top: r.top, width: r.width, height: r.height, inside,

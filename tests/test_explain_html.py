@@ -361,7 +361,8 @@ def test_a_search_space_draws_budgets_and_the_model_ranking(tmp_path, monkeypatc
     section = re.search(r'id="f0" data-kind="space".*?</section>', text, re.S).group(0)
     ranks = [int(n) for n in re.findall(r">#(\d+) ", section)]
     assert ranks == list(range(1, len(ranked) + 1))
-    assert section.count("refused: ") == len(rejected)
+    refused = [int(n) for n in re.findall(r"refused \((\d+)\): ", section)]
+    assert sum(refused) == len(rejected) and len(refused) == len({reason for _, reason in rejected})
     assert f"the model's pick is {ranked[0].name}" in html.unescape(section)
     assert f"{ranked[0].spec.name} · forward · {ranked[0].name}" in html.unescape(text)   # and it is stepped through
     assert len(figures(text)) == 1
@@ -376,5 +377,7 @@ def test_cli_says_where_the_page_is_and_refuses_a_folder(tmp_path, capsys):
     assert "stepped at seqlen q 200, kv 200" in out.read_text()
     assert main(["explain", str(spec), "--html", str(tmp_path)]) == 2
     assert "--html" in capsys.readouterr().err
-    assert main(["explain", str(spec), "--html", str(tmp_path / "missing" / "x.html")]) == 2
+    assert main(["explain", str(spec), "--html", str(tmp_path / "new" / "x.html")]) == 0   # folders are made
+    (tmp_path / "a_file").write_text("")
+    assert main(["explain", str(spec), "--html", str(tmp_path / "a_file" / "x.html")]) == 2
     assert "cannot write it" in capsys.readouterr().err

@@ -151,6 +151,7 @@ def write_page(path, spec_paths, real: RealShape, seqlen: int | None = None) -> 
     text = environment().get_template("explain_page.html.j2").render(title=title, figures=figures, refused=refused,
                                                                       seqlen=n)
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     except OSError as err:
         raise CliError(f"--html {path}: cannot write it ({err.strerror or err})") from None

@@ -386,8 +386,9 @@ class KernelFigure:
             items.append({"step": i, "label": step["label"]})
         items += [{"skip": text} for text in skips.get(len(steps), [])]
         return {"id": self.fid, "kind": "kernel", "elements": self.elements, "height": round(self.height),
+                # "<" escaped: no text of a step can close the <script> that holds the data
                 "entries": items, "data": json.dumps({"base": self.base, "steps": steps, "track": self.track_id},
-                                                   separators=(",", ":")).replace("</", "<\\/"),   # inside <script>
+                                                   separators=(",", ":")).replace("<", "\\u003c"),
                 "model": self.model, "real": self.real, "count": len(steps)}
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from .html_kernel import css_name, svg
 
 ROW_PX = 15
-LABEL_PX = 250
-BAR_PX = 330
-RANK_PX = 220
-STATUS_TEXT = {"pending": "would be timed", "pruned": "pruned (over budget)", "hopeless": "hopeless",
-               "illegal": "illegal"}
+LABEL_PX = 285
+BAR_PX = 290
+BUDGET_TEXT_PX = 120        # "208 KB, 212 regs" after the limit line
+RANK_PX = 200
+RANK_X = LABEL_PX + BAR_PX + 30 + BUDGET_TEXT_PX
+STATUS_TEXT = {"pending": "timed", "pruned": "pruned", "hopeless": "hopeless", "illegal": "illegal"}
 
 
 def space_figure(fid: str, space, shape, candidates: list, rejected: list, budget: int, label, layouts: dict,
@@ -27,9 +28,9 @@ def space_figure(fid: str, space, shape, candidates: list, rejected: list, budge
            svg("text", "config (model rank)", x=20, y=40, cls="tname"),
            svg("text", "shared memory per block, by buffer (line: the limit)", x=LABEL_PX + 20, y=40, cls="tname"),
            svg("text", ("heuristic rank (tune/backward.py: fewer spills, larger tiles, more warps)" if backward else
-                        "predicted TFLOP/s (tune model)"), x=LABEL_PX + BAR_PX + 60, y=40, cls="tname")]
+                        "predicted TFLOP/s (tune model)"), x=RANK_X, y=40, cls="tname")]
     smem_limit = max((lay.smem_limit for lay in layouts.values()), default=1)
-    best = max((c.prediction.tflops for c in ranked if c.prediction), default=1.0) or 1.0
+    best = max((c.prediction.tflops for c in candidates if c.prediction), default=1.0) or 1.0
     y = 52
     for c in rows:
         lay = layouts.get(c.name)
@@ -49,8 +50,8 @@ def space_figure(fid: str, space, shape, candidates: list, rejected: list, budge
             regs = c.resources.registers if c.resources else lay.register_estimate
             els.append(svg("text", f"{lay.smem_bytes // 1024} KB, {regs} regs"
                                    f"{' (ptxas)' if c.resources and c.resources.source == 'ptxas' else ''}",
-                           x=LABEL_PX + BAR_PX + 26 - 100, y=y + 11, cls="small"))
-        x0 = LABEL_PX + BAR_PX + 60
+                           x=LABEL_PX + BAR_PX + 26, y=y + 11, cls="small"))
+        x0 = RANK_X
         if c.prediction is not None:
             w = c.prediction.tflops / best * RANK_PX
             rect = svg("rect", x=x0, y=y + 2, width=max(w, 0.5), height=ROW_PX - 4, cls=f"rank st-{c.status}")
@@ -77,9 +78,13 @@ def space_figure(fid: str, space, shape, candidates: list, rejected: list, budge
         x += 20 + 6 * len(name)
     y += 18
     y += 16
-    for config, reason in rejected:
-        els.append(svg("text", "refused: " + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items())
-                       + f": {reason}", x=20, y=y, cls="small"))
+    by_reason: dict[str, list[dict]] = {}
+    for config, reason in rejected:   # one line per reason: how many configs it refused, and the first of them
+        by_reason.setdefault(reason, []).append(config)
+    for reason, configs in by_reason.items():
+        first = " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in configs[0].items())
+        els.append(svg("text", f"refused ({len(configs)}): {reason}", x=20, y=y, cls="small"))
+        els[-1]["title"] = f"first of them: {first}"
         y += 13
     pick = ranked[0].name if ranked else "none"
     caption = (f"The tuner times the best {budget} of the {len(candidates)} legal configs by this ranking and keeps "
