@@ -378,6 +378,8 @@ def test_cli_says_where_the_page_is_and_refuses_a_folder(tmp_path, capsys):
     assert main(["explain", str(spec), "--html", str(tmp_path)]) == 2
     assert "--html" in capsys.readouterr().err
     assert main(["explain", str(spec), "--html", str(tmp_path / "new" / "x.html")]) == 0   # folders are made
+    assert main(["explain", str(spec), "--html", str(out), "--html-seqlen", "100000"]) == 2
+    assert "tiles of 128 per axis; the page steps through at most 64" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("")
     assert main(["explain", str(spec), "--html", str(tmp_path / "a_file" / "x.html")]) == 2
     assert "cannot write it" in capsys.readouterr().err

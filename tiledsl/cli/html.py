@@ -27,7 +27,8 @@ from ..schedule.passes import run_passes
 from ..schedule.trace import backward_trace, forward_trace, small_seqlen
 from ..schedule.traffic import hbm_traffic
 
-MAX_STEPS = 20000   # a page past this is too slow to step through: ask for a smaller --html-seqlen
+MAX_TILES_PER_AXIS = 64   # the step-through walks every (q tile, kv tile) pair: past this it is no longer readable
+MAX_STEPS = 20000         # nor a page past this many steps
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def kernel_figures(fid: str, spec, seqlen: int, real: RealShape, pick_of: str = 
 
 def _kernel(fid, trace, spec, model, big, title, real, rq, rk) -> dict:
     totals = {"read": model.read_bytes, "write": model.write_bytes}
-    figure = KernelFigure(fid, trace, spec, totals, {}).figure()
+    figure = KernelFigure(fid, trace, spec, totals).figure()
     split = f", {trace.splits} splits" if trace.splits else ""
     figure.update(title=title, caption=(
         f"{trace.family} family; stepped at seqlen q {trace.seqlen_q}, kv {trace.seqlen_kv} (tiles {trace.tile_q} x "
@@ -111,16 +112,17 @@ def space_figure_and_pick(fid: str, space: SpecSpace, real: RealShape):
     return figure, (ranked[0].spec if ranked else None)
 
 
+def stepped_tiles(spec) -> list[int]:
+    """The tile sizes that cut the step-through's sequence axes (decode's queries fit in one q tile)."""
+    tiles = [spec.schedule.tile_kv] + ([] if spec.problem.queries_per_seq else [spec.schedule.tile_q])
+    return tiles + ([spec.backward.tile_q, spec.backward.tile_kv] if spec.backward is not None else [])
+
+
 def step_seqlen(specs, override: int | None) -> int:
     """The page's step-through shape: --html-seqlen, else trace.small_seqlen of the stepped kernels' tiles."""
     if override:
         return override
-    tiles = []
-    for spec in specs:
-        tiles += [spec.schedule.tile_kv] + ([] if spec.problem.queries_per_seq else [spec.schedule.tile_q])
-        if spec.backward is not None:
-            tiles += [spec.backward.tile_q, spec.backward.tile_kv]
-    return small_seqlen(tiles or [64])
+    return small_seqlen([t for spec in specs for t in stepped_tiles(spec)] or [64])
 
 
 def write_page(path, spec_paths, real: RealShape, seqlen: int | None = None) -> str:
@@ -133,7 +135,12 @@ def write_page(path, spec_paths, real: RealShape, seqlen: int | None = None) -> 
             plan.append((f"f{index}", figure, pick, item.name))
         else:
             plan.append((f"f{index}", None, item, ""))
-    n = step_seqlen([spec for _, _, spec, _ in plan if spec is not None], seqlen)
+    stepped = [spec for _, _, spec, _ in plan if spec is not None]
+    n = step_seqlen(stepped, seqlen)
+    smallest = min((t for spec in stepped for t in stepped_tiles(spec)), default=n)
+    if -(-n // smallest) > MAX_TILES_PER_AXIS:
+        raise CliError(f"--html-seqlen {n}: {-(-n // smallest)} tiles of {smallest} per axis; the page steps through "
+                       f"at most {MAX_TILES_PER_AXIS}")
     figures, refused = [], []
     for fid, figure, spec, space in plan:
         if figure is not None:

@@ -45,9 +45,9 @@ def _tiles_label(at) -> str:
 class KernelFigure:
     """The drawing and the per-step changes of one StepTrace."""
 
-    def __init__(self, fid: str, trace: StepTrace, spec, model: dict, real: dict):
+    def __init__(self, fid: str, trace: StepTrace, spec, model: dict):
         self.fid, self.trace, self.spec = fid, trace, spec
-        self.model, self.real = model, real            # totals: {"read": B, "write": B, "what": "..."}
+        self.model = model                             # the traffic model at the trace's shape: {"read", "write"} B
         self.elements: list[dict] = []
         self.base: dict[str, list] = {}                # dynamic element id -> [class, text]
         self.anchor: dict[str, tuple[float, float, float, float]] = {}   # id -> x, y, w, h
@@ -389,7 +389,7 @@ class KernelFigure:
                 # "<" escaped: no text of a step can close the <script> that holds the data
                 "entries": items, "data": json.dumps({"base": self.base, "steps": steps, "track": self.track_id},
                                                    separators=(",", ":")).replace("<", "\\u003c"),
-                "model": self.model, "real": self.real, "count": len(steps)}
+                "model": self.model, "count": len(steps), "last": len(steps) - 1}
 
 
 def _pack(bars):
