@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from tiledsl.cli.html import step_seqlen
 from tiledsl.cli.main import main
 from tiledsl.frontend.parse import load_specs, parse_text
 from tiledsl.schedule.backward import build_backward_graph
@@ -21,8 +22,6 @@ from tiledsl.schedule.ops import OpKind
 from tiledsl.schedule.passes import run_passes
 from tiledsl.schedule.trace import backward_trace, forward_trace, small_seqlen
 from tiledsl.schedule.traffic import hbm_traffic, tile_bounds, traffic_by_tensor
-
-from tiledsl.cli.html import step_seqlen
 
 from .conftest import SPEC_FILES
 
