@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(SETUP)
 	$(TILEDSL) check $(SPECS)
-	$(TILEDSL) explain $(DEFAULT_SPEC) --seqlen 4096
+	$(TILEDSL) explain $(DEFAULT_SPEC) --seqlen 4096 --html out/$(basename $(notdir $(DEFAULT_SPEC))).html
 	$(TILEDSL) compile $(SPECS) -o out/generated
 	@if $(PY) -c 'import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0' 2>/dev/null; then \
 		$(TILEDSL) run $(DEFAULT_SPEC) --seqlen 1000 --batch 2 --heads 4 && \

@@ -1,6 +1,7 @@
-"""`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE]`:
+"""`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--dot FILE] [--html FILE]`:
 print each kernel's loop nest, ops, on-chip budget and HBM traffic; optionally write the graphs
-as Graphviz DOT (several kernels: one digraph each, in one file). A search space lists its refused
+as Graphviz DOT (several kernels: one digraph each, in one file) and a page that steps through
+every kernel (cli/html.py). A search space lists its refused
 configs (as `tiledsl check` does) and explains the legal ones. A kernel that is refused gets its
 error on stderr, the others are still explained, and the exit status is 2."""
 from __future__ import annotations
@@ -22,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=COUNT, default=16, help="query heads")
     parser.add_argument("--kv-heads", type=COUNT, default=None, help="kv heads (GQA; default: --heads)")
     parser.add_argument("--dot", metavar="FILE", default=None, help="write the scheduler graphs as Graphviz DOT")
+    parser.add_argument("--html", metavar="FILE", default=None,
+                        help="write a self-contained page that steps through each kernel (a space: its configs' "
+                             "budgets and the tune model's ranking, then the model's pick)")
+    parser.add_argument("--html-seqlen", type=MODEL_SEQLEN, default=None, metavar="N",
+                        help="the page's step-through sequence length (default: two and a half of the largest tile)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     from ..schedule.passes import run_passes
 
     check_kv_heads(args.heads, args.kv_heads)
-    if args.dot and Path(args.dot).is_dir():
-        raise CliError(f"--dot {args.dot}: is a folder; give a file name, e.g. {Path(args.dot) / 'graphs.dot'}")
+    for option, path, example in (("--dot", args.dot, "graphs.dot"), ("--html", args.html, "explain.html")):
+        if path and Path(path).is_dir():
+            raise CliError(f"{option} {path}: is a folder; give a file name, e.g. {Path(path) / example}")
     dots, refused, first, notes = [], 0, True, []
     specs = concrete_specs(args.specs, expand_spaces=True, notes=notes)
     for note in notes:   # a space's refused configs, as `tiledsl check` lists them
@@ -58,4 +65,8 @@ def run(args: argparse.Namespace) -> int:
                 f.write("".join(dots))
         except OSError as err:
             raise CliError(f"--dot {args.dot}: cannot write it ({err.strerror or err})") from None
+    if args.html:
+        from .html import RealShape, write_page
+        print(write_page(args.html, args.specs, RealShape(args.batch, args.heads, args.kv_heads, args.seqlen,
+                                                          args.seqlen_kv), args.html_seqlen))
     return 2 if refused else 0

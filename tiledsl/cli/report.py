@@ -30,7 +30,7 @@ def _tagged(text: str, tag: str) -> str:
     return f"{text:<{WIDTH}} {tag}" if len(text) < WIDTH else f"{text}  {tag}"
 
 
-def _human(n: float, unit: str = "B") -> str:
+def human(n: float, unit: str = "B") -> str:
     for prefix in ("", "K", "M", "G", "T", "P"):
         if abs(n) < 1000 or prefix == "P":
             return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.2f} {prefix}{unit}"
@@ -142,12 +142,12 @@ def layout_budget_lines(lay, roles: dict | None = None) -> list[str]:
 def traffic_lines(graph: ScheduleGraph, t: Traffic, limits: DeviceLimits) -> list[str]:
     lines = [f"HBM traffic, no cache (batch {t.batch} x heads {t.heads}, seqlen q {t.seqlen_q}, kv {t.seqlen_kv}):"]
     for (tensor, mode), nbytes in traffic_by_tensor(t).items():
-        lines.append(f"    {mode:<5} {tensor:<9} {_human(nbytes):>12}")
-    lines.append(f"    {'total':<15} {_human(t.bytes):>12}   ({t.elements} elements)")
-    lines.append(f"    {'standard':<15} {_human(t.standard_bytes):>12}   ({t.standard_elements} elements: "
+        lines.append(f"    {mode:<5} {tensor:<9} {human(nbytes):>12}")
+    lines.append(f"    {'total':<15} {human(t.bytes):>12}   ({t.elements} elements)")
+    lines.append(f"    {'standard':<15} {human(t.standard_bytes):>12}   ({t.standard_elements} elements: "
                  "S and P written and read back)")
     lines.append(f"    ratio standard / this schedule: {t.ratio:.2f}x")
-    lines.append(f"FLOPs: {_human(t.flops, 'FLOP')} useful (visible pairs), {_human(t.flops_executed, 'FLOP')} "
+    lines.append(f"FLOPs: {human(t.flops, 'FLOP')} useful (visible pairs), {human(t.flops_executed, 'FLOP')} "
                  f"executed (whole tiles); {t.flops_executed / max(t.bytes, 1):.1f} FLOP/byte")
     if limits.hbm_bytes_per_s and limits.dense_flops_per_s:
         memory_s, compute_s = t.bytes / limits.hbm_bytes_per_s, t.flops_executed / limits.dense_flops_per_s
@@ -163,10 +163,10 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
     seqlen q (4096 for decode)."""
     graph = run_passes(spec, limits)
-    plan, no_plan = _lowered(spec)
+    plan, no_plan = lowered(spec)
     nq = seqlen_q or spec.problem.queries_per_seq or 4096
     nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
-    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, _blocks_per_sm(spec, plan))
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask "
@@ -187,24 +187,31 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
     out += generated_kernel_lines(plan, no_plan) + [""]
     out += traffic_lines(graph, t, limits)
-    out += backward_lines(spec)
+    out += backward_lines(spec, batch, heads, nq, nk)
     return "\n".join(out) + "\n"
 
 
-def backward_lines(spec: KernelSpec) -> list[str]:
-    """The backward schedule's loop nest and ops, and its main kernel's budget (layout.backward_layout:
-    the numbers the backward lowering writes) or why no template builds it (the float64 reference
-    still runs the graph)."""
+def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int = 4096,
+                   seqlen_kv: int = 4096) -> list[str]:
+    """The backward schedule's loop nest and ops, its HBM traffic (the forward's model on the backward graph),
+    and its main kernel's budget (layout.backward_layout: the numbers the backward lowering writes) or why no
+    template builds it (the float64 reference still runs the graph)."""
     if spec.backward is None:
         return []
     from ..schedule.backward import build_backward_graph
     from ..layout.backward import backward_has_template, backward_layout
     from ..spec import backward_name_parts
     b, graph = spec.backward, build_backward_graph(spec)
+    t = hbm_traffic(graph, batch, heads, seqlen_q, seqlen_kv)
     lines = ["", f"backward ({'_'.join(backward_name_parts(b))}): order {b.order.value}, tiles Br={b.tile_q} "
              f"Bc={b.tile_kv}, {b.warps} warps, {b.stages} stages, {b.mma.value}; P recomputed from O and LSE",
              "backward loop nest:"] + ["  " + line for line in loop_nest(graph)] + [
              "", "backward ops in emission order:"] + ["  " + line for line in op_table(graph)]
+    lines += ["", f"backward HBM traffic, no cache (batch {batch} x heads {heads}, seqlen q {seqlen_q}, kv "
+              f"{seqlen_kv}; every kernel of the module):"]
+    lines += [f"    {mode:<5} {tensor:<9} {human(nbytes):>12}"
+              for (tensor, mode), nbytes in traffic_by_tensor(t).items()]
+    lines.append(f"    {'total':<15} {human(t.bytes):>12}   (read {t.read_bytes} B, written {t.write_bytes} B)")
     why = backward_has_template(spec)
     if why:
         return lines + ["", f"backward kernels: none generated ({why})"]
@@ -216,7 +223,7 @@ def backward_lines(spec: KernelSpec) -> list[str]:
     return lines
 
 
-def _lowered(spec: KernelSpec):
+def lowered(spec: KernelSpec):
     """(the lowered plan, None), or (None, why not) for a family without a CUDA template."""
     from ..errors import SpecError
     from ..families import lower
@@ -286,7 +293,7 @@ def to_dot(graph: ScheduleGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _blocks_per_sm(spec, plan) -> int:
+def blocks_per_sm(spec, plan) -> int:
     """Resident blocks per SM of the lowered decode kernel (the estimate before compiling)."""
     if spec.family is not Family.DECODE or plan is None:
         return 1

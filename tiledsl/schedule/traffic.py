@@ -14,9 +14,10 @@ Closed forms per head, in elements, Nq queries, Nk keys, no mask (ragged tiles i
     split-KV     S Nq d + ceil(Nq/Br) Nk (d + dv) + 2 S Nq (dv + 1) + Nq (dv + 1)
 Paged KV adds the block table: every (q tile, kv tile) step reads the kv tile's page indices,
 ceil(Nq/Br) Nk/page int32 per head when pages hold whole tiles' worth of keys or less.
-Element sizes: Q, O in the spec's dtype, K and V in the KV cache's (kv_dtype: 1 byte for e4m3); block-table entries
-int32; FA1's O state, split partials, m, l and lse in
-fp32 (accumulator precision: rounding them to 16 bits at every step would compound).
+Element sizes (`element_bytes`): Q, O in the spec's dtype, K and V in the KV cache's (kv_dtype: 1 byte for e4m3);
+block-table entries int32; FA1's O state, split partials, m, l and lse in fp32 (accumulator precision: rounding them
+to 16 bits at every step would compound), as are the backward's D and its fp32 workspaces (dQ_accum, dK_accum,
+dV_accum), which the kernels keep in fp32 for the same reason.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .masks import key_bounds, tiles_visible
 from ..spec import AUTO, DTYPE_BYTES
 from .splits import choose_splits, split_ranges
 
-FP32_TENSORS = frozenset({"O_state", "O_part", "m", "l", "lse", "lse_part"})
+FP32_TENSORS = frozenset({"O_state", "O_part", "m", "l", "lse", "lse_part", "D", "dQ_accum", "dK_accum", "dV_accum"})
 INT32_TENSORS = frozenset({"block_table"})   # paged KV: page indices, read by every block per kv tile
 
 
@@ -81,7 +82,15 @@ def visible_pairs(seqlen_q: int, seqlen_kv: int, mask, left: int = 0, right: int
     return int((hi - lo).sum())
 
 
-def _tiles(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def element_bytes(tensor: str, problem) -> int:
+    """Bytes per element of HBM tensor `tensor` (an Access's name) of a spec's problem."""
+    if tensor in FP32_TENSORS or tensor in INT32_TENSORS:
+        return 4
+    return DTYPE_BYTES[problem.kv_dtype or problem.dtype] if tensor in ("K", "V") else DTYPE_BYTES[problem.dtype]
+
+
+def tile_bounds(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[start, stop) of each tile of `size` over `n` rows (the last one ragged)."""
     starts = np.arange(0, n, size, dtype=np.int64)
     return starts, np.minimum(starts + size, n)
 
@@ -93,9 +102,8 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     spec, z = graph.spec, graph.sizes
     p = spec.problem
     d, dv, elem = p.head_dim_qk, p.head_dim_v, DTYPE_BYTES[p.dtype]
-    kv_elem = DTYPE_BYTES[p.kv_dtype or p.dtype]
-    q0, q1 = _tiles(seqlen_q, z["Br"])
-    k0, k1 = _tiles(seqlen_kv, z["Bc"])
+    q0, q1 = tile_bounds(seqlen_q, z["Br"])
+    k0, k1 = tile_bounds(seqlen_kv, z["Bc"])
     rows = {"q": q1 - q0, "kv": k1 - k0}
     if p.kv_page_size is not None:   # block-table entries per kv tile: the pages its keys touch
         rows["pages"] = -(-k1 // p.kv_page_size) - k0 // p.kv_page_size
@@ -127,8 +135,7 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
             count = row_sum(set(graph.loop_vars(name)), access.rows) * cols[access.cols]
             count *= splits if access.times == "splits" else 1
             count *= batch * heads
-            size = (4 if access.tensor in FP32_TENSORS or access.tensor in INT32_TENSORS
-                    else kv_elem if access.tensor in ("K", "V") else elem)
+            size = element_bytes(access.tensor, p)
             ops.append(OpTraffic(name, access.tensor, access.mode, count, count * size))
     executed = int((seen * rows["q"][:, None] * rows["kv"][None, :]).sum())
     std = standard_elements(seqlen_q, seqlen_kv, d, dv) * batch * heads
