@@ -24,6 +24,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+# The tree this script sits in, not whichever tiledsl an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 ARCH = "sm_90a"
 
 
