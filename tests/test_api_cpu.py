@@ -17,7 +17,7 @@ from tiledsl.dispatch import tuned
 from tiledsl.cli.main import main
 from tiledsl.errors import RuntimeInputError
 from tiledsl.families import lower
-from tiledsl.layout import layout_of
+from tiledsl.families import layout_of
 from tiledsl.spec import DType, Family, Mask, Mma, Problem
 
 ROOT = Path(__file__).resolve().parent.parent

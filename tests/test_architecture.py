@@ -20,16 +20,19 @@ MAX_LINE = 120
 
 # Each sub-package (or top-level module) and the layer it sits on: a module imports only from its own
 # layer or below. Top-level modules not named here sit where their imports put them (checked by the cycle
-# test alone): families.py and api.py are the dispatchers above everything they name.
+# test alone). families.py, the family table, sits just above layout/ (the front end and the passes read
+# layouts through it); what its rows name higher up (lowerings, kernel classes) it resolves by name on
+# first use, not by import.
 LAYERS = {
     "spec": 0, "errors": 0, "version": 0, "hw": 0, "device_limits": 0,
     "layout": 1,
-    "schedule": 2, "frontend": 2,
-    "lower": 3,
-    "codegen": 4, "runtime": 4,
-    "families": 5, "reference": 5,
-    "dispatch": 6, "serving": 7, "tune": 7,
-    "api": 8, "cli": 9,
+    "families": 2,
+    "schedule": 3, "frontend": 3,
+    "lower": 4,
+    "codegen": 5, "runtime": 5,
+    "reference": 6,
+    "dispatch": 7, "serving": 8, "tune": 8,
+    "api": 9, "cli": 10,
 }
 
 
@@ -99,7 +102,7 @@ def layer(module: str) -> int | None:
 def test_the_graph_sees_relative_imports_at_every_depth_and_function_level_imports():
     graph = import_graph()
     assert graph.has_edge("tiledsl.runtime.fa1", "tiledsl.runtime.kernel")        # `from .kernel import Kernel`
-    assert graph.has_edge("tiledsl.lower.fa2", "tiledsl.schedule.passes")         # `from ..schedule.passes import`
+    assert graph.has_edge("tiledsl.lower.hopper", "tiledsl.schedule.passes")      # `from ..schedule.passes import`
     assert graph.has_edge("tiledsl.cli.report", "tiledsl.families")               # inside a function
 
 

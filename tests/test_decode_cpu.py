@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 
 import pytest
 
@@ -15,11 +14,11 @@ from tiledsl.errors import SpecError
 from tiledsl.families import lower, row_for
 from tiledsl.device_limits import H200, SMEM_RESERVED_PER_BLOCK
 from tiledsl.runtime.decode import constant
-from tiledsl.lower.decode import decode_blocks_per_sm, decode_loop_body, lower_decode
+from tiledsl.lower.decode import decode_blocks_per_sm
 from tiledsl.frontend.parse import load_specs
 from tiledsl.codegen.render import render
 from tiledsl.schedule.splits import choose_splits
-from tiledsl.spec import AUTO, Axis, DType, Family, KernelSpec, Mask, Problem, Schedule
+from tiledsl.spec import AUTO, Axis, DType, KernelSpec, Mask, Problem, Schedule
 
 from .conftest import ROOT
 
@@ -38,7 +37,7 @@ def spec(d=128, dtype=DType.BF16, mask=Mask.NONE, queries=1, tile_q=16, tile_kv=
 
 
 def test_decode_is_registered():
-    assert row_for(bundled()).lowering is lower_decode
+    assert row_for(bundled()).lowering == "lower.decode:lower_decode"
     plan = lower(bundled())
     assert plan.family == "decode" and plan.template == "decode.cu.j2"
 
@@ -110,15 +109,15 @@ def test_loop_body_pipeline_accounting(stages):
         assert kinds[:3] == ["barrier", "prefetch_kv", "wait_k"] and prefetch.distance == stages - 1
         assert (wait_k.pending, wait_v.pending) == (2 * stages - 1, 2 * stages - 2)
         # Waiting first (the block-barrier order) keeps one tile fewer in flight.
-        late = {op.kind: op for op in decode_loop_body(spec(tile_kv=64, stages=stages), stages, prefetch_first=False)}
+        late = {op.kind: op for op in lower(spec(tile_kv=64, stages=stages), prefetch_first=False).loop_body}
         assert (late["wait_k"].pending, late["wait_v"].pending) == (2 * stages - 3, 2 * stages - 2)
 
 
 def test_override_renames_the_kernel():
     s = bundled()
-    assert lower_decode(s).kernel_name == s.kernel_name
+    assert lower(s).kernel_name == s.kernel_name
     stages, tile_kv = (2, 128) if s.schedule.tile_kv != 128 else (3, 64)   # differ from the bundled spec
-    other = lower_decode(s, stages=stages, tile_kv=tile_kv)
+    other = lower(s, stages=stages, tile_kv=tile_kv)   # layout overrides: the layout function takes them
     assert other.kernel_name != s.kernel_name
     assert constant(other, "STAGES") == stages and constant(other, "BC") == tile_kv
 

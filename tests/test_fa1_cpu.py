@@ -10,7 +10,8 @@ import pytest
 
 from tiledsl.errors import SpecError
 from tiledsl.families import lower
-from tiledsl.lower.fa1 import SHARED_LIMIT, Fa1Plan
+from tiledsl.device_limits import H200
+from tiledsl.lower.fa1 import Fa1Plan
 from tiledsl.frontend.parse import load_specs
 from tiledsl.codegen.render import render
 from tiledsl.spec import Axis, DType, Family, KernelSpec, LoopOrder, Mask, Problem, Schedule
@@ -56,7 +57,7 @@ def test_plan_invariants(spec):
     assert isinstance(plan, Fa1Plan) and plan.family == "fa1" and plan.template == "fa1.cu.j2"
     assert spec.family is Family.FA1
     assert plan.launch.threads == 32 * s.warps == c["THREADS"]
-    assert plan.launch.smem_bytes == c["SMEM_BYTES"] <= SHARED_LIMIT
+    assert plan.launch.smem_bytes == c["SMEM_BYTES"] <= H200.max_shared_per_block
     assert c["M_TILES"] * 16 == c["ROWS_PER_WARP"]
     assert c["S_TILES"] * 8 == c["KEYS_PER_WARP"] and c["KEYS_PER_WARP"] % 16 == 0
     if plan.split_k:

@@ -8,8 +8,7 @@ import pytest
 
 from tiledsl.layout.base import FA2_PAGE_RING_MIN
 from tiledsl.layout.fa2 import fa2_page_ring
-from tiledsl.layout import layout_of
-from tiledsl.lower.fa2 import lower_fa2
+from tiledsl.families import layout_of, lower
 from tiledsl.schedule.passes import run_passes
 from tiledsl.serving.prefill import prefill_spec
 from tiledsl.spec import DType, Mask
@@ -82,11 +81,11 @@ def test_layout_plan_and_graph_show_the_ring():
     spec = prefill_spec("sm_90", DType.BF16, 128, 128, Mask.CAUSAL, 16)
     ring = layout_of(spec).buffer("block-table entries")
     assert (ring.stages, ring.stage_bytes) == (2, 4 * 4)
-    consts = {c.name: c.value for c in lower_fa2(spec).constants}
+    consts = {c.name: c.value for c in lower(spec).constants}
     assert consts["PAGE_RING"] == 2 and consts["TILE_PAGES"] == 4 and consts["PAGES_OFFSET"] == ring.offset
     lookup = run_passes(spec).op("page_lookup")
     assert lookup.space.value == "shared" and "shared ring" in lookup.text
     small = prefill_spec("sm_90", DType.BF16, 128, 128, Mask.CAUSAL, 4)   # under FA2_PAGE_RING_MIN: inline
-    assert {c.name: c.value for c in lower_fa2(small).constants}["PAGE_RING"] == 0
+    assert {c.name: c.value for c in lower(small).constants}["PAGE_RING"] == 0
     assert run_passes(small).op("page_lookup").space.value == "registers"
     assert not any(b.name == "block-table entries" for b in layout_of(small).buffers)

@@ -99,7 +99,7 @@ def spec_of(extra="", d=128, dtype="bf16", nq=1, statements=""):
 
 def test_dequant_statement_picks_the_conversion_path():
     from tiledsl.layout.decode import FP8_CONVERT_DEFAULT
-    from tiledsl.lower.decode import lower_decode
+    from tiledsl.families import lower as lower_decode
     default = spec_of("    kv_dtype = e4m3")
     frag = spec_of("    kv_dtype = e4m3", statements="        dequant fragments")
     shared = spec_of("    kv_dtype = e4m3", statements="        dequant shared")
@@ -171,7 +171,7 @@ def test_fp8_head_dims_multiple_of_32():
 @pytest.mark.parametrize("page", [None, 1, 16, 32])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_fp8_renders_and_halves_the_ring(page, dtype):
-    from tiledsl.layout import layout_of
+    from tiledsl.families import layout_of
     from tiledsl.families import lower as lower_decode
     from tiledsl.runtime.decode import constant
     from tiledsl.codegen.render import render

@@ -19,7 +19,7 @@ import pytest
 
 from tiledsl.reference.fp8 import e4m3_values
 from tiledsl.layout.decode import FP8_CONVERT_DEFAULT, FP8_CONVERTS, kv_stage_row_bytes, kv_stage_swizzled
-from tiledsl.layout import layout_of
+from tiledsl.families import layout_of
 from tiledsl.layout.base import tile_row_bytes
 from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedule
 

@@ -9,7 +9,7 @@ import pytest
 
 from tiledsl.cli.report import explain, to_dot
 from tiledsl.schedule.ops import EdgeKind, OpKind, Role
-from tiledsl.layout import layout_of
+from tiledsl.families import layout_of
 from tiledsl.frontend.parse import load_specs
 from tiledsl.schedule.passes import run_passes
 

@@ -17,7 +17,7 @@ from tiledsl.frontend import rules, space
 from tiledsl.codegen import nvcc
 from tiledsl.cli.main import main
 from tiledsl.errors import SpecError
-from tiledsl.layout import layout_of
+from tiledsl.families import layout_of
 from tiledsl.families import lower
 from tiledsl.frontend.parse import parse_text
 from tiledsl.codegen.render import render

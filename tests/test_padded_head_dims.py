@@ -10,7 +10,7 @@ import pytest
 from tiledsl.codegen import nvcc
 from tiledsl.errors import SpecError
 from tiledsl.families import lower
-from tiledsl.layout import layout_of
+from tiledsl.families import layout_of
 from tiledsl.layout.base import mma_width, tile_row_bytes
 from tiledsl.frontend.parse import load_spec
 from tiledsl.codegen.render import render

@@ -20,6 +20,7 @@ from .html_kernel import KernelFigure
 from .html_space import space_figure
 from .report import blocks_per_sm, human, lowered
 from ..codegen.render import TEMPLATE_DIR
+from ..device_limits import H200
 from ..errors import CliError, SpecError
 from ..frontend.space import SpecSpace
 from ..schedule.backward import build_backward_graph
@@ -56,9 +57,9 @@ def environment() -> jinja2.Environment:
 
 def kernel_figures(fid: str, spec, seqlen: int, real: RealShape, pick_of: str = "") -> list[dict]:
     """The forward figure of `spec` (and its backward's, when it has one) at `seqlen` (SpecError when illegal)."""
-    graph = run_passes(spec)
-    plan, _ = lowered(spec)
-    per_sm = blocks_per_sm(spec, plan)
+    graph = run_passes(spec, H200)
+    plan, _ = lowered(spec, H200, graph)
+    per_sm = blocks_per_sm(spec, plan, H200)
     nq = spec.problem.queries_per_seq or seqlen
     trace = forward_trace(graph, nq, seqlen, per_sm)
     model = hbm_traffic(graph, 1, 1, nq, seqlen, blocks_per_sm=per_sm)
@@ -89,7 +90,7 @@ def _kernel(fid, trace, spec, model, big, title, real, rq, rk) -> dict:
 
 def space_figure_and_pick(fid: str, space: SpecSpace, real: RealShape):
     """The space's budgets-and-ranking figure and the model's pick (None when no config is buildable)."""
-    from ..layout import layout_of
+    from ..families import layout_of
     from ..layout.backward import backward_layout
     from ..schedule.cost import Shape
     from ..tune import backward as tune_backward

@@ -163,10 +163,10 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
     seqlen q (4096 for decode)."""
     graph = run_passes(spec, limits)
-    plan, no_plan = lowered(spec)
+    plan, no_plan = lowered(spec, limits, graph)
     nq = seqlen_q or spec.problem.queries_per_seq or 4096
     nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
-    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan))
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan, limits))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask "
@@ -223,12 +223,12 @@ def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: 
     return lines
 
 
-def lowered(spec: KernelSpec):
-    """(the lowered plan, None), or (None, why not) for a family without a CUDA template."""
+def lowered(spec: KernelSpec, limits: DeviceLimits, graph):
+    """(the plan lowered from `graph`, None), or (None, why not) for a family without a CUDA template."""
     from ..errors import SpecError
     from ..families import lower
     try:
-        return lower(spec), None
+        return lower(spec, limits, graph=graph), None
     except SpecError as err:
         return None, str(err).splitlines()[0]
 
@@ -293,12 +293,12 @@ def to_dot(graph: ScheduleGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def blocks_per_sm(spec, plan) -> int:
+def blocks_per_sm(spec, plan, limits: DeviceLimits) -> int:
     """Resident blocks per SM of the lowered decode kernel (the estimate before compiling)."""
     if spec.family is not Family.DECODE or plan is None:
         return 1
     from ..lower.decode import decode_blocks_per_sm
-    return decode_blocks_per_sm(plan)
+    return decode_blocks_per_sm(plan, limits)
 
 
 def _launch_order_line(spec, layout, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:

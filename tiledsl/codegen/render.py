@@ -56,7 +56,7 @@ def header(name: str) -> str:
 
 
 def render(plan: KernelPlan) -> str:
-    if not plan.template:   # a lowering called directly: families.lower names the template
+    if not plan.template:   # families.lower hands every lowering its row's template
         raise ValueError(f"{plan.kernel_name}: the plan names no template (lower it with tiledsl.families.lower)")
     return environment().get_template(plan.template).render(plan=plan)
 

@@ -1,5 +1,5 @@
 """The schedule `tiledsl.attention` runs where the tuned table (dispatch/tuned.py) has no entry: a small
-candidate set per family, filtered by the layout pass (layout.layout_of refuses what does not fit)
+candidate set per family, filtered by the layout pass (families.layout_of refuses what does not fit)
 and ranked without a GPU.
 
   prefill (fa2): tile q 64/128 x tile kv 32/64/128 x 4/8 warps x 1/2 stages on mma.sync, plus
@@ -24,7 +24,7 @@ import functools
 import itertools
 
 from ..errors import RuntimeInputError, SpecError
-from ..layout import layout_of
+from ..families import layout_of
 from ..schedule.cost import Resources
 from ..spec import AUTO, DECODE_MAX_QUERIES, Axis, DType, KernelSpec, Mask, Mma, Problem, Schedule
 

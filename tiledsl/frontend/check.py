@@ -4,10 +4,9 @@ Two kinds of check, in this order:
   1. each written value on its own (types, ranges, names), at the value's span; a bad option
      inside `in {...}` is an error too, since no config could use it;
   2. the rules between values (family features, warps vs tile), then the kernel's layout
-     (layout.layout_of: the shapes its template needs, shared memory, registers, threads; the
-     lowering calls the same function), run on a whole KernelSpec by `validate`. For a space they run per config and
-     turn into rejections; a space
-     with no legal config is an error.
+     (families.layout_of: the shapes its template needs, shared memory, registers, threads; the
+     lowering reads the same function), run on a whole KernelSpec by `validate`. For a space they
+     run per config and turn into rejections; a space with no legal config is an error.
 Defaults are those of spec.Schedule, except a few that depend on the family (see `schedule_with_defaults`)."""
 from __future__ import annotations
 

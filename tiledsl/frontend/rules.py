@@ -1,12 +1,13 @@
 """The rules between a spec's values, run on a whole KernelSpec: family features, warps against tiles, the
-warpgroup register budget, the backward block's rules; then the kernel's layout (the same layout_of the
-lowering calls), so `check` refuses what `compile` refuses. Also the defaults that depend on the family."""
+warpgroup register budget, the backward block's rules; then the kernel's layout (families.layout_of,
+the layout the lowering is handed), so `check` refuses what `compile` refuses. Also the defaults that
+depend on the family."""
 from __future__ import annotations
 
 from ..device_limits import H200
 from ..errors import SpecError
 from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
-from ..layout import layout_of
+from ..families import layout_of
 from ..layout.backward import backward_has_template, backward_layout
 from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
 from . import check_backward

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..device_limits import SMEM_RESERVED_PER_BLOCK, DeviceLimits, resident_blocks
 from ..errors import SpecError
 from ..hw import MMA_K, PANEL_COLUMNS
-from ..spec import DType, Family, KernelSpec
+from ..spec import DType, Family, KernelSpec, LoopOrder
 
 SMEM_ALIGN = 128           # every buffer of the mma.sync kernels starts on a 128-byte line
 
@@ -54,6 +54,7 @@ class Layout:
     limit_reason: str          # what limits resident_blocks: registers | shared | threads | blocks
     blocks_by_shared: int      # blocks per SM that shared memory alone allows
     stages: int = 1
+    tile_kv: int = 0           # keys per kv tile: the spec's, or a layout override's (decode variants)
     rows_per_warp: int = 0
     keys_per_warp: int = 0
     q_in_registers: bool = False
@@ -106,6 +107,16 @@ def refuse(spec: KernelSpec, key: str, message: str, hint: str = ""):
 def require(ok: bool, spec: KernelSpec, key: str, message: str, hint: str = "") -> None:
     if not ok:
         refuse(spec, key, message, hint)
+
+
+def loop_order_rules(spec: KernelSpec) -> None:
+    """The loop orders a family's kernels are built for (checked before any layout, modelled or not)."""
+    if spec.family is Family.FA1 and spec.schedule.split_kv != 1:
+        refuse(spec, "split", "split kv needs the q-outer order (FA1 already walks kv tiles outermost)",
+               "use `order q, kv` or drop `split`")
+    if spec.family is Family.HOPPER and spec.schedule.order is LoopOrder.KV_OUTER:
+        refuse(spec, "order", "warp-specialized kernels are built for the q-outer order",
+               "use `order q, kv` with warpgroups")
 
 
 def cp_async_pending(family: Family, stages: int, tile: str, prefetch_first: bool = True) -> int:
@@ -161,6 +172,7 @@ def finish(spec: KernelSpec, family: str, limits: DeviceLimits, buffers: list[Bu
     the Layout with resident blocks (`launch_registers`: what a thread holds at launch, where that
     is not the estimate: a warp-specialized kernel's warpgroups re-balance theirs afterwards)."""
     estimate = sum(r.amount for r in registers)
+    extra.setdefault("tile_kv", spec.schedule.tile_kv)
     layout = Layout(family, limits.arch, tuple(buffers), smem, limits.max_shared_per_block, tuple(registers), estimate,
                     register_limit or thread_register_limit(threads, limits), threads, min_blocks,
                     *resident_blocks(limits, launch_registers or estimate, threads, smem),

@@ -79,7 +79,7 @@ def decode_layout(spec: KernelSpec, limits: DeviceLimits, stages: int | None = N
                  f"min blocks {s.min_blocks} per SM: shared memory ({smem} B a block) allows 1..{by_shared}")
         min_blocks = s.min_blocks
     return finish(spec, "decode", limits, buffers, smem, registers, threads, min_blocks, stages=stages,
-                   rows_per_warp=s.tile_q, keys_per_warp=keys_per_warp, q_in_registers=q_in_registers)
+                   tile_kv=tile_kv, rows_per_warp=s.tile_q, keys_per_warp=keys_per_warp, q_in_registers=q_in_registers)
 
 
 # How decode turns an FP8 (e4m3) KV cache into MMA operands; the first is the default.

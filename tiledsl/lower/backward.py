@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..device_limits import H200
+from ..device_limits import H200, DeviceLimits
 from ..errors import SpecError
 from .fa2_wgmma import WgmmaAsm
 from ..schedule.backward import build_backward_graph
@@ -81,21 +81,22 @@ def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
     return body
 
 
-def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], **wgmma_options) -> BackwardPlan:
-    """The plan of `spec`'s backward module; SpecError at the backward line when no template builds it.
-    `dq_vector`: fp32 values per dQ atomic (4 or 2; bench/backward_ab.py compares them)."""
+def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], limits: DeviceLimits = H200,
+                   **wgmma_options) -> BackwardPlan:
+    """The plan of `spec`'s backward module on `limits`; SpecError at the backward line when no template
+    builds it. `dq_vector`: fp32 values per dQ atomic (4 or 2; bench/backward_ab.py compares them)."""
     if dq_vector not in BACKWARD_DQ_VECTORS:
         raise ValueError(f"dq_vector must be one of {BACKWARD_DQ_VECTORS}, got {dq_vector}")
     why = backward_has_template(spec)
     if not why and spec.backward.mma is Mma.WGMMA:
-        return lower_backward_wgmma(spec, dq_vector, **wgmma_options)
+        return lower_backward_wgmma(spec, dq_vector, limits, **wgmma_options)
     if why:
         key = "backward.order" if "kv outer" in why else "backward.dq" if "wgmma" in why else \
             "backward.dq" if "dq" in why else "dtype" if "fp16" in why else "backward"
         raise SpecError(why, spec.span_of(key), spec.source_text, "`tiledsl explain` and tiledsl.reference.backward "
                         "take it; the template builds `order kv, q`, mma.sync, dq atomic or separate")
     p, b = spec.problem, spec.backward
-    lay = backward_layout(spec, H200)
+    lay = backward_layout(spec, limits)
     main = lay.main
     atomic = b.dq is DqAccumulate.ATOMIC
     qk_row, qk_sw = tile_row_bytes(p.head_dim_qk)
@@ -176,13 +177,11 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], **
 
 def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv, template=TEMPLATE,
           **extra) -> BackwardPlan:
-    from dataclasses import replace
-    plan = make_plan(spec, Family.FA2, consts, regions, body,
+    return make_plan(spec, Family.FA2, template, consts, regions, body,
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=spec.backward.tile_q),
                      main.min_blocks_per_sm, main.register_estimate, kernel_name=backward_kernel_name(spec),
                      plan_class=BackwardPlan, kernel_names=names, dq_mode="atomic" if atomic else "separate",
                      tile_kv=tile_kv, dq_launch=dq_launch, **extra)
-    return replace(plan, template=template)
 
 
 # ---- wgmma (templates/backward_wgmma.cu.j2) -------------------------------------------------------
@@ -222,7 +221,7 @@ def _wrappers(br: int, d: int, dv: int, dq_cols: int) -> tuple[tuple[BackwardWgm
     return tuple(wrappers.values()), names
 
 
-def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None = None,
+def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, limits: DeviceLimits = H200, dv_order: str | None = None,
                          dv_waited: bool | None = None, dq_staged: bool | None = None) -> BackwardPlan:
     """`dv_order` ("early" | "late") and `dv_waited` (early only: dS^T waits for dV's wgmma too, so
     P^T's fragments die first): layout.backward_wgmma_dv_schedule's choice unless given (A/B).
@@ -230,7 +229,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, dv_order: str | None 
     coalesced, after the next step's S^T, dP^T wgmmas (default: where the layout has the buffer); else
     each thread's accumulators are added straight from registers (dq_vector wide)."""
     p, b = spec.problem, spec.backward
-    lay = backward_layout(spec, H200)
+    lay = backward_layout(spec, limits)
     staging = next((x for x in lay.main.buffers if x.name == "dQ_i staging"), None)
     dq_staged = staging is not None if dq_staged is None else dq_staged
     if dq_staged and staging is None:

@@ -13,21 +13,18 @@ Sizes come from layout/ (its _decode); the template only names them.
 """
 from __future__ import annotations
 
-from ..device_limits import H200, resident_blocks
 from dataclasses import dataclass, replace
 
-from ..schedule.ops import Op
-from ..schedule.graph import build_graph
+from ..device_limits import H200, DeviceLimits, resident_blocks
+from ..layout.base import Layout, cp_async_pending, tile_row_bytes
 from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_convert_of, kv_stage_row_bytes,
     kv_stage_swizzled)
-from ..layout.base import cp_async_pending
-from ..layout import layout_of
+from ..schedule.graph import ScheduleGraph
+from ..schedule.ops import Op
+from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
+from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
 from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, page_constants,
     smem_constants, softmax_constants, tile_row_constants)
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
-from ..layout.base import tile_row_bytes
-from ..schedule.passes import run_passes
-from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,8 @@ def paged_constants(page_size: int, walk: str) -> list[Constant]:
                  "whole pages tile a warp's key slice: one block-table read per page")]
 
 
-def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True) -> tuple[LoopOp, ...]:
+def decode_loop_body(spec: KernelSpec, graph: ScheduleGraph, stages: int,
+                     prefetch_first: bool = True) -> tuple[LoopOp, ...]:
     """The kv loop of one split, in the scheduler graph's emission order. Each warp runs it on its
     own key slice of every tile (the graph's warp-scope loads and waits): it loads the slice it
     multiplies, so waits and buffer reuse are per warp (a warp barrier, no block barrier), and keeps
@@ -84,8 +82,8 @@ def decode_loop_body(spec: KernelSpec, stages: int, prefetch_first: bool = True)
     K_{j+1} loads during the softmax and P V of tile j, V_{j+1} during Q K_{j+1}^T. With 2+ stages
     the warp refills the buffer it finished last step with tile j+S-1 before it waits for tile j
     (`prefetch_first`), so S tiles are in flight while it waits, not S-1; waiting first (the order
-    a block-wide barrier forces) holds the refill back until tile j has landed."""
-    graph = run_passes(_with_stages(spec, stages), check_legality=False)   # the order, for any variant
+    a block-wide barrier forces) holds the refill back until tile j has landed. The graph's op order
+    is the same at any depth: a variant's `stages` (a layout override) changes only where the loads go."""
 
     def lower_op(name: str, op: Op) -> list[LoopOp]:
         where = spec_line(spec, op.key or "order")
@@ -141,22 +139,15 @@ def _refill(t: str, where: str) -> list[LoopOp]:
                    distance=1)]
 
 
-def _with_stages(spec: KernelSpec, stages: int) -> KernelSpec:
-    return replace(spec, schedule=replace(spec.schedule, stages=stages))
-
-
-def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | None = None,
+def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str,
                  prefetch_first: bool = True) -> KernelPlan:
-    """The decode plan. `stages` / `tile_kv` / `prefetch_first` override the spec's or the default
-    (benchmarks compare variants)."""
+    """The decode plan. The layout's stages and tile kv are the spec's, or a variant's (the layout
+    overrides `stages` / `tile_kv`: benchmarks compare variants, named apart); `prefetch_first` False
+    waits for tile j before refilling (see decode_loop_body)."""
     p, s = spec.problem, spec.schedule
-    stages = s.stages if stages is None else stages
-    tile_kv = s.tile_kv if tile_kv is None else tile_kv
-    require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
-             f"the decode template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
+    stages, tile_kv = lay.stages, lay.tile_kv
     require(p.queries_per_seq is not None and p.queries_per_seq >= 1, spec, "queries",
              "the decode template needs `queries = N` (N >= 1)")
-    lay = layout_of(spec, H200, stages=stages, tile_kv=tile_kv)
     threads, keys_per_warp, smem, q_in_registers = lay.threads, lay.keys_per_warp, lay.smem_bytes, lay.q_in_registers
     m_tiles, min_blocks_per_sm = s.tile_q // 16, lay.min_blocks_per_sm
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
@@ -228,21 +219,22 @@ def lower_decode(spec: KernelSpec, stages: int | None = None, tile_kv: int | Non
                                                      s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     if not prefetch_first:
         name += "__wait_first"
-    return make_plan(spec, Family.DECODE, consts, regions, decode_loop_body(spec, stages, prefetch_first),
+    return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
+                                                                                       prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
                      lay.register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope=build_graph(spec).op("load_k").scope,
+                     kernel_name=name, notes=notes, kv_load_scope=graph.op("load_k").scope,
                      mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk,
                      kv_fp8=p.kv_fp8, fp8_convert=fp8_convert_of(spec))
 
 
-def decode_blocks_per_sm(plan: KernelPlan) -> int:
+def decode_blocks_per_sm(plan: KernelPlan, limits: DeviceLimits = H200) -> int:
     """Resident blocks per SM before compiling (explain, the traffic model): device_limits'
-    resident_blocks on the H200 from the plan's estimates, but no more than the launch bounds
+    resident_blocks on `limits` from the plan's estimates, but no more than the launch bounds
     promise ptxas (min_blocks_per_sm): past that ptxas may use up to 255 registers a thread, and 3
     blocks of 128 threads at more than 170 registers do not fit. The runtime counts with the
     compiled kernel's registers instead (Kernel.slots)."""
-    per_sm, _ = resident_blocks(H200, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
+    per_sm, _ = resident_blocks(limits, plan.register_estimate, plan.launch.threads, plan.launch.smem_bytes)
     return max(1, min(per_sm, plan.min_blocks_per_sm))
 
 

@@ -19,19 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..device_limits import H200
+from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op, OpKind
 from ..layout.fa1 import FA1_COMBINE_PAD_FLOATS
-from ..layout.base import Buffer, cp_async_pending
-from ..layout import layout_of
+from ..layout.base import Buffer, Layout, cp_async_pending, tile_row_bytes
 from .plan import Constant, KernelPlan, KvRange, Launch, LoopOp, Region, make_plan
-from .steps import (require, spec_line, graph_loop_body, kv_buffer_constants, smem_constants, softmax_constants,
+from .steps import (spec_line, graph_loop_body, kv_buffer_constants, smem_constants, softmax_constants,
     tile_row_constants)
-from ..layout.base import tile_row_bytes
-from ..schedule.passes import run_passes
-from ..spec import Axis, DType, Family, KernelSpec
-
-SHARED_LIMIT = H200.max_shared_per_block   # sm_90 opt-in shared memory per block (227 KB)
+from ..spec import Axis, Family, KernelSpec
 
 
 @dataclass(frozen=True)
@@ -48,14 +43,13 @@ class Fa1Plan(KernelPlan):
         return (("loop_kv", self.kv_step), ("loop_q", self.loop_body), ("loop_rows", self.pass_body))
 
 
-def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], ...]:
+def fa1_loop_bodies(spec: KernelSpec, graph: ScheduleGraph, stages: int) -> tuple[tuple[LoopOp, ...], ...]:
     """FA1's three loop bodies in the scheduler graph's emission order: the kv step (make K_j, V_j
     resident), the q loop (Q_i in) and the row pass (the paper's Algorithm 1 lines 8-13).
 
     K_j and V_j are one cp.async group, waited for once. With 2+ stages tile j+S-1 is prefetched
     right after tile j has landed, into the buffer tile j-1 used, and overlaps the whole q loop of
     tile j; with one stage the tile is loaded at the top of its own step."""
-    graph = run_passes(spec, check_legality=False)   # lower_fa1 checks what its template needs
     split_k = graph.has(OpKind.COMBINE_WARPS)
 
     def lower_op(name: str, op: Op) -> list[LoopOp]:
@@ -106,11 +100,8 @@ def fa1_loop_bodies(spec: KernelSpec, stages: int) -> tuple[tuple[LoopOp, ...], 
     return tuple(graph_loop_body(graph, loop, lower_op) for loop in ("loop_kv", "loop_q", "loop_rows"))
 
 
-def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows: int | None = None) -> KernelPlan:
+def lower_fa1(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str) -> KernelPlan:
     p, s = spec.problem, spec.schedule
-    require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
-             f"the fa1 template computes with fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
-    lay = layout_of(spec, H200, min_blocks_per_sm=min_blocks_per_sm, pass_rows=pass_rows)
     split_k = s.warp_axis is Axis.KV
     rows_per_warp, keys_per_warp, threads, smem = lay.rows_per_warp, lay.keys_per_warp, lay.threads, lay.smem_bytes
     m_tiles = rows_per_warp // 16
@@ -148,7 +139,7 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
         *softmax_constants(p),
     ]
     order = spec_line(spec, "order")
-    kv_step, per_tile, per_pass = fa1_loop_bodies(spec, s.stages)
+    kv_step, per_tile, per_pass = fa1_loop_bodies(spec, graph, s.stages)
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
                            "the kv tiles each q tile can see; tiles no q tile sees are never loaded"),
@@ -161,7 +152,7 @@ def lower_fa1(spec: KernelSpec, min_blocks_per_sm: int | None = None, pass_rows:
     }
     notes = (f"workspace: O fp32 (batch, heads, q_len, {p.head_dim_v}), m and l fp32 (batch, heads, q_len); "
              "allocated by the runtime per call, never initialised (a q tile's first kv tile starts from empty)",)
-    return make_plan(spec, Family.FA1, consts, regions, per_tile,
+    return make_plan(spec, Family.FA1, template, consts, regions, per_tile,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,

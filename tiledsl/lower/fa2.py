@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..device_limits import H200
-from ..layout import layout_of
-from ..layout.base import cp_async_pending, mma_width, tile_row_bytes
+from ..layout.base import Layout, cp_async_pending, mma_width, tile_row_bytes
 from ..layout.fa2 import fa2_page_ring, fa2_page_walk
+from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
-from ..schedule.passes import run_passes
-from ..spec import DType, Family, KernelSpec
+from ..spec import Family, KernelSpec
 from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
 from .steps import (
     LOOP_TEXT,
     graph_loop_body,
     kv_buffer_constants,
     page_constants,
-    require,
     smem_constants,
     softmax_constants,
     spec_line,
@@ -25,7 +22,7 @@ from .steps import (
 )
 
 
-def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
+def fa2_loop_body(spec: KernelSpec, graph: ScheduleGraph, stages: int) -> tuple[LoopOp, ...]:
     """The kv loop of FA2, in the scheduler graph's emission order (passes.emission_order).
 
     The graph orders the tile ops by data dependence; lowering places the K/V loads by the
@@ -60,7 +57,7 @@ def fa2_loop_body(spec: KernelSpec, stages: int) -> tuple[LoopOp, ...]:
             return []   # folded into the K/V loads: each thread reads the entries of the rows it copies
         raise AssertionError(f"fa2 lowering has no CUDA for graph op {name} ({kind})")
 
-    return graph_loop_body(run_passes(spec), "loop_kv", lower_op)
+    return graph_loop_body(graph, "loop_kv", lower_op)
 
 
 def fa2_regions(spec: KernelSpec, q_layout: str = "", kv_loop_note: str = "") -> dict:
@@ -81,12 +78,9 @@ def fa2_regions(spec: KernelSpec, q_layout: str = "", kv_loop_note: str = "") ->
     }
 
 
-def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_registers: bool | None = None) -> KernelPlan:
-    """The fa2 plan on mma.sync (`mma wgmma` specs are lower_wgmma's: families.FAMILIES picks)."""
+def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str) -> KernelPlan:
+    """The fa2 plan on mma.sync (`mma wgmma` specs are lower_fa2_wgmma's: families.FAMILIES picks)."""
     p, s = spec.problem, spec.schedule
-    require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
-             f"the fa2 template computes in fp16 or bf16 tensor cores, not {p.dtype.value}", "dtype = bf16 or fp16")
-    lay = layout_of(spec, H200, min_blocks_per_sm=min_blocks_per_sm, q_in_registers=q_in_registers)
     rows_per_warp, m_tiles, threads = lay.rows_per_warp, lay.rows_per_warp // 16, lay.threads
     qk_row, qk_swizzle = tile_row_bytes(p.head_dim_qk)
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
@@ -136,7 +130,7 @@ def lower_fa2(spec: KernelSpec, min_blocks_per_sm: int | None = None, q_in_regis
                                           f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots
                                           else ", read inline)"))
         paged = {"kv_pages": walk}
-    return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
+    return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"), **paged)
 

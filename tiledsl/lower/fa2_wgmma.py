@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..device_limits import H200
 from ..hw import WARPGROUP_WARPS
-from ..layout import layout_of
-from ..layout.base import tile_row_bytes
+from ..layout.base import Layout, tile_row_bytes
+from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
-from ..spec import DType, Family, KernelSpec
+from ..spec import Family, KernelSpec
 from .fa2 import fa2_loop_body, fa2_regions
 from .plan import Constant, KernelPlan, Launch, make_plan
-from .steps import kv_buffer_constants, mma_instruction, require, smem_constants, softmax_constants
+from .steps import kv_buffer_constants, mma_instruction, smem_constants, softmax_constants
 
 
 @dataclass(frozen=True)
@@ -44,13 +43,10 @@ class WgmmaAsm:
         return cls(n, registers, tuple(range(registers)), tuple(range(registers, registers + operands_after)))
 
 
-def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
+def lower_fa2_wgmma(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str) -> KernelPlan:
     p, s = spec.problem, spec.schedule
-    require(p.dtype in (DType.FP16, DType.BF16), spec, "dtype",
-             f"wgmma computes in fp16 or bf16 here, not {p.dtype.value}", "dtype = bf16 or fp16")
-    lay = layout_of(spec, H200)
     warpgroups, threads, smem = s.warps // WARPGROUP_WARPS, lay.threads, lay.smem_bytes
-    mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
+    mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     v_row, v_swizzle = tile_row_bytes(p.head_dim_v)
     q, k, v = lay.buffer("Q"), lay.buffer("K"), lay.buffer("V")
 
@@ -73,7 +69,7 @@ def lower_fa2_wgmma(spec: KernelSpec) -> KernelPlan:
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
-    return make_plan(spec, Family.FA2, consts, regions, fa2_loop_body(spec, s.stages),
+    return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5))

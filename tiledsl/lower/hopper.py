@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..device_limits import H200
 from ..hw import PANEL_ROW_BYTES, WARPGROUP_THREADS
-from ..layout import layout_of
+from ..layout.base import Layout
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
-from ..schedule.passes import emission_order, run_passes
+from ..schedule.passes import emission_order
 from ..spec import Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
@@ -101,11 +100,10 @@ def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i:
     return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
 
 
-def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperPlan:
+def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str,
+                 empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
-    lay = layout_of(spec, H200)   # every size and every resource rule of the family
-    graph = run_passes(spec, H200)
     bars = graph.barriers
     consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
     q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
@@ -152,7 +150,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         *softmax_constants(p),
     ]
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
-    mma_qk, mma_pv = mma_instruction(spec)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
+    mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
                            "the kv tiles this query tile can see (tiles past the diagonal or outside the window are "
@@ -173,7 +171,7 @@ def lower_hopper(spec: KernelSpec, empty_arrivals: int | None = None) -> HopperP
         "epilogue": Region(spec_line(spec, "order"),
                            "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
     }
-    return make_plan(spec, Family.HOPPER, consts, regions, body,
+    return make_plan(spec, Family.HOPPER, template, consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),

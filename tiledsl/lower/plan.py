@@ -99,14 +99,14 @@ def spec_lines(spec: KernelSpec) -> tuple[str, ...]:
     return tuple(line.rstrip() for line in lines)
 
 
-def make_plan(spec: KernelSpec, family: Family, constants, regions: dict, loop_body, launch: Launch,
+def make_plan(spec: KernelSpec, family: Family, template: str, constants, regions: dict, loop_body, launch: Launch,
               min_blocks_per_sm: int, register_estimate: int, kernel_name: str | None = None,
               plan_class: type = None, **extra) -> KernelPlan:
-    """A KernelPlan (or the family's subclass, `plan_class`) with the fields every family fills
-    the same way (names, hashes, the spec's lines and full config for the generated file's header).
-    The template is left empty: families.lower fills it in from the family's row."""
+    """A KernelPlan (or the family's subclass, `plan_class`) rendered by `template` (the family row's,
+    handed to the lowering by families.lower), with the fields every family fills the same way (names,
+    hashes, the spec's lines and full config for the generated file's header)."""
     return (plan_class or KernelPlan)(
-        kernel_name=kernel_name or spec.kernel_name, family=family.value, template="",
+        kernel_name=kernel_name or spec.kernel_name, family=family.value, template=template,
         tiledsl_version=__version__, source_file=Path(spec.source_file).name,
         config_hash=spec.config_hash, spec_lines=spec_lines(spec),
         config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),

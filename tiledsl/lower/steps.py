@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..layout.base import Layout
-from ..schedule.graph import ScheduleGraph, build_graph
+from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..schedule.passes import emission_order
 from ..spec import KernelSpec, Mask
@@ -101,9 +101,8 @@ def _prefetch_target(step: LoopOp) -> dict:
     return {"tile": f"tile + {step.distance}", "stage": f"(stage + {step.distance}) % C::STAGES"}
 
 
-def mma_instruction(spec: KernelSpec) -> tuple[Op, Op]:
+def mma_instruction(graph: ScheduleGraph) -> tuple[Op, Op]:
     """The graph's two MMA ops (mma_qk, mma_pv), which carry the tensor-core instruction."""
-    graph = build_graph(spec)
     return graph.op("mma_qk"), graph.op("mma_pv")
 
 

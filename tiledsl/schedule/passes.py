@@ -22,8 +22,8 @@ import networkx as nx
 from ..device_limits import H200, DeviceLimits
 from .ops import Barrier, EdgeKind, OpKind, Role, Space
 from .graph import ScheduleGraph, build_graph, kv_groups
-from ..layout.base import cp_async_pending
-from ..layout import layout_of
+from ..layout.base import Layout, cp_async_pending
+from ..families import layout_of
 from ..spec import AUTO, DTYPE_BYTES, Family, KernelSpec
 
 
@@ -151,13 +151,15 @@ class WarpRoles(Pass):
 
 class Legality(Pass):
     """Every size and resource rule lives in layout/ (the lowerings and the checker read the same
-    Layout); this pass attaches it to the graph for explain."""
+    Layout, through families.layout_of); this pass attaches the kernel's layout to the graph -- the
+    one handed to run_passes (families.lower computes it once), else the spec's."""
     name = "legality"
     requires = frozenset({"shapes", "stages", "roles"})
     ensures = frozenset({"legal"})
 
     def run(self, graph, limits):
-        graph.layout = layout_of(graph.spec, limits)
+        if graph.layout is None:
+            graph.layout = layout_of(graph.spec, limits)
 
     def verify(self, graph):
         b = graph.layout
@@ -289,11 +291,15 @@ class PassManager:
         return graph
 
 
-def run_passes(spec: KernelSpec, limits: DeviceLimits = H200, check_legality: bool = True) -> ScheduleGraph:
-    """Build `spec`'s graph and run every pass. Legality can be left out (the float64 reference
-    executes any tiling, legal on a GPU or not)."""
+def run_passes(spec: KernelSpec, limits: DeviceLimits = H200, check_legality: bool = True,
+               layout: Layout | None = None) -> ScheduleGraph:
+    """Build `spec`'s graph and run every pass; `layout` is the kernel's layout when the caller has it
+    (families.lower), so the legality pass attaches it instead of computing it again. Legality can be
+    left out (the float64 reference executes any tiling, legal on a GPU or not)."""
     passes = [p for p in DEFAULT_PASSES if check_legality or "legal" not in p.requires | p.ensures]
-    return PassManager(passes).run(build_graph(spec), limits)
+    graph = build_graph(spec)
+    graph.layout = layout
+    return PassManager(passes).run(graph, limits)
 
 
 def emission_order(graph: ScheduleGraph) -> list[str]:

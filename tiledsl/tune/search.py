@@ -193,7 +193,7 @@ def plan_candidates(space: SpecSpace, shape: Shape, limits: DeviceLimits = H200,
     for c in candidates:
         try:
             graph = run_passes(c.spec, limits)
-            lower(c.spec)
+            lower(c.spec, limits, graph=graph)
         except SpecError as err:
             c.status, c.reason = "illegal", err.message
             continue
