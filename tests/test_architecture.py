@@ -28,7 +28,7 @@ LAYERS = {
     "lower": 3,
     "codegen": 4, "runtime": 4,
     "families": 5, "reference": 5,
-    "dispatch": 6, "serving": 7, "tune": 7,
+    "dispatch": 6, "serving": 7, "tune": 7, "distributed": 7,
     "api": 8, "cli": 9,
 }
 
