@@ -227,7 +227,8 @@ def test_uneven_shards_and_bad_shards_are_refused_by_name():
         return str(err.value)
     messages = LocalRing(3).run(body)
     assert len(set(messages)) == 1
-    assert "differ in tokens (rank 0: 8, rank 1: 10, rank 2: 8)" in messages[0] and "tiledsl.distributed.shard" in messages[0]
+    assert "differ in tokens (rank 0: 8, rank 1: 10, rank 2: 8)" in messages[0]
+    assert "tiledsl.distributed.shard" in messages[0]
     single = LocalRing(1).endpoint(0)
     x = torch.randn(1, 2, 9, 16, dtype=torch.float64)
     with pytest.raises(RuntimeInputError, match="q has 9 tokens on rank 0; a zigzag shard holds two equal chunks"):
@@ -271,3 +272,65 @@ def test_the_ring_on_gloo_processes_matches_full_attention_and_refuses_uneven_sh
         _check(case, SEED + i, [s["results"][i] for s in saved])
     for s in saved:
         assert f"differ in tokens (rank 0: 10, {', '.join(f'rank {r}: 8' for r in range(1, world))})" in s["uneven"]
+
+
+def test_the_kernel_engine_hands_the_kernels_what_they_take(monkeypatch):
+    """KernelBlocks' plumbing on the CPU, its kernels replaced by float64 stand-ins that check their inputs the
+    way the GPU entry points do (views with unit last stride, a contiguous fp32 LSE, nothing needing grad); the
+    fp32 accumulators then hold the ring's answer to fp32 rounding."""
+    torch = pytest.importorskip("torch")
+    from tests import attention_reference as ref
+    from tiledsl.dispatch import backward as dispatch_backward, tuned
+    from tiledsl.distributed import LocalRing, blocks as engines, ring_backward, ring_forward
+
+    def forward(q, k, v, causal=False, window=None, scale=None, kv_lens=None):
+        assert window is None and kv_lens is None and not q.requires_grad and q.stride(-1) == 1
+        o, lse = ref.attention(q, k, v, causal=causal, scale=scale)
+        return o, lse.float()
+
+    def attention_backward(q, k, v, o, lse, do, *, causal=False, window=None, scale=None, kv_lens=None,
+                           deterministic=False):
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and o.shape == do.shape
+        assert not any(x.requires_grad for x in (q, k, v, o, do))
+        # the kernels recompute P from the LSE they are given: check the stand-in does the same
+        return _recomputed_gradients(q, k, v, o, lse.double(), do, causal, scale)
+
+    monkeypatch.setattr(tuned, "forward", forward)
+    monkeypatch.setattr(dispatch_backward, "attention_backward", attention_backward)
+
+    class StandIn(engines.KernelBlocks):
+        """The kernel engine with the GPU merge kernel's contract checked and the float64 merge run instead."""
+        name = "kernels on the CPU"
+
+        def merge(self, o_acc, lse_acc, o, lse, row_start):
+            assert o_acc.dtype == lse_acc.dtype == torch.float32 and o_acc.is_contiguous()
+            engines.merge_float64(o_acc, lse_acc, o, lse.contiguous(), row_start)
+    case = Case(3, "zigzag", True, heads=4, kv_heads=2, tokens=36)
+    q, k, v, do = global_inputs(torch, case, SEED)
+    o64, lse64, dq64, dk64, dv64 = full_attention(case, q, k, v, do)
+
+    def body(endpoint):
+        mine = [shard(x, endpoint.rank, case.world, case.layout) for x in (q, k, v, do)]
+        o_acc, lse = ring_forward(*mine[:3], endpoint, causal=True, blocks=StandIn())
+        assert o_acc.dtype == torch.float32
+        grads = ring_backward(*mine[:3], o_acc.double(), lse, mine[3], endpoint, causal=True, blocks=StandIn())
+        return o_acc, lse, *grads
+    ranks = LocalRing(case.world).run(body)
+    fp32 = 2.0 ** -17
+    for i, want in enumerate((o64, lse64, dq64, dk64, dv64)):
+        got = unshard([r[i] for r in ranks], case.layout)
+        assert got.dtype == torch.float32 and ref.max_relative_error(got, want) < fp32, i
+
+
+def _recomputed_gradients(q, k, v, o, lse, do, causal, scale):
+    """FlashAttention's backward from the given O and LSE (what the GPU kernels compute), in float64."""
+    import torch
+    from tests import attention_reference as ref
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seen = ref.visible_keys(q.shape[2], k.shape[2], q.shape[0], causal)
+    p = torch.exp((q @ kr.transpose(-1, -2)) * scale - lse.unsqueeze(-1)) * seen
+    ds = p * (do @ vr.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    fold = lambda x: x.unflatten(1, (k.shape[1], group)).sum(2)   # noqa: E731
+    return scale * ds @ kr, fold(scale * ds.transpose(-1, -2) @ q), fold(p.transpose(-1, -2) @ do)

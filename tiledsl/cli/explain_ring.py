@@ -40,5 +40,5 @@ def run(args: argparse.Namespace) -> int:
                                    None if args.link_gbps is None else args.link_gbps * 1e9)
     except RuntimeInputError as err:
         raise CliError(str(err)) from None
-    print(json.dumps(explanation.as_dict(), indent=1) if args.json else explanation.text(), end="\n" if args.json else "")
+    print(json.dumps(explanation.as_dict(), indent=1) if args.json else explanation.text().rstrip("\n"))
     return 0

@@ -96,8 +96,8 @@ class RingExplanation:
         lines = [f"ring attention: {self.ranks} ranks, {self.layout}, {'causal' if self.causal else 'no mask'}; "
                  f"{self.seqlen} tokens, {local} per rank"
                  + (f" ({per} chunks of {local // per})" if per > 1 else "")
-                 + f"; batch {self.batch}, heads {self.heads} (kv {self.kv_heads}), d {self.head_dim}/{self.head_dim_v},"
-                 f" {self.dtype}",
+                 + f"; batch {self.batch}, heads {self.heads} (kv {self.kv_heads}), "
+                 f"d {self.head_dim}/{self.head_dim_v}, {self.dtype}",
                  "block kernels (what tiledsl.attention runs): " + ", ".join(self.kernels),
                  f"link: {self.link_bytes_per_s / 1e9:.0f} GB/s one way",
                  ""]
