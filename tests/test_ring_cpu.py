@@ -334,3 +334,18 @@ def _recomputed_gradients(q, k, v, o, lse, do, causal, scale):
     ds = p * (do @ vr.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
     fold = lambda x: x.unflatten(1, (k.shape[1], group)).sum(2)   # noqa: E731
     return scale * ds @ kr, fold(scale * ds.transpose(-1, -2) @ q), fold(p.transpose(-1, -2) @ do)
+
+
+def test_the_readme_torchrun_example_runs_on_gloo(tmp_path):
+    """The README's context-parallel example, as written, under torchrun with two CPU ranks (gloo, float64 blocks)."""
+    pytest.importorskip("torch")
+    import re
+    section = (ROOT / "README.md").read_text().split("\n## Context parallelism (several GPUs)\n", 1)[1]
+    example = re.search(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S).group(1)
+    script = tmp_path / "ring_example.py"
+    script.write_text(example)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "ring of 2: O (1, 4, 128, 32), dK of rank 0 (1, 2, 64, 32)" in done.stdout
