@@ -31,7 +31,7 @@ LAYERS = {
     "lower": 4,
     "codegen": 5, "runtime": 5,
     "reference": 6,
-    "dispatch": 7, "serving": 8, "tune": 8,
+    "dispatch": 7, "serving": 8, "tune": 8, "distributed": 8,
     "api": 9, "cli": 10,
 }
 

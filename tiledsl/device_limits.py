@@ -23,12 +23,13 @@ class DeviceLimits:
     l2_bytes: int
     hbm_bytes_per_s: float = 0.0    # peak HBM bandwidth (0: unknown)
     dense_flops_per_s: float = 0.0  # peak dense 16-bit tensor-core FLOP/s (0: unknown)
+    link_bytes_per_s: float = 0.0   # peak GPU-to-GPU bandwidth one way (NVLink; 0: unknown)
     warp_size: int = 32
 
 
 # NVIDIA H200 SXM (Hopper, compute capability 9.0): 228 KB shared memory per SM of which 227 KB
 # one block can opt in to, 64 K registers per SM, 132 SMs, 50 MB L2, 4.8 TB/s HBM3e,
-# 989 TFLOP/s dense bf16.
+# 989 TFLOP/s dense bf16; NVLink 4, 18 links: 900 GB/s both ways together, 450 GB/s each way.
 H200 = DeviceLimits(
     name="NVIDIA H200",
     arch="sm_90",
@@ -41,6 +42,7 @@ H200 = DeviceLimits(
     l2_bytes=50 * 1024 * 1024,
     hbm_bytes_per_s=4.8e12,
     dense_flops_per_s=989e12,
+    link_bytes_per_s=450e9,
 )
 
 
@@ -67,7 +69,7 @@ def resident_blocks(limits: DeviceLimits, registers: int, threads: int, smem_byt
 def read_device_limits(device: int = 0) -> DeviceLimits | None:
     """The limits a live GPU reports through CuPy, or None when CuPy or a GPU is not there.
 
-    Bandwidth and peak FLOP/s are not device attributes; they are kept from H200 when the
+    Bandwidths and peak FLOP/s are not device attributes; they are kept from H200 when the
     device is an sm_90 part and left 0 (unknown) otherwise."""
     try:
         import cupy   # optional: only the GPU box has it
@@ -88,7 +90,8 @@ def read_device_limits(device: int = 0) -> DeviceLimits | None:
         l2_bytes=int(props["l2CacheSize"]),
     )
     if arch == H200.arch:
-        limits = replace(limits, hbm_bytes_per_s=H200.hbm_bytes_per_s, dense_flops_per_s=H200.dense_flops_per_s)
+        limits = replace(limits, hbm_bytes_per_s=H200.hbm_bytes_per_s, dense_flops_per_s=H200.dense_flops_per_s,
+                         link_bytes_per_s=H200.link_bytes_per_s)
     return limits
 
 

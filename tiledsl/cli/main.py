@@ -15,6 +15,7 @@ from ..version import __version__
 SUBCOMMANDS = [
     ("check", "check", "parse and check specs; print each kernel's name and config"),
     ("explain", "explain", "print the loop nest, graph, on-chip budget and HBM traffic"),
+    ("explain-ring", "explain_ring", "price a context-parallel ring: per-rank work, bytes per step, compute vs link"),
     ("compile", "compile", "emit CUDA (and PTX, cubin, ptxas resources, SASS) for specs"),
     ("run", "run", "run a spec on the GPU and validate it against the float64 reference"),
     ("bench", "bench", "time specs on the GPU next to PyTorch SDPA"),
