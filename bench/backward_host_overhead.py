@@ -15,7 +15,7 @@ def main() -> int:
     import torch
     import tiledsl
     from tiledsl.dispatch.backward import attention_backward, chosen_backward_spec
-    from tiledsl.runtime.backward import kernel_for
+    from tiledsl.dispatch.kernels import BACKWARD, kernel_for
     from tiledsl.tune.bench import time_ms
     from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
@@ -24,7 +24,8 @@ def main() -> int:
         heads, n, batch = 2048 // d, 1024, 16
         q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         o, lse = tiledsl.attention(q, k, v, causal=causal, return_lse=True)
-        kern = kernel_for(chosen_backward_spec(device_arch(), DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE))
+        kern = kernel_for(chosen_backward_spec(device_arch(), DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE),
+                          BACKWARD)
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
         out = tiledsl.attention(qg, kg, vg, causal=causal)
         row = {"head_dim": d, "causal": causal, "seqlen": n, "batch": batch, "kernel": kern.name,

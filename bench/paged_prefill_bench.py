@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ab", action="store_true", help="also time in-order pages, with and without table reads")
     args = parser.parse_args(argv)
     import torch
-    from tiledsl.runtime.device import caller_stream, device_arch
-    from tiledsl.dispatch.tuned import kernel_for
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.dispatch.kernels import kernel_for
 
     kv_len = HISTORY + Q_LEN
     torch.manual_seed(0)
@@ -115,11 +115,8 @@ def main(argv=None) -> int:
         k_cache, v_cache = to_cache(k), to_cache(v)
         paged, contiguous = kernel_for(paged_spec), kernel_for(contiguous_spec)
         run_p, out_p, _ = paged.bind(q, k_cache, v_cache, table, lens)
-        views, shapes, out_c, _ = contiguous.prepare(q.transpose(1, 2), k, v)
-        views_t, shapes_t, out_t, _ = contiguous.prepare(q.transpose(1, 2), k_tok.transpose(1, 2), v_tok.transpose(1, 2))
-        stream = caller_stream(q)
-        run_c = lambda: contiguous.launch(*views, shapes, stream)  # noqa: E731
-        run_t = lambda: contiguous.launch(*views_t, shapes_t, stream)  # noqa: E731
+        run_c, out_c, _ = contiguous.bind(q.transpose(1, 2), k, v)
+        run_t, out_t, _ = contiguous.bind(q.transpose(1, 2), k_tok.transpose(1, 2), v_tok.transpose(1, 2))
         run_c(), run_t(), run_p()
         torch.cuda.synchronize()
         diff = max(float((out_p.transpose(1, 2).float() - out.float()).abs().max()) for out in (out_c, out_t))

@@ -46,7 +46,8 @@ def warmup(dims) -> int:
     import concurrent.futures
     from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
-    from tiledsl.dispatch.tuned import kernel_for, tuned_spec
+    from tiledsl.dispatch.kernels import kernel_for
+    from tiledsl.dispatch.tuned import tuned_spec
     from tiledsl.serving.varlen import varlen_spec
     arch, specs = device_arch(), []
     for d in dims:
@@ -76,8 +77,10 @@ def main() -> int:
     import torch
 
     from tiledsl.runtime.device import device_arch
+    from tiledsl.runtime.launch import replayer
     from tiledsl.spec import DType, Mask
-    from tiledsl.dispatch.tuned import kernel_for, tuned_spec
+    from tiledsl.dispatch.kernels import kernel_for
+    from tiledsl.dispatch.tuned import tuned_spec
     from tiledsl.serving.varlen import varlen_spec
     lengths = draw_lengths(args.total, args.seed)
     total, longest = sum(lengths), max(lengths)
@@ -100,8 +103,8 @@ def main() -> int:
             failed |= not ok
             print(f"d{d} causal={causal}: worst per-sequence error vs SDPA flash {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
             ms = time_ms(lambda: kernel(q, k, v, cu, cu), rep_ms=args.rep_ms)
-            launch = kernel.prepare_varlen(q, k, v, cu, cu)[2]   # the launch alone: no host sync, no checks
-            kernel_ms = time_ms(lambda: kernel.launch_function(kernel.function(), *launch), rep_ms=args.rep_ms)
+            launch = replayer(kernel.prepare_varlen(q, k, v, cu, cu)[2], q)   # the launch alone: no sync, no checks
+            kernel_ms = time_ms(launch, rep_ms=args.rep_ms)
             # the same schedule (batched layout) on a uniform batch of equal total tokens
             batched = kernel_for(tuned_spec(device_arch(), DType.BF16, d, mask)[0])
             uq, uk, uv = (torch.randn(len(lengths), heads, uniform, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -110,8 +113,8 @@ def main() -> int:
             ucu = torch.arange(0, len(lengths) + 1, device="cuda", dtype=torch.int32) * uniform
             pq, pk, pv = (x.transpose(1, 2).reshape(-1, heads, d) for x in (uq, uk, uv))
             uniform_varlen_ms = time_ms(lambda: kernel(pq, pk, pv, ucu, ucu), rep_ms=args.rep_ms)
-            launch_u = kernel.prepare_varlen(pq, pk, pv, ucu, ucu)[2]
-            uniform_varlen_kernel_ms = time_ms(lambda: kernel.launch_function(kernel.function(), *launch_u), rep_ms=args.rep_ms)
+            launch_u = replayer(kernel.prepare_varlen(pq, pk, pv, ucu, ucu)[2], pq)
+            uniform_varlen_kernel_ms = time_ms(launch_u, rep_ms=args.rep_ms)
             # SDPA on the zero-padded batch (batch, heads, longest, d); real tokens' FLOPs
             padded = [torch.zeros(len(lengths), heads, longest, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             for b, n in enumerate(lengths):

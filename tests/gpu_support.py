@@ -71,3 +71,25 @@ def memcheck(script) -> None:
         pytest.skip("compute-sanitizer not on PATH")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout
+
+
+def poison_outputs(monkeypatch) -> None:
+    """Every floating array a prepared call allocates (its outputs, scratch) starts as NaN, filled on
+    the launch stream before the kernel: an element a kernel fails to write shows up. Prepared calls
+    are rebuilt so that they allocate through the poisoning allocator (call `launch.clear_prepared()`
+    again when the test is done)."""
+    from tiledsl.runtime import launch
+    real = launch.allocator
+
+    def allocator(like, shape, dtype, zero=False):
+        make = real(like, shape, dtype, zero)
+        if zero or dtype == "int32":
+            return make
+
+        def poisoned():
+            x = make()
+            x.fill_(float("nan")) if hasattr(x, "fill_") else x.fill(float("nan"))
+            return x
+        return poisoned
+    monkeypatch.setattr(launch, "allocator", allocator)
+    launch.clear_prepared()

@@ -1,5 +1,5 @@
 """The Python API without a GPU: the schedule `tiledsl.attention` picks for every shape it serves
-(dispatch/autoschedule.py, tuned.tuned_spec), the stream it launches on (runtime.caller_stream) and
+(dispatch/autoschedule.py, tuned.tuned_spec), the stream it launches on (runtime/device.stream_reader) and
 `tiledsl warmup` on a machine without a GPU."""
 from __future__ import annotations
 
@@ -157,29 +157,26 @@ def test_other_query_counts_pick_prefill(q_len):
 # ---- the launch stream ----------------------------------------------------------------------------------------
 
 class _FakeCupy:
-    """Records ExternalStream wraps; its current stream is a sentinel."""
-    current = object()
+    """Its current stream is a sentinel with a raw handle."""
+    current = types.SimpleNamespace(ptr=0xC0FFEE)
 
     def __init__(self):
-        self.wrapped = []
-        outer = self
-
-        class ExternalStream:
-            def __init__(self, handle, device_id):
-                outer.wrapped.append((handle, device_id))
-                self.handle, self.device_id = handle, device_id
-
-        self.cuda = types.SimpleNamespace(ExternalStream=ExternalStream, get_current_stream=lambda: self.current)
+        self.cuda = types.SimpleNamespace(get_current_stream=lambda: self.current)
 
 
-def _fake_torch(monkeypatch, handle: int, capturing: bool = False):
+def _fake_torch(monkeypatch, handle: int, capturing: bool = False, raw: bool = True):
     asked = []
 
     def current_stream(device):
-        asked.append(device)
+        asked.append(("current_stream", device))
         return types.SimpleNamespace(cuda_stream=handle)
+
+    def raw_stream(index):
+        asked.append(("raw", index))
+        return handle
     torch = types.ModuleType("torch")
     torch.cuda = types.SimpleNamespace(current_stream=current_stream, is_current_stream_capturing=lambda: capturing)
+    torch._C = types.SimpleNamespace(**({"_cuda_getCurrentRawStream": raw_stream} if raw else {}))
     monkeypatch.setitem(sys.modules, "torch", torch)
     return asked
 
@@ -192,24 +189,22 @@ class _TorchLikeTensor:
 _TorchLikeTensor.__module__ = "torch"   # how runtime tells torch tensors apart, without importing torch
 
 
-def test_torch_inputs_launch_on_torchs_current_stream(monkeypatch):
-    cupy = _FakeCupy()
-    monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
-    monkeypatch.setattr(runtime, "_external_streams", {})
-    asked = _fake_torch(monkeypatch, 0xBEEF)
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-handle", "current_stream"])
+def test_torch_inputs_launch_on_torchs_current_stream_read_per_call(monkeypatch, raw):
+    asked = _fake_torch(monkeypatch, 0xBEEF, raw=raw)
     x = _TorchLikeTensor(1)
-    stream = runtime.caller_stream(x)
-    assert (stream.handle, stream.device_id) == (0xBEEF, 1) and asked == [x.device]
-    assert runtime.caller_stream(x) is stream and cupy.wrapped == [(0xBEEF, 1)]   # wrapped once per handle
-    _fake_torch(monkeypatch, 0xF00D)   # torch.cuda.stream(s): a new current stream
-    assert runtime.caller_stream(x).handle == 0xF00D
+    read = runtime.stream_reader(x)
+    assert read() == 0xBEEF and asked == [("raw", 1) if raw else ("current_stream", 1)]
+    _fake_torch(monkeypatch, 0xF00D, raw=raw)   # torch.cuda.stream(s): a new current stream, seen by the next call
+    if raw:
+        assert runtime.stream_reader(x)() == 0xF00D
 
 
 def test_other_inputs_launch_on_cupys_current_stream(monkeypatch):
     cupy = _FakeCupy()
     monkeypatch.setattr(runtime, "cupy_module", lambda: cupy)
     _fake_torch(monkeypatch, 0xBEEF)
-    assert runtime.caller_stream(types.SimpleNamespace()) is cupy.current and cupy.wrapped == []
+    assert runtime.stream_reader(types.SimpleNamespace())() == 0xC0FFEE
 
 
 def test_kv_lens_range_check_is_skipped_under_capture(monkeypatch):
@@ -220,6 +215,7 @@ def test_kv_lens_range_check_is_skipped_under_capture(monkeypatch):
 
 
 def test_workspaces_of_torch_inputs_come_from_torch(monkeypatch):
+    from tiledsl.runtime.launch import allocator
     torch = types.ModuleType("torch")
     calls = []
     torch.zeros = lambda shape, dtype, device: calls.append(("zeros", shape, dtype, device)) or "z"
@@ -227,8 +223,8 @@ def test_workspaces_of_torch_inputs_come_from_torch(monkeypatch):
     torch.float32, torch.int32 = "f32", "i32"
     monkeypatch.setitem(sys.modules, "torch", torch)
     x = _TorchLikeTensor(0)
-    assert runtime.allocate(x, (3,), "int32", None, zero=True) == "z"
-    assert runtime.allocate(x, (2, 4), "float32", None) == "e"
+    assert allocator(x, (3,), "int32", zero=True)() == "z"
+    assert allocator(x, (2, 4), "float32")() == "e"
     assert calls == [("zeros", (3,), "i32", x.device), ("empty", (2, 4), "f32", x.device)]
 
 

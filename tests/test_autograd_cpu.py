@@ -69,14 +69,14 @@ def torch_stubbed(monkeypatch):
     from tiledsl.dispatch import tuned
     calls = []
 
-    def forward(q, k, v, causal=False, window=None, scale=None, kv_lens=None):
-        calls.append(("forward", causal, window, scale, kv_lens, q.requires_grad))
+    def forward(q, k, v, causal=False, window=None, scale=None, kv_lens=None, validate=None):
+        calls.append(("forward", causal, window, scale, kv_lens, torch.is_grad_enabled()))
         o, lse = ref.attention(q.double(), k.double(), v.double(), causal=causal, window=window, scale=scale,
                                kv_lens=kv_lens)
         return o.to(q.dtype), lse.float()
 
     def attention_backward(q, k, v, o, lse, do, *, causal=False, window=None, scale=None, kv_lens=None,
-                           deterministic=False):
+                           deterministic=False, validate=None):
         calls.append(("backward", causal, window, scale, kv_lens, deterministic))
         assert lse.dtype == torch.float32 and o.shape == do.shape
         dq, dk, dv = _analytic_gradients(q, k, v, do, causal=causal, window=window, scale=scale, kv_lens=kv_lens)
@@ -131,7 +131,7 @@ def test_gradients_reach_q_k_v_with_the_right_arguments(torch_stubbed, mask):
     window = mask.get("window")
     assert [c[:4] for c in calls] == [("forward", mask.get("causal", False), window, mask.get("scale")),
                                       ("backward", mask.get("causal", False), window, mask.get("scale"))]
-    assert calls[0][5] is False and calls[1][5] is True   # the kernels get detached tensors; deterministic passes
+    assert calls[0][5] is False and calls[1][5] is True   # the forward runs without grad mode; deterministic passes
     assert torch.equal(calls[0][4], lens) and torch.equal(calls[1][4], lens)
 
 
@@ -158,8 +158,8 @@ def test_eager_training_step_does_not_import_dynamo():
     pytest.importorskip("torch")
     done = _python("""
 import sys, types, torch, tiledsl
-from tiledsl import tuned
-tuned.forward = lambda q, k, v, *a: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
+from tiledsl.dispatch import tuned
+tuned.forward = lambda q, k, v, *a, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
 sys.modules["tiledsl.dispatch.backward"] = types.SimpleNamespace(attention_backward=lambda q, k, v, *a, **kw: (q, k, v))
 q = torch.randn(1, 2, 4, 8, requires_grad=True)
 tiledsl.attention(q, q, q, causal=True).sum().backward()
@@ -176,19 +176,20 @@ def test_fake_refuses_like_the_eager_path(torch_stubbed):
     with torch._subclasses.FakeTensorMode() as mode:
         fq = mode.from_tensor(q)
         with pytest.raises(RuntimeInputError, match="q must be fp16 or bf16, got fp32"):
-            op(fq, fq, fq, None, False, False, 0, 0, None, False)
+            op(fq, fq, fq, None, False, False, 0, 0, None, False, None)
         f3 = mode.from_tensor(torch.randn(2, 3, 8, dtype=torch.bfloat16))
         with pytest.raises(RuntimeInputError, match="must be 4-d"):
-            op(f3, f3, f3, None, False, False, 0, 0, None, False)
+            op(f3, f3, f3, None, False, False, 0, 0, None, False, None)
 
 
 def test_opcheck_forward_and_backward(torch_stubbed):
     torch, _ = torch_stubbed
     q, k, v = _inputs(torch, q_len=5, kv_len=7)
     fwd, bwd = torch.ops.tiledsl.attention_forward.default, torch.ops.tiledsl.attention_backward.default
-    scalars = (True, False, 0, 0, None, False)
+    scalars = (True, False, 0, 0, None, False, None)
     torch.library.opcheck(fwd, (q, k, v, None) + scalars)
-    torch.library.opcheck(fwd, (q, k, v, torch.tensor([7, 2], dtype=torch.int32), False, True, 2, 1, 0.25, True))
+    torch.library.opcheck(fwd, (q, k, v, torch.tensor([7, 2], dtype=torch.int32), False, True, 2, 1, 0.25, True,
+                                True))
     o, lse = fwd(q.detach(), k.detach(), v.detach(), None, *scalars)
     torch.library.opcheck(bwd, (q.detach(), k.detach(), v.detach(), o, lse, torch.randn_like(o), None) + scalars)
 

@@ -90,10 +90,10 @@ def test_runtime_counts_slots_once_per_device_from_the_compiled_registers(monkey
     monkeypatch.setitem(device._DEVICE_LIMITS, 0, H200)
     spec = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "fa2_d128_causal.tile"))
     kernel = compile(spec)
-    kernel._function = SimpleNamespace(num_regs=255)          # what ptxas gave the bundled kernel
+    kernel._functions[0] = {kernel.name: SimpleNamespace(num_regs=255)}   # what ptxas gave the bundled kernel
     assert kernel.slots(0) == 132 * 2
     assert kernel.order_groups_for(Shapes(16, 16, 16, 1024, 1024), 0) == 3
-    kernel._function = SimpleNamespace(num_regs=64)           # not read again: slots are per device
+    kernel._functions[0] = {kernel.name: SimpleNamespace(num_regs=64)}    # not read again: slots are per device
     assert kernel.slots(0) == 264
     kernel.order_groups = 7
     assert kernel.order_groups_for(Shapes(16, 16, 16, 1024, 1024), 0) == 7

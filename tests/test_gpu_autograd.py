@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 import tiledsl  # noqa: E402
-from tiledsl.runtime import kernel as runtime
+from .gpu_support import poison_outputs  # noqa: E402
 from tests import attention_reference as ref  # noqa: E402
 
 WINDOW = (100, 20)
@@ -91,12 +91,10 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
-    real = runtime.allocate_outputs
-
-    def allocate(q, shapes, problem, out, lse, name):
-        out, lse = real(q, shapes, problem, out, lse, name)
-        return poison(out), poison(lse)
-    monkeypatch.setattr(runtime, "allocate_outputs", allocate)
+    poison_outputs(monkeypatch)
+    yield
+    from tiledsl.runtime.launch import clear_prepared
+    clear_prepared()
 
 
 def _check_gradients(c: dict, q, k, v, do, lens, o, grads):

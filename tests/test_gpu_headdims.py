@@ -15,7 +15,9 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from tiledsl.runtime import compile as runtime_compile, device, kernel as runtime
+from tiledsl.dispatch import kernels as loaded
+from .gpu_support import poison_outputs
+from tiledsl.runtime import compile as runtime_compile, device, launch
 from tiledsl.dispatch import tuned
 from tiledsl import attention
 from tiledsl.spec import DType, Mask  # noqa: E402
@@ -47,20 +49,17 @@ def compiled_kernels():
     kernels = {spec: compile(spec) for spec in {_spec(c, q) for c in CASES for q, _ in LENGTHS}}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda k: runtime_compile.compile_cubin(k.source, k.name, arch), kernels.values()))
-    tuned._kernels.update(kernels)
+    for kernel in kernels.values():
+        loaded.add(kernel)
     return kernels
 
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    real = runtime.allocate_outputs
-
-    def allocate(q, shapes, problem, out, lse, name):
-        out, lse = real(q, shapes, problem, out, lse, name)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        return out, lse
-    monkeypatch.setattr(runtime, "allocate_outputs", allocate)
+    """attention's outputs start as NaN (filled on the launch stream, before the kernel)."""
+    poison_outputs(monkeypatch)
+    yield
+    launch.clear_prepared()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c['d']}v{c['dv']}-{c['dtype'].value}-{c['mask']}")

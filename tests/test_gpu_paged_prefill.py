@@ -76,7 +76,7 @@ def paged_inputs(torch, rng, dtype, q_len, heads, kv_heads, d, page, kv_lens, sp
 def run_checked(torch, spec, q, k_cache, v_cache, table, lens):
     """Launch into NaN-poisoned O / LSE; (errors vs the float64 paged reference)."""
     from tiledsl.reference.serving import paged_attention as reference
-    from tiledsl.dispatch.tuned import kernel_for
+    from tiledsl.dispatch.kernels import kernel_for
     p = spec.problem
     batch, q_len, heads, _ = q.shape
     out = torch.full((batch, q_len, heads, p.head_dim_v), float("nan"), device="cuda", dtype=q.dtype)

@@ -75,7 +75,7 @@ def _check(q, k, v, cu_q, cu_k, mask, left, right, out, lse, out_buf, lse_buf):
 def run_varlen(q_lens, k_lens, mask="none", d=128, dtype=DType.BF16, heads=4, kv_heads=2, persistent=None, seed=0):
     from tiledsl import varlen_attention
     from tiledsl.runtime.device import device_arch
-    from tiledsl.dispatch.tuned import kernel_for
+    from tiledsl.dispatch.kernels import kernel_for
     from tiledsl.serving.varlen import varlen_spec
     kind, left, right = MASKS[mask]
     q, k, v, cu_q, cu_k = _case(q_lens, k_lens, heads, kv_heads, d, dtype, seed)

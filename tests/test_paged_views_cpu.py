@@ -1,12 +1,13 @@
 """The paged kernels' shared input checks and views (tiledsl/runtime/paged_views.py), on the CPU: NumPy
 arrays stand in for GPU tensors (the test's `view` reads their shape and strides), so the stride
-re-ordering, the shapes and every refusal are checked without a GPU."""
+re-ordering, the shapes and every refusal are checked without a GPU. The calls are built immediately
+(runtime/launch.CallBuilder), with the host check of the indices asked for (validate=True)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tiledsl.runtime import paged_views
+from tiledsl.runtime import index_checks, launch, paged_views
 from tiledsl.errors import RuntimeInputError
 from tiledsl.spec import DType, Problem
 from tiledsl.runtime.tensors import TensorView
@@ -16,11 +17,21 @@ PROBLEM = Problem(64, 64, DType.BF16, kv_page_size=16, queries_per_seq=4)
 
 @pytest.fixture(autouse=True)
 def host_views(monkeypatch):
-    def view(x, name):
+    def view(x, name, slot=-1):
         dtype = {np.int32: "int32", np.int64: "int64", np.float32: DType.FP32, np.float16: DType.BF16}[x.dtype.type]   # fp16 plays bf16
-        return TensorView(name, 4096, x.shape, tuple(s // x.itemsize for s in x.strides), dtype, 0, x)
+        return TensorView(name, 4096, x.shape, tuple(s // x.itemsize for s in x.strides), dtype, 0, x, slot)
     monkeypatch.setattr(paged_views, "view", view)
-    monkeypatch.setattr(paged_views, "capturing", lambda q: False)
+    monkeypatch.setattr(launch, "view", view)
+    monkeypatch.setattr(index_checks, "capturing", lambda q: False)
+
+
+def builder(q, k, v, table, lens, out=None, lse=None):
+    return launch.CallBuilder("kern", (q, k, v, table, lens, out, lse),
+                              ("q", "k_cache", "v_cache", "block_table", "kv_lens", "out", "lse"), q, immediate=True)
+
+
+def views(q, k, v, table, lens):
+    return paged_views.paged_views(builder(q, k, v, table, lens), PROBLEM, validate=True)
 
 
 def inputs(batch=2, q_len=4, heads=8, kv_heads=2, pages=10, page=16, d=64, max_pages=4):
@@ -34,7 +45,8 @@ def inputs(batch=2, q_len=4, heads=8, kv_heads=2, pages=10, page=16, d=64, max_p
 
 def test_views_swap_the_middle_axes_and_shapes_come_from_the_lengths():
     q, k, v, table, lens = inputs()
-    (qv, kv, vv, tv, lv), shapes = paged_views.paged_views("kern", PROBLEM, q, k, v, table, lens)
+    (qv, kv, vv, tv, lv), shapes = views(q, k, v, table, lens)
+    # the launch is sized for the table's capacity (4 pages of 16): the kernel reads each kv_len itself
     assert (shapes.batch, shapes.heads, shapes.kv_heads, shapes.q_len, shapes.kv_len) == (2, 8, 2, 4, 64)
     assert qv.shape == (2, 8, 4, 64) and qv.strides == (4 * 8 * 64, 64, 8 * 64, 1)   # (batch, head, query)
     assert kv.shape == k.shape and kv.strides == (16 * 2 * 64, 64, 2 * 64, 1)         # (page, kv head, slot)
@@ -56,20 +68,20 @@ def test_bad_inputs_are_refused_naming_the_tensor(change, words):
     q, k, v, table, lens = inputs()
     a = change({"q": q, "k": k, "v": v, "table": table, "lens": lens})
     with pytest.raises(RuntimeInputError, match=None) as err:
-        paged_views.paged_views("kern", PROBLEM, a["q"], a["k"], a["v"], a["table"], a["lens"])
+        views(a["q"], a["k"], a["v"], a["table"], a["lens"])
     assert words in str(err.value)
 
 
 def test_outputs_are_checked_and_viewed_in_the_kernel_order():
     q, k, v, table, lens = inputs()
-    _, shapes = paged_views.paged_views("kern", PROBLEM, q, k, v, table, lens)
+    _, shapes = views(q, k, v, table, lens)
     out, lse = np.zeros((2, 4, 8, 64), np.float16), np.zeros((2, 8, 4), np.float32)
-    _, _, ov, lv = paged_views.paged_outputs("kern", PROBLEM, q, shapes, out, lse)
+    ov, lv = paged_views.paged_outputs(builder(q, k, v, table, lens, out, lse), PROBLEM, shapes, 5)
     assert ov.shape == (2, 8, 4, 64) and ov.strides == (4 * 8 * 64, 64, 8 * 64, 1) and lv.shape == (2, 8, 4)
     with pytest.raises(RuntimeInputError, match="lse must be a contiguous fp32"):
-        paged_views.paged_outputs("kern", PROBLEM, q, shapes, out, lse.transpose(0, 2, 1))
+        paged_views.paged_outputs(builder(q, k, v, table, lens, out, lse.transpose(0, 2, 1)), PROBLEM, shapes, 5)
     with pytest.raises(RuntimeInputError, match="out must be"):
-        paged_views.paged_outputs("kern", PROBLEM, q, shapes, out[:, :2], lse)
+        paged_views.paged_outputs(builder(q, k, v, table, lens, out[:, :2], lse), PROBLEM, shapes, 5)
 
 
 def test_api_views_refuse_by_name_and_build_the_mask():

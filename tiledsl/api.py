@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-              kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None):
+              kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
+              validate: bool | None = None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -26,15 +27,31 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
 
     float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16), dequantized on chip with
     `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats / 1-element tensors; None:
-    1.0); that path is forward-only (no autograd)."""
+    1.0); that path is forward-only (no autograd).
+
+    `validate=True` checks kv_lens on the host first (a sync; runtime/index_checks.py says when the
+    default does). The first call of a configuration picks and loads the kernel and prepares its
+    launch; a later call with the same shapes, strides, dtypes and devices reads the tensors'
+    pointers and launches (runtime/launch.py)."""
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
-    from .runtime.device import is_torch
-    fp8 = k_scale is not None or v_scale is not None or "float8" in str(getattr(k, "dtype", ""))
-    if is_torch(q) and not fp8:
-        from .dispatch.autograd import torch_attention
-        return torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic)
-    from .dispatch.tuned import forward
-    out, lse = forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale)
+    if _entry is None:
+        _load_entry_points()
+    if type(q).__module__.startswith("torch") and k_scale is None and v_scale is None and \
+            "float8" not in str(k.dtype):
+        return _entry.torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic, validate)
+    out, lse = _entry.forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate)
     return (out, lse) if return_lse else out
+
+
+_entry = None   # the implementations, imported on the first call (importing them pulls in the runtime)
+
+
+def _load_entry_points() -> None:
+    global _entry
+    from types import SimpleNamespace
+
+    from .dispatch.autograd import torch_attention
+    from .dispatch.tuned import forward
+    _entry = SimpleNamespace(torch_attention=torch_attention, forward=forward)

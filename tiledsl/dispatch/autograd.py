@@ -1,9 +1,9 @@
 """Training with tiledsl: `tiledsl.attention` on torch tensors as two torch.library custom ops.
 
     tiledsl::attention_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right,
-                               scale, deterministic) -> (o, lse)
+                               scale, deterministic, validate) -> (o, lse)
     tiledsl::attention_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left,
-                                window_right, scale, deterministic) -> (dq, dk, dv)
+                                window_right, scale, deterministic, validate) -> (dq, dk, dv)
 
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces a model that calls
 `tiledsl.attention` as one opaque op, and the forward's autograd formula (register_autograd) saves
@@ -12,6 +12,8 @@ implementations are the forward of dispatch/tuned.py and tiledsl.dispatch.backwa
 caller's current stream. The LSE is returned as a constant (marked non-differentiable): a loss
 that uses it gets no gradient through it, rather than a wrong one.
 
+An eager call whose inputs need no gradient (inference, or under torch.no_grad) skips autograd and
+calls the forward directly: a warm call is then a dictionary lookup and a launch (runtime/launch.py).
 Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
 imports torch._dynamo on the op's first call (1.5 s on a CPU box, ~3.5 s on the H200 machine:
 bench/results/2026-12-01-first-call-3.json), more than the rest of a warm first call. So outside
@@ -30,14 +32,10 @@ WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops ta
 
 def encode_window(window):
     """(has_window, left, right) of attention's `window` argument (None or (left, right))."""
+    from .tuned import window_ints
     if window is None:
         return WINDOW_NONE
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}") from None
-    if left < 0 or right < 0:
-        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}")
+    left, right = window_ints(window)
     return True, left, right
 
 
@@ -52,39 +50,42 @@ def encode_scale(scale):
 
 
 def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None, return_lse=False,
-                    deterministic=False):
-    """api.attention's body for torch tensors: the forward custom op (torch.compile traces this
-    function, so it holds only what dynamo can trace)."""
-    import torch
+                    deterministic=False, validate=None):
+    """api.attention's body for torch tensors: the forward custom op under torch.compile (which traces
+    this function, so it holds only what dynamo can trace), EagerAttention when an input needs a
+    gradient, else the forward itself."""
+    torch = _torch
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)   # e.g. a CuPy array, zero-copy
-    has_window, left, right = encode_window(window)
-    args = (q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale), bool(deterministic))
     if torch.compiler.is_compiling():
-        o, lse = torch.ops.tiledsl.attention_forward(*args)
+        has_window, left, right = encode_window(window)
+        o, lse = torch.ops.tiledsl.attention_forward(q, k, v, kv_lens, bool(causal), has_window, left, right,
+                                                     encode_scale(scale), bool(deterministic), validate)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        has_window, left, right = encode_window(window)
+        o, lse = EagerAttention.apply(q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale),
+                                      bool(deterministic), validate)
     else:
-        o, lse = EagerAttention.apply(*args)
+        from .tuned import forward
+        o, lse = forward(q, k, v, causal, window, scale, kv_lens, validate=validate)
     return (o, lse) if return_lse else o
 
 
-def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
-    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation."""
+def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic, validate):
+    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation (the
+    runtime reads the tensors' pointers itself: no detach needed)."""
     from .tuned import forward
-    # The autograd layer hands in the caller's tensors; DLPack refuses ones that need grad.
-    lens = None if kv_lens is None else kv_lens.detach()
-    return forward(q.detach(), k.detach(), v.detach(), causal, decode_window(has_window, window_left, window_right),
-                   scale, lens)
+    return forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale, kv_lens,
+                   validate=validate)
 
 
-def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
-    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation."""
+def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
+                 validate):
+    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation.
+    The gradients come back contiguous (allocated so), as the backward op's fake promises."""
     from .backward import attention_backward as backward
-    lens = None if kv_lens is None else kv_lens.detach()
-    grads = backward(*(x.detach() for x in (q, k, v, o, lse, do)), causal=causal,
-                     window=decode_window(has_window, window_left, window_right), scale=scale, kv_lens=lens,
-                     deterministic=deterministic)
-    # The backward op's fake promises contiguous gradients (a no-op when they already are).
-    return tuple(g.contiguous() for g in grads)
+    return backward(q, k, v, o, lse, do, causal=causal, window=decode_window(has_window, window_left, window_right),
+                    scale=scale, kv_lens=kv_lens, deterministic=deterministic, validate=validate)
 
 
 def _dtype_name(torch, dtype):
@@ -102,11 +103,12 @@ def _register(torch):
     @torch.library.custom_op("tiledsl::attention_forward", mutates_args=())
     def attention_forward(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor], causal: bool,
                           has_window: bool, window_left: int, window_right: int, scale: Optional[float],
-                          deterministic: bool) -> Tuple[Tensor, Tensor]:
-        return run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic)
+                          deterministic: bool, validate: Optional[bool]) -> Tuple[Tensor, Tensor]:
+        return run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
+                           validate)
 
     @attention_forward.register_fake
-    def _(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    def _(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic, validate):
         from .tuned import check_q_v
         check_q_v(_dtype_name(torch, q.dtype), tuple(q.shape), tuple(v.shape))
         batch, heads, q_len = q.shape[:3]
@@ -115,20 +117,21 @@ def _register(torch):
     @torch.library.custom_op("tiledsl::attention_backward", mutates_args=())
     def attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                            kv_lens: Optional[Tensor], causal: bool, has_window: bool, window_left: int,
-                           window_right: int, scale: Optional[float], deterministic: bool
+                           window_right: int, scale: Optional[float], deterministic: bool, validate: Optional[bool]
                            ) -> Tuple[Tensor, Tensor, Tensor]:
         return run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale,
-                            deterministic)
+                            deterministic, validate)
 
     @attention_backward.register_fake
-    def _(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic):
+    def _(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
+          validate):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def setup_context(ctx, inputs, output):
         q, k, v, kv_lens, *scalars = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, kv_lens)
-        ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, deterministic
+        ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, deterministic, validate
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, grad_o, grad_lse):

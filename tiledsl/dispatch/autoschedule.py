@@ -141,8 +141,10 @@ def pick(arch: str, problem: Problem, q_len: int | None = None) -> KernelSpec:
                             f"{problem.dtype.value}, mask {problem.mask.value}")
 
 
+@functools.lru_cache(maxsize=None)
 def pick_decode(problem: Problem, q_len: int) -> KernelSpec | None:
-    """The first decode schedule (bundled one first) that the layout pass and lowering accept."""
+    """The first decode schedule (bundled one first) that the layout pass and lowering accept
+    (pure and cached: a problem's pick builds its graphs once)."""
     from dataclasses import replace
     decode_problem = replace(problem, queries_per_seq=q_len)
     schedules = _DECODE

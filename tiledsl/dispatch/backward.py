@@ -18,8 +18,8 @@ from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import backward_layout
-from ..runtime.backward import kernel_for
-from ..runtime.tensors import view
+from ..runtime.launch import SignatureCache
+from ..runtime.tensors import signature, view
 from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 # (head dim) -> (tile q, tile kv, warps, stages), bf16 at 4k on H200, dq atomic
@@ -92,16 +92,35 @@ def wgmma_refusal(arch: str, head_dim: int, head_dim_v: int | None, deterministi
     return ""
 
 
+# call key -> PreparedCall of the backward's three launches: a warm backward is this lookup and the launches.
+_calls = SignatureCache()
+
+
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
-                       scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None):
+                       scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
+                       validate: bool | None = None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
     run (dQ summed on chip by a second kernel instead of fp32 atomics). Outputs in q's framework and
     dtype, shaped like q, k, v; launched on the caller's stream. `mma`: "wgmma" or "mma.sync" forces the
     main kernel's instruction (wgmma refuses problems it has no kernel for); None: wgmma when
-    BACKWARD_WGMMA is on and it takes the problem, else mma.sync."""
+    BACKWARD_WGMMA is on and it takes the problem, else mma.sync. `validate`: check kv_lens on the
+    host (runtime/index_checks.py). The first call of a signature picks the spec and prepares the
+    three launches; later ones only launch."""
+    tensors = (q, k, v, o, lse, do, kv_lens)
+    window = None if window is None else tuple(window)
+    key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate)
+    call = _calls.get(key)
+    if call is None:
+        call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate))
+    return call(*tensors)
+
+
+def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate):
     from ..runtime.device import device_arch
+    from .kernels import BACKWARD, kernel_for
+    q, v = tensors[0], tensors[2]
     if causal and window is not None:
         raise ValueError("attention_backward: pass causal=True or window=(left, right), not both")
     qv, vv = view(q, "q"), view(v, "v")
@@ -118,7 +137,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     window = tuple(int(w) for w in window) if window is not None else None
     spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
                                 bool(deterministic), mma)
-    return kernel_for(spec)(q, k, v, o, lse, do, kv_lens)
+    return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
 
 
 def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,

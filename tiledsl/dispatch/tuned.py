@@ -5,7 +5,7 @@
     o, lse = tiledsl.attention(q, k, v, kv_lens=lens, return_lse=True)
 
 picks the spec from TUNED for the current GPU, compiles it once per process (kernels are cached
-per spec) and runs it on the caller's current stream (runtime.caller_stream). A q_len of 1..16
+per spec) and runs it on the caller's current stream (runtime/device.stream_reader). A q_len of 1..16
 runs the decode family (split kv picked at launch); a (arch, dtype, head dim, mask) not in the
 table gets the best legal schedule of autoschedule.pick (layout pass + tune model, no GPU) and a
 one-line hint, once per process, to run `tiledsl tune` for it. A window mask uses the causal
@@ -16,7 +16,11 @@ from __future__ import annotations
 import functools
 import sys
 
+from ..runtime.decode import number_or_none, tensor_or_none
+from ..runtime.launch import SignatureCache
+from ..runtime.tensors import signature
 from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
+from .kernels import add, kernel_for
 
 # From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
 # `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
@@ -51,7 +55,6 @@ TUNED: dict[tuple[str, str, int, str], Schedule] = {
     for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
 }
 
-_kernels: dict[KernelSpec, object] = {}
 _hinted: set[tuple] = set()
 
 
@@ -89,19 +92,6 @@ def _hint_once(key: tuple, arch: str, spec: KernelSpec) -> None:
           f"faster one.", file=sys.stderr)
 
 
-def kernel_for(spec: KernelSpec):
-    """The compiled kernel of `spec`, built once per process. The module is loaded (and its shared
-    memory limit raised) here, at first use, so no later launch -- e.g. one under CUDA graph
-    capture -- does either."""
-    kernel = _kernels.get(spec)
-    if kernel is None:
-        from ..families import compile
-        kernel = compile(spec)
-        kernel.function()
-        _kernels[spec] = kernel
-    return kernel
-
-
 _resolved: dict[tuple, tuple] = {}
 
 
@@ -123,14 +113,14 @@ def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int 
             warm.save(arch, lookup, *hit)
         else:
             hit[0].function()   # load the module now, not under a later graph capture
-            _kernels.setdefault(hit[0].spec, hit[0])
+            add(hit[0])
         _resolved[(arch, lookup)] = hit
     return hit
 
 
-def _attention_fp8(q, k, v, qv, kv, vv, mask, window, scale, kv_lens, k_scale, v_scale):
-    """attention() over an FP8 KV cache: the decode family with kv_dtype = e4m3 (not in the warm
-    records yet: the first call of a shape compiles)."""
+def _fp8_kernel(qv, kv, vv, mask, window, scale, k_scale, v_scale):
+    """The decode kernel of an attention() call over an FP8 KV cache (kv_dtype = e4m3; not in the warm
+    records yet: the first call of a configuration compiles)."""
     from .autoschedule import pick_decode
     from ..errors import RuntimeInputError
     from ..runtime.kv_fp8 import granularity
@@ -152,7 +142,20 @@ def _attention_fp8(q, k, v, qv, kv, vv, mask, window, scale, kv_lens, k_scale, v
     if spec is None:
         raise RuntimeInputError(f"attention: no decode kernel for an FP8 KV cache at head dims {qv.shape[-1]} / "
                                 f"{vv.shape[-1]} (FP8 needs multiples of 32)")
-    return kernel_for(spec)(q, k, v, kv_lens=kv_lens, k_scale=k_scale, v_scale=v_scale)
+    return kernel_for(spec)
+
+
+def window_ints(window):
+    """attention's `window` as (left, right) ints >= 0, None for None; ValueError naming it otherwise."""
+    if window is None:
+        return None
+    try:
+        left, right = (int(w) for w in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}") from None
+    if left < 0 or right < 0:
+        raise ValueError(f"attention: window must be (left, right), two ints >= 0, got {window!r}")
+    return left, right
 
 
 def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
@@ -166,25 +169,51 @@ def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
                                 f"{q_shape} and {v_shape}")
 
 
+# call key -> (PreparedCall, whether it takes the FP8 scales): a warm call is this lookup and a launch.
+_calls = SignatureCache()
+
+
 def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-            kv_lens=None, k_scale=None, v_scale=None):
+            kv_lens=None, k_scale=None, v_scale=None, validate: bool | None = None):
     """(O, LSE) of attention with the tuned spec: the path `attention` takes for CuPy inputs and FP8
-    KV caches, and the custom op's implementation for torch tensors (which must not need grad: DLPack
-    refuses them). float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16),
-    dequantized on chip with `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats /
-    1-element tensors; None: 1.0)."""
+    KV caches, and the custom op's implementation for torch tensors. float8_e4m3fn k and v are an FP8
+    KV cache (decode only: seqlen_q <= 16), dequantized on chip with `k_scale` / `v_scale` (float32
+    (kv_heads,) tensors, or Python floats / 1-element tensors; None: 1.0). `validate`: check kv_lens
+    on the host (runtime/index_checks.py). The first call of a signature resolves the kernel and
+    prepares the launch; later ones only launch (runtime/launch.py)."""
+    ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
+    if window is not None and type(window) is not tuple:
+        window = tuple(window)
+    key = (signature(q), signature(k), signature(v), signature(kv_lens), signature(ks), signature(vs),
+           number_or_none(k_scale), number_or_none(v_scale), causal, window, scale, validate)
+    hit = _calls.get(key)
+    if hit is None:
+        hit = _calls.put(key, _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate))
+    call, scaled = hit
+    if scaled:
+        return call(q, k, v, kv_lens, None, None, ks, vs)
+    return call(q, k, v, kv_lens, None, None)
+
+
+def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate):
+    """(PreparedCall, takes scales) of forward()'s first call of a signature."""
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
     qv, vv = view(q, "q"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
+    if causal and window is not None:
+        raise ValueError("attention: pass causal=True or window=(left, right), not both "
+                         "(a causal window is window=(left, 0))")
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
+    window = window_ints(window)
     kv8 = view(k, "k")
     if DType.E4M3 in (kv8.dtype, vv.dtype) or k_scale is not None or v_scale is not None:
-        return _attention_fp8(q, k, v, qv, kv8, vv, mask, window, scale, kv_lens, k_scale, v_scale)
+        kernel = _fp8_kernel(qv, kv8, vv, mask, window, scale, k_scale, v_scale)
+        tensors = (q, k, v, kv_lens, None, None, tensor_or_none(k_scale), tensor_or_none(v_scale))
+        return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
     arch = device_arch()
     kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
                             None if scale is None else float(scale), qv.shape[2])
     if not found and kernel.spec.family is not Family.DECODE:
         _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
-    return kernel(q, k, v, kv_lens=kv_lens)
+    return kernel.prepare_call((q, k, v, kv_lens, None, None), validate=validate), False

@@ -1,15 +1,13 @@
 """The GPU a call runs on: CuPy (imported on first use), the device's architecture and limits, the caller's
-stream (torch's current stream for torch tensors), graph capture, scratch allocation and pointers."""
+stream (torch's current stream for torch tensors), the current device, graph capture and loading a
+cubin's functions."""
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING
+import sys
 
 from ..device_limits import DeviceLimits, current_limits
 from ..errors import LaunchError
-
-if TYPE_CHECKING:
-    pass
+from .tensors import is_torch
 
 
 def cupy_module():
@@ -28,28 +26,29 @@ def device_arch() -> str:
 
 
 # -- streams: every launch goes to the stream the caller's framework is on -------------------------
-_external_streams: dict[tuple[int, int], object] = {}
-
-
-def is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def caller_stream(x):
-    """The CuPy stream to launch on for inputs like `x`: PyTorch's current stream on x's device
-    (wrapped once per handle as a cupy ExternalStream) for torch tensors, CuPy's current stream
-    otherwise. Launching there orders the kernel after the caller's writes of q, k, v and lets
-    `torch.cuda.graph` capture it."""
+def stream_reader(x):
+    """A no-argument function that returns the raw handle of the stream a call on inputs like `x`
+    launches on, read per call: torch's current stream on x's device (the raw handle getter that
+    torch's own compiled code uses, else torch.cuda.current_stream), CuPy's current stream otherwise."""
+    if is_torch(x):
+        torch = sys.modules["torch"]
+        index = x.device.index or 0
+        raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return lambda: raw(index)
+        return lambda: int(torch.cuda.current_stream(index).cuda_stream)
     cupy = cupy_module()
-    if not is_torch(x):
-        return cupy.cuda.get_current_stream()
-    import torch
-    handle, device_id = int(torch.cuda.current_stream(x.device).cuda_stream), x.device.index or 0
-    key = (handle, device_id)
-    stream = _external_streams.get(key)
-    if stream is None:
-        stream = _external_streams[key] = cupy.cuda.ExternalStream(handle, device_id)
-    return stream
+    return lambda: cupy.cuda.get_current_stream().ptr
+
+
+def current_device() -> int:
+    """The calling thread's current CUDA device (both torch and CuPy launch there)."""
+    return cupy_module().cuda.runtime.getDevice()
+
+
+def using_device(device_id: int):
+    """A context in which `device_id` is the current device (restored after)."""
+    return cupy_module().cuda.Device(device_id)
 
 
 def capturing(x) -> bool:
@@ -60,24 +59,6 @@ def capturing(x) -> bool:
     return bool(cupy_module().cuda.get_current_stream().is_capturing())
 
 
-def allocate(like, shape: tuple[int, ...], dtype: str, stream, zero: bool = False):
-    """A scratch array of `dtype` ("float32" or "int32") on `like`'s device, in `like`'s framework,
-    ordered on `stream`: torch's caching allocator under torch (graph-capture safe, stream-aware),
-    CuPy's pool, with the fill on `stream`, otherwise."""
-    if is_torch(like):
-        import torch
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=getattr(torch, dtype), device=like.device)
-    cupy = cupy_module()
-    with cupy.cuda.Device(getattr(getattr(like, "device", None), "id", 0)), (stream or contextlib.nullcontext()):
-        return (cupy.zeros if zero else cupy.empty)(shape, dtype=dtype)
-
-
-def data_pointer(array) -> int:
-    """Device address of a torch tensor or CuPy array."""
-    return int(array.data_ptr()) if is_torch(array) else int(array.data.ptr)
-
-
 _DEVICE_LIMITS: dict[int, DeviceLimits] = {}
 
 
@@ -86,6 +67,25 @@ def device_limits(device_id: int) -> DeviceLimits:
     if device_id not in _DEVICE_LIMITS:
         _DEVICE_LIMITS[device_id] = current_limits(device_id)
     return _DEVICE_LIMITS[device_id]
+
+
+def load_functions(cubin_path, functions: dict, device_id: int) -> dict:
+    """The named functions of a cubin loaded on `device_id`, each allowed its dynamic shared memory
+    ({name: bytes} -> {name: CuPy Function}); the module stays alive with its functions."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device_id):
+        module = cupy.cuda.function.Module()
+        module.load(cubin_path.read_bytes())
+        loaded = {}
+        for name, smem in functions.items():
+            fn = module.get_function(name)
+            allow_dynamic_shared(fn, smem)
+            loaded[name] = fn
+    _modules.append(module)
+    return loaded
+
+
+_modules: list = []   # loaded modules live as long as the process (their functions are cached on kernels)
 
 
 def allow_dynamic_shared(fn, nbytes: int) -> None:

@@ -7,9 +7,9 @@ on the first kv tile it sees, and rows that see no key are written directly (O =
 """
 from __future__ import annotations
 
-from .kernel import Kernel
 from .inputs import Shapes
-from .device import allocate, data_pointer
+from .kernel import Kernel
+from .launch import CallBuilder, pointer_arg
 from .tensors import TensorView
 
 
@@ -20,24 +20,17 @@ class Fa1Kernel(Kernel):
         """kv outer parallelises over batch * heads only: FA1's defining limitation."""
         return (shapes.batch * shapes.heads, 1, 1)
 
-    def workspace(self, shapes: Shapes, like, stream):
-        """(O fp32 (batch, heads, q_len, dv), m fp32 (batch, heads, q_len), l fp32 (batch, heads, q_len)),
-        in `like`'s framework on `stream` (runtime.allocate)."""
-        rows = (shapes.batch, shapes.heads, shapes.q_len)
-        return (allocate(like, rows + (self.spec.problem.head_dim_v,), "float32", stream),
-                allocate(like, rows, "float32", stream), allocate(like, rows, "float32", stream))
-
-    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
-        import numpy as np
+    def add_launches(self, b: CallBuilder, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+                     lse: TensorView, kv_lens: TensorView | None, shapes: Shapes) -> None:
         if shapes.batch * shapes.heads == 0 or shapes.q_len == 0:
             return
-        fn = self.function()
-        grid = self.grid(shapes)
-        # Allocated on the stream that runs the kernel: both frameworks' pools hand freed memory only
-        # to later work on the same stream, so dropping the workspace when this returns is safe (and
-        # torch's allocator is capture-aware, so the launch can be captured in a CUDA graph).
-        workspace = self.workspace(shapes, q.owner, stream)
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + tuple(np.uintp(data_pointer(w))
-                                                                             for w in workspace)
-        self.launch_function(fn, grid, args, q.device_id, stream)
+        # The workspace (O fp32 (batch, heads, q_len, dv), m and l fp32 (batch, heads, q_len)) is
+        # allocated per call from the inputs' framework on the launch stream: both frameworks' pools
+        # hand freed memory only to later work on the same stream, so dropping it after the launch is
+        # safe (and torch's allocator is capture-aware).
+        rows = (shapes.batch, shapes.heads, shapes.q_len)
+        workspace = (b.allocate("o_partial", rows + (self.spec.problem.head_dim_v,), "float32"),
+                     b.allocate("m", rows, "float32"), b.allocate("l", rows, "float32"))
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + tuple(pointer_arg(w) for w in workspace)
+        launch = self.plan.launch
+        b.launch(self.function(b.device_id), self.grid(shapes), launch.threads, launch.smem_bytes, args, self.name)

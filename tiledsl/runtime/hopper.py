@@ -4,10 +4,11 @@ byte strides that are multiples of 16 from a 16-byte aligned address: the checks
 before launch (runtime.Kernel.check_inputs) already refuse anything else, naming the tensor."""
 from __future__ import annotations
 
-from .kernel import Kernel
 from .inputs import Shapes
+from .kernel import Kernel
+from .launch import CallBuilder, i32, pointer_arg, strides_args
 from ..spec import Mask
-from .tensor_maps import tensor_map
+from .tensor_maps import map_arg
 from .tensors import TensorView
 
 PERSISTENT_MASKED_TILES = 16
@@ -26,25 +27,24 @@ class HopperKernel(Kernel):
     than the GPU's block scheduler (-3% to -18% at 4k-16k)."""
     persistent: bool | None = None
 
-    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
-        import numpy as np
+    def launch_options(self) -> tuple:
+        return super().launch_options() + (self.persistent,)
+
+    def add_launches(self, b: CallBuilder, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+                     lse: TensorView, kv_lens: TensorView | None, shapes: Shapes) -> None:
         plan = self.plan
         tile_q, tile_kv = plan.launch.tile_q, self.spec.schedule.tile_kv
         q_tiles, pairs = -(-shapes.q_len // tile_q), shapes.batch * shapes.heads
         if q_tiles == 0 or pairs == 0:
             return
-        i64 = np.int64
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
-        k_map, v_map = (tensor_map(k, tile_kv), tensor_map(v, tile_kv)) if shapes.kv_len else (tensor_map(q, tile_q),
-                                                                                               ) * 2
-        args = (tensor_map(q, tile_q), k_map, v_map,
-                np.uintp(o.pointer), np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
-                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
-                np.int32(shapes.heads // shapes.kv_heads), *(i64(s) for s in o.strides[:3]),
-                np.int32(self.order_groups_for(shapes, q.device_id)), np.int32(q_tiles * pairs))
+        k_map, v_map = (map_arg(k, tile_kv), map_arg(v, tile_kv)) if shapes.kv_len else (map_arg(q, tile_q),) * 2
+        args = (map_arg(q, tile_q), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
+                i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
+                *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         persistent = self.persistent
         if persistent is None:
             persistent = self.spec.problem.mask is Mask.NONE or -(-shapes.kv_len // tile_kv) <= PERSISTENT_MASKED_TILES
-        blocks = min(q_tiles * pairs, self.slots(q.device_id)) if persistent else q_tiles * pairs
-        self.launch_function(self.function(), (blocks, 1, 1), args, q.device_id, stream)
+        blocks = min(q_tiles * pairs, self.slots(b.device_id)) if persistent else q_tiles * pairs
+        b.launch(self.function(b.device_id), (blocks, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
+                 self.name)

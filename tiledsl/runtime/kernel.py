@@ -1,5 +1,10 @@
 """Kernel: a compiled attention kernel of the fa2 family (the base of every family's class): it loads the
-cubin, checks the tensors it is handed, and launches on the caller's stream."""
+cubin, checks the tensors it is handed, and launches on the caller's stream.
+
+A call is prepared once per signature of its tensors (runtime/launch.py): the checks, the grid and
+the packed parameters of the first call are kept, and a later call with the same shapes, strides,
+dtypes and devices only reads the new pointers and launches. Each family class says what its call
+is (`build_call`: views, checks, outputs) and what it launches (`add_launches`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,17 +12,21 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from ..device_limits import resident_blocks
-from ..errors import LaunchError, RuntimeInputError
+from ..errors import RuntimeInputError
 from ..hw import MAX_GRID_YZ
-from ..spec import KernelSpec
+from ..spec import DType, KernelSpec
 from .block_order import order_groups
 from .compile import cached_cubin
-from .device import allow_dynamic_shared, caller_stream, capturing, cupy_module, device_arch, device_limits
-from .inputs import Shapes, allocate_outputs, check_kv_lens
-from .tensors import TensorView, view
+from .device import current_device, device_arch, device_limits, load_functions
+from .index_checks import add_kv_lens_check
+from .inputs import Shapes, check_int32_vector, check_operand
+from .launch import CallBuilder, SignatureCache, i32, pointer_arg, strides_args
+from .tensors import TensorView, signature
 
 if TYPE_CHECKING:
     from ..lower.plan import KernelPlan
+
+BATCHED = "(batch, heads, seqlen, head_dim)"
 
 
 class PlanRecord(SimpleNamespace):
@@ -31,6 +40,8 @@ class Kernel:
     k, v (batch, kv_heads, kv_len, d / dv); any strides whose last is 1. Build one with
     tiledsl.compile (families.py picks the family's subclass where its launch differs)."""
 
+    CALL = ("q", "k", "v", "kv_lens", "out", "lse")   # the call's tensors, in the order calls pass them
+
     def __init__(self, spec: KernelSpec, plan: KernelPlan):
         self.spec = spec
         self.plan = plan
@@ -41,41 +52,68 @@ class Kernel:
         self.name = self.plan.kernel_name
         self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
         self._slots: dict[int, int] = {}       # device -> resident blocks (slots())
-        self._function = None
+        self._functions: dict[int, object] = {}
+        self._calls = SignatureCache()
 
     def __repr__(self) -> str:
         return f"<tiledsl.Kernel {self.name}>"
 
-    def function(self):
-        if self._function is None:
-            cupy = cupy_module()
+    def function_names(self) -> dict[str, int]:
+        """The module's functions this kernel launches -> their dynamic shared memory."""
+        return {self.name: self.plan.launch.smem_bytes}
+
+    def functions(self, device_id: int | None = None) -> dict:
+        """The loaded functions of this kernel's module on `device_id` (None: the current device),
+        compiled (or read from the disk cache) and loaded once per device."""
+        device_id = current_device() if device_id is None else device_id
+        fns = self._functions.get(device_id)
+        if fns is None:
             if self.cubin_path is None or not self.cubin_path.is_file():
                 self.cubin_path = cached_cubin(self.source, self.name, device_arch())
-            module = cupy.cuda.function.Module()
-            module.load(self.cubin_path.read_bytes())
-            fn = module.get_function(self.name)
-            allow_dynamic_shared(fn, self.plan.launch.smem_bytes)
-            self._module, self._function = module, fn
-        return self._function
+            fns = self._functions[device_id] = load_functions(self.cubin_path, self.function_names(), device_id)
+        return fns
 
-    # -- input checks ---------------------------------------------------------------------
+    def function(self, device_id: int | None = None):
+        return self.functions(device_id)[self.name]
+
+    # -- a call ------------------------------------------------------------------------------------
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, validate: bool | None = None):
+        return self.run_call((q, k, v, kv_lens, out, lse), (validate,), validate=validate)
+
+    def run_call(self, tensors: tuple, scalars: tuple, **options):
+        """Run the call on `tensors` (CALL order) through its PreparedCall, prepared on the first call
+        of their signature with these `scalars` (the hashable part of `options`)."""
+        key = (tuple(map(signature, tensors)), scalars, self.launch_options())
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls.put(key, self.prepare_call(tensors, **options))
+        return call(*tensors)
+
+    def launch_options(self) -> tuple:
+        """The attributes a caller may set that change the launch (part of every prepared call's key)."""
+        return (self.order_groups,)
+
+    def prepare_call(self, tensors: tuple, immediate: bool = False, **options):
+        """The PreparedCall of a call on `tensors` (in CALL order), or with `immediate` the filled
+        CallBuilder of one launch (runtime/launch.py)."""
+        builder = CallBuilder(self.name, tensors, self.CALL, tensors[0], immediate)
+        self.build_call(builder, **options)
+        return builder if immediate else builder.build()
+
+    def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
+        q, k, v, kv_lens = (b.view(i) for i in range(4))
+        shapes = self.check_inputs(q, k, v, kv_lens)
+        b.require_aligned(q, k, v)
+        add_kv_lens_check(b, 3, shapes.kv_len, validate)
+        p = self.spec.problem
+        o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
+        lse = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
+        self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
+
     def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
         p = self.spec.problem
         for t in (q, k, v):
-            if len(t.shape) != 4:
-                raise RuntimeInputError(f"{self.name}: {t.name} must be 4-d (batch, heads, seqlen, head_dim), got "
-                                        f"shape {t.shape}")
-            if t.dtype is not p.dtype:
-                raise RuntimeInputError(f"{self.name}: {t.name} is {getattr(t.dtype, 'value', t.dtype)}, the kernel "
-                                        f"was built for {p.dtype.value}")
-            if t.strides[3] != 1:
-                raise RuntimeInputError(f"{self.name}: {t.name} needs a unit stride on head_dim, got strides "
-                                        f"{t.strides}")
-            if any(s % 8 for s in t.strides[:3]) or t.pointer % 16:
-                raise RuntimeInputError(f"{self.name}: {t.name} rows must be 16-byte aligned (strides {t.strides} "
-                                        f"elements)")
-            if t.device_id != q.device_id:
-                raise RuntimeInputError(f"{self.name}: q is on GPU {q.device_id} but {t.name} on GPU {t.device_id}")
+            check_operand(t, self.name, p.dtype, 4, q.device_id, BATCHED)
         batch, heads, q_len, dq = q.shape
         kb, kv_heads, kv_len, dk = k.shape
         if dq != p.head_dim_qk or dk != p.head_dim_qk:
@@ -89,50 +127,46 @@ class Kernel:
         if batch * heads > MAX_GRID_YZ:
             raise RuntimeInputError(f"{self.name}: batch*heads = {batch * heads} exceeds {MAX_GRID_YZ} per launch")
         if kv_lens is not None:
-            if kv_lens.dtype != "int32" or kv_lens.shape != (batch,) or kv_lens.strides != (1,):
-                raise RuntimeInputError(f"{self.name}: kv_lens must be a contiguous int32 array of shape ({batch},)")
+            check_int32_vector(kv_lens, self.name, batch, q.device_id)
         return Shapes(batch, heads, kv_heads, q_len, kv_len)
 
+    # -- direct launches (benchmarks, the tuner) --------------------------------------------------------
     def prepare(self, q, k, v, kv_lens=None, out=None, lse=None):
-        """Check the inputs and allocate (or check) the outputs, once: returns the views
-        (q, k, v, out, lse, kv_lens), the Shapes, and the out and lse objects to hand back."""
-        qv, kvw, vv = view(q, "q"), view(k, "k"), view(v, "v")
-        lens = view(kv_lens, "kv_lens") if kv_lens is not None else None
-        shapes = self.check_inputs(qv, kvw, vv, lens)
-        if lens is not None and not capturing(q):   # reading the lengths syncs the host: not under graph capture
-            check_kv_lens(kv_lens, shapes.kv_len, self.name)
-        out, lse = allocate_outputs(q, shapes, self.spec.problem, out, lse, self.name)
-        ov, lv = view(out, "out"), view(lse, "lse")
-        if ov.strides[3] != 1 or any(s % 8 for s in ov.strides[:3]):
-            raise RuntimeInputError(f"{self.name}: out needs unit stride on head_dim and 16-byte aligned rows")
-        return (qv, kvw, vv, ov, lv, lens), shapes, out, lse
+        """Check the inputs and allocate (or check) the outputs once: (views (q, k, v, out, lse,
+        kv_lens), Shapes, out, lse) for `launch`."""
+        b = CallBuilder(self.name, (q, k, v, kv_lens, out, lse), self.CALL, q, immediate=True)
+        qv, kv, vv, lens = (b.view(i) for i in range(4))
+        shapes = self.check_inputs(qv, kv, vv, lens)
+        p = self.spec.problem
+        ov = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
+        lv = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
+        out, lse = b.results
+        return (qv, kv, vv, ov, lv, lens), shapes, out, lse
 
-    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
-        views, shapes, out, lse = self.prepare(q, k, v, kv_lens, out, lse)
-        self.launch(*views, shapes, caller_stream(q))
-        return out, lse
+    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
+               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+        """Launch once on checked views (prepare, check_inputs) on `stream` (None: q's framework's)."""
+        b = CallBuilder(self.name, (), (), q.owner, immediate=True)
+        self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
+        b.run(stream)
 
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, **options):
+        """(run, out, lse): the outputs allocated once and `run()` a prepared call into them, which
+        only launches (benchmarks time it)."""
+        tensors = (q, k, v, kv_lens, out, lse)
+        if out is None or lse is None:
+            out, lse = self.prepare_call(tensors, immediate=True, **options).results
+        tensors = (q, k, v, kv_lens, out, lse)
+        call = self.prepare_call(tensors, **options)
+        return (lambda: call(*tensors)), out, lse
+
+    # -- FA2's launch ------------------------------------------------------------------------------------
     def attention_args(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
                        kv_lens: TensorView | None, shapes: Shapes) -> tuple:
         """The kernel parameters every prefill family starts with (fa2.cu.j2's signature)."""
-        import numpy as np
-        i64 = np.int64
-        return (np.uintp(q.pointer), np.uintp(k.pointer), np.uintp(v.pointer), np.uintp(o.pointer),
-                np.uintp(lse.pointer), np.uintp(kv_lens.pointer if kv_lens else 0),
-                np.int32(shapes.q_len), np.int32(shapes.kv_len), np.int32(shapes.heads),
-                np.int32(shapes.heads // shapes.kv_heads),
-                *(i64(s) for s in q.strides[:3]), *(i64(s) for s in k.strides[:3]),
-                *(i64(s) for s in v.strides[:3]), *(i64(s) for s in o.strides[:3]))
-
-    def launch_function(self, fn, grid, args, device_id: int, stream=None) -> None:
-        """Launch with this plan's block and shared memory; failures name the kernel and launch."""
-        plan = self.plan
-        try:
-            with cupy_module().cuda.Device(device_id):
-                fn(grid, (plan.launch.threads, 1, 1), args, shared_mem=plan.launch.smem_bytes, stream=stream)
-        except Exception as err:
-            raise LaunchError(f"{self.name} (grid {grid}, {plan.launch.threads} threads, "
-                              f"{plan.launch.smem_bytes} B shared): launch failed: {err}") from None
+        return (pointer_arg(q), pointer_arg(k), pointer_arg(v), pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
+                i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
+                *strides_args(q), *strides_args(k), *strides_args(v), *strides_args(o))
 
     def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
         """Launch-order groups of (batch, head) pairs (runtime/block_order.py); `self.order_groups` overrides."""
@@ -147,19 +181,20 @@ class Kernel:
         compiled kernel's registers), worked out once per device: every launch reads it."""
         if device_id not in self._slots:
             limits, launch = device_limits(device_id), self.plan.launch
-            registers = int(getattr(self.function(), "num_regs", 0) or limits.max_registers_per_thread)
+            registers = int(getattr(self.function(device_id), "num_regs", 0) or limits.max_registers_per_thread)
             per_sm, _ = resident_blocks(limits, registers, launch.threads, launch.smem_bytes)
             self._slots[device_id] = limits.sm_count * max(per_sm, 1)
         return self._slots[device_id]
 
-    def launch(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-               kv_lens: TensorView | None, shapes: Shapes, stream=None) -> None:
+    def add_launches(self, b: CallBuilder, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+                     lse: TensorView, kv_lens: TensorView | None, shapes: Shapes) -> None:
         """FA2: a 1-D grid of q tiles x (batch, head) pairs in runtime/block_order.py's order."""
-        import numpy as np
         tile_q = self.plan.launch.tile_q
         q_tiles, pairs = (shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads
         if q_tiles == 0 or pairs == 0:
             return
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (
-            np.int32(self.order_groups_for(shapes, q.device_id)),)
-        self.launch_function(self.function(), (q_tiles * pairs, 1, 1), args, q.device_id, stream)
+        groups = self.order_groups_for(shapes, b.device_id)
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (i32(groups),)
+        launch = self.plan.launch
+        b.launch(self.function(b.device_id), (q_tiles * pairs, 1, 1), launch.threads, launch.smem_bytes, args,
+                 self.name)

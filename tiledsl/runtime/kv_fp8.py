@@ -48,9 +48,8 @@ def scale_arrays(k_scale, v_scale, kind: KvScale, kv_heads: int, q):
     return device_array(k_scale), device_array(v_scale)
 
 
-def check_scale(x, name: str, kind: KvScale, kv_heads: int, device_id: int, kernel: str) -> TensorView:
+def check_scale(s: TensorView, name: str, kind: KvScale, kv_heads: int, device_id: int, kernel: str) -> TensorView:
     """A float32 scale array of kv_heads values (PER_HEAD) or one (PER_TENSOR), contiguous, on the GPU."""
-    s = view(x, name)
     want = (kv_heads,) if kind is KvScale.PER_HEAD else (1,)
     shape = s.shape if s.shape else (1,)
     if s.dtype is not DType.FP32 or shape != want or (s.strides and s.strides[0] != 1 and shape[0] > 1):
@@ -60,18 +59,6 @@ def check_scale(x, name: str, kind: KvScale, kv_heads: int, device_id: int, kern
     if s.device_id != device_id:
         raise RuntimeInputError(f"{kernel}: {name} is on GPU {s.device_id}, q on GPU {device_id}")
     return s
-
-
-def check_fp8_kv(t: TensorView, kernel: str) -> TensorView:
-    """An e4m3 K or V cache view: unit stride on head_dim, 16-byte aligned rows. Returned with its
-    dtype marked as e4m3 and its strides as they are (in bytes); kernel_strides halves them."""
-    if t.dtype is not DType.E4M3:
-        raise RuntimeInputError(f"{kernel}: {t.name} must be float8_e4m3fn (the kernel reads an FP8 KV cache), got "
-                                f"{getattr(t.dtype, 'value', t.dtype)}")
-    if len(t.shape) != 4 or t.strides[3] != 1 or any(s % 16 for s in t.strides[:3]) or t.pointer % 16:
-        raise RuntimeInputError(f"{kernel}: {t.name} must be 4-d with a unit stride on head_dim and 16-byte aligned "
-                                f"rows (shape {t.shape}, strides {t.strides} bytes)")
-    return t
 
 
 def kernel_strides(t: TensorView) -> TensorView:

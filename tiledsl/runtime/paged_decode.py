@@ -8,50 +8,52 @@ pages per sequence), kv_lens int32 (batch,). O comes back (batch, queries, heads
 LSE (batch, heads, queries) fp32. The kernel is the decode kernel; only its views differ: q and O
 are handed in with (batch, head, query) strides, the caches with (page, kv head, slot) strides.
 
-The block table and kv_lens are checked on the host (serving_checks.check_paged) before every
-launch: an entry out of range or a kv_len over the table's capacity is refused, never read out of
-bounds. Under CUDA graph capture (no host reads) the check is skipped and the split count is
-chosen for the table's capacity.
+The block table and kv_lens are read by the kernel; the split count is chosen for the table's
+capacity (max pages x page size): runtime/paged_views.py. A planned call (tiledsl/serving/plan.py)
+knows the host lengths and chooses for them.
 """
 from __future__ import annotations
 
-from ..errors import RuntimeInputError
-from ..hw import MAX_GRID_YZ
-from .decode import DecodeKernel
-from .device import caller_stream
-from .inputs import Shapes
+from .decode import DecodeKernel, DecodeWorkspace, number_or_none, tensor_or_none
+from .launch import CallBuilder
 from .paged_views import paged_outputs, paged_views
 
 
 class PagedDecodeKernel(DecodeKernel):
     """A compiled flash-decoding kernel that reads K and V through a block table."""
 
+    CALL = ("q", "k_cache", "v_cache", "block_table", "kv_lens", "out", "lse", "k_scale", "v_scale")
+
     def __repr__(self) -> str:
         return f"<tiledsl.PagedDecodeKernel {self.name}>"
 
-    def check_paged_inputs(self, q, k_cache, v_cache, block_table, kv_lens):
-        """Views (q, k, v, table, kv_lens) with the kernel's stride order, and the Shapes."""
-        views, shapes = paged_views(self.name, self.spec.problem, q, k_cache, v_cache, block_table, kv_lens)
-        if shapes.q_len != self.spec.problem.queries_per_seq:
-            raise RuntimeInputError(f"{self.name}: built for {self.spec.problem.queries_per_seq} queries per sequence, "
-                                    f"q has {shapes.q_len}")
-        if shapes.batch > MAX_GRID_YZ or shapes.kv_heads * self.row_tiles(shapes) > MAX_GRID_YZ:
-            raise RuntimeInputError(f"{self.name}: batch {shapes.batch} or kv_heads x row tiles exceeds {MAX_GRID_YZ}")
-        return views, shapes
+    def build_call(self, b: CallBuilder, validate: bool | None = None, k_scale=None, v_scale=None,
+                   workspace: DecodeWorkspace | None = None, kv_len: int | None = None) -> None:
+        """`kv_len`: the longest sequence the launch is sized for (None: the table's capacity)."""
+        from dataclasses import replace
+        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate)
+        if kv_len is not None:
+            shapes = replace(shapes, kv_len=min(int(kv_len), shapes.kv_len))
+        self.check_rows(shapes)
+        ov, lv = paged_outputs(b, self.spec.problem, shapes, 5)
+        scales = self.scale_views(b, 7, k_scale, v_scale, shapes.kv_heads)
+        self.add_launches(b, qv, kv, vv, ov, lv, lens, shapes, table=tv, scales=scales, workspace=workspace)
 
-    def _outputs(self, q, shapes: Shapes, out, lse):
-        return paged_outputs(self.name, self.spec.problem, q, shapes, out, lse)
+    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None,
+                 v_scale=None, validate: bool | None = None):
+        tensors = (q, k_cache, v_cache, block_table, kv_lens, out, lse, tensor_or_none(k_scale),
+                   tensor_or_none(v_scale))
+        return self.run_call(tensors, (number_or_none(k_scale), number_or_none(v_scale), validate), validate=validate,
+                             k_scale=k_scale, v_scale=v_scale)
 
     def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None):
         """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks).
         An FP8 (kv_dtype = e4m3) kernel takes float8_e4m3fn caches and their scales."""
-        (qv, kv, vv, tv, lens), shapes = self.check_paged_inputs(q, k_cache, v_cache, block_table, kv_lens)
-        out, lse, ov, lv = self._outputs(q, shapes, out, lse)
-        scales = self.scale_views(qv, k_scale, v_scale, shapes.kv_heads)
-        run = self.bind_views(qv, kv, vv, ov, lv, lens, shapes, caller_stream(q), table=tv, scales=scales)
-        return run, out, lse
-
-    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None):
-        run, out, lse = self.bind(q, k_cache, v_cache, block_table, kv_lens, out, lse, k_scale=k_scale, v_scale=v_scale)
-        run()
-        return out, lse
+        options = {"k_scale": k_scale, "v_scale": v_scale}
+        scales = (tensor_or_none(k_scale), tensor_or_none(v_scale))
+        head = (q, k_cache, v_cache, block_table, kv_lens)
+        if out is None or lse is None:
+            out, lse = self.prepare_call(head + (out, lse) + scales, immediate=True, **options).results
+        tensors = head + (out, lse) + scales
+        call = self.prepare_call(tensors, **options)
+        return (lambda: call(*tensors)), out, lse

@@ -10,56 +10,60 @@ each sequence (masks aligned bottom-right). O comes back (batch, queries, heads,
 LSE (batch, heads, queries) fp32. The kernel is the fa2 kernel; only its views differ: q and O are
 handed in with (batch, head, query) strides, the caches with (page, kv head, slot) strides.
 
-The block table and kv_lens are checked on the host (serving_checks.check_paged) before every
-launch: an entry out of range or a kv_len over the table's capacity is refused, never read out of
-bounds. Under CUDA graph capture (no host reads) the check is skipped.
+The block table and kv_lens are read by the kernel: runtime/paged_views.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..errors import RuntimeInputError
-from .paged_views import paged_outputs, paged_views
 from ..hw import MAX_GRID_YZ
 from .inputs import Shapes
 from .kernel import Kernel
-from .device import caller_stream
+from .launch import CallBuilder, i32, i64, pointer_arg
+from .paged_views import paged_outputs, paged_views
+from .tensors import TensorView
 
 
 class PagedPrefillKernel(Kernel):
     """A compiled fa2 kernel that reads K and V through a block table."""
 
+    CALL = ("q", "k_cache", "v_cache", "block_table", "kv_lens", "out", "lse")
+
     def __repr__(self) -> str:
         return f"<tiledsl.PagedPrefillKernel {self.name}>"
 
-    def check_paged_inputs(self, q, k_cache, v_cache, block_table, kv_lens):
-        """Views (q, k, v, table, kv_lens) in the kernel's stride order, and the Shapes."""
-        views, shapes = paged_views(self.name, self.spec.problem, q, k_cache, v_cache, block_table, kv_lens)
+    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *,
+                 validate: bool | None = None):
+        return self.run_call((q, k_cache, v_cache, block_table, kv_lens, out, lse), (validate,), validate=validate)
+
+    def build_call(self, b: CallBuilder, validate: bool | None = None, kv_len: int | None = None) -> None:
+        from dataclasses import replace
+        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate)
+        if kv_len is not None:
+            shapes = replace(shapes, kv_len=min(int(kv_len), shapes.kv_len))
         if shapes.batch * shapes.heads > MAX_GRID_YZ:
             raise RuntimeInputError(f"{self.name}: batch*heads = {shapes.batch * shapes.heads} exceeds {MAX_GRID_YZ} "
                                     "per launch")
-        return views, shapes
+        ov, lv = paged_outputs(b, self.spec.problem, shapes, 5)
+        self.add_paged_launches(b, qv, kv, vv, ov, lv, lens, tv, shapes)
 
-    def _outputs(self, q, shapes: Shapes, out, lse):
-        return paged_outputs(self.name, self.spec.problem, q, shapes, out, lse)
-
-    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, stream=None):
-        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
-        (qv, kv, vv, tv, lens), shapes = self.check_paged_inputs(q, k_cache, v_cache, block_table, kv_lens)
-        out, lse, ov, lv = self._outputs(q, shapes, out, lse)
-        stream = stream or caller_stream(q)
+    def add_paged_launches(self, b: CallBuilder, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+                           lse: TensorView, kv_lens: TensorView, table: TensorView, shapes: Shapes) -> None:
         tile_q = self.plan.launch.tile_q
         blocks = -(-shapes.q_len // tile_q) * shapes.batch * shapes.heads
         if blocks == 0:
-            return (lambda: None), out, lse
-        base = self.attention_args(qv, kv, vv, ov, lv, lens, shapes)
+            return
+        base = self.attention_args(q, k, v, o, lse, kv_lens, shapes)
         # fa2.cu.j2's paged signature: the block table and its row stride follow kv_lens.
-        args = base[:6] + (np.uintp(tv.pointer), np.int64(tv.strides[0])) + base[6:] + (
-            np.int32(self.order_groups_for(shapes, qv.device_id)),)
-        fn = self.function()
-        return (lambda: self.launch_function(fn, (blocks, 1, 1), args, qv.device_id, stream)), out, lse
+        args = base[:6] + (pointer_arg(table), i64(table.strides[0])) + base[6:] + (
+            i32(self.order_groups_for(shapes, b.device_id)),)
+        launch = self.plan.launch
+        b.launch(self.function(b.device_id), (blocks, 1, 1), launch.threads, launch.smem_bytes, args, self.name)
 
-    def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None):
-        run, out, lse = self.bind(q, k_cache, v_cache, block_table, kv_lens, out, lse)
-        run()
-        return out, lse
+    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None):
+        """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks)."""
+        head = (q, k_cache, v_cache, block_table, kv_lens)
+        if out is None or lse is None:
+            out, lse = self.prepare_call(head + (out, lse), immediate=True).results
+        tensors = head + (out, lse)
+        call = self.prepare_call(tensors)
+        return (lambda: call(*tensors)), out, lse

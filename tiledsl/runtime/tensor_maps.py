@@ -1,5 +1,6 @@
 """TMA tensor maps for the Hopper family, encoded on the host with the CUDA driver
-(`cuTensorMapEncodeTiled`, through NVIDIA's cuda-bindings package).
+(`cuTensorMapEncodeTiled`, through NVIDIA's cuda-bindings package). A prepared call encodes a
+map once and rewrites only its address word for each new tensor (map_arg, address_field).
 
 A (batch, heads, seqlen, head_dim) tensor with any strides whose last is 1 is described as a
 4-d tensor (head_dim, seqlen, heads, batch); one box is 64 columns (128 bytes, one swizzled
@@ -8,16 +9,13 @@ tails need no padding. The map is handed to the kernel by value (a 128-byte stru
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from ..errors import LaunchError, RuntimeInputError
 from ..hw import PANEL_COLUMNS
+from .launch import Arg, MapValue
 from .tensors import TensorView
 
 STRIDE_ALIGN = 16           # TMA: every global stride a multiple of 16 bytes (checked before launch)
 ELEMENT_BYTES = 2
-_CACHE_SIZE = 64
-_cache: OrderedDict = OrderedDict()
 
 
 def _driver():
@@ -29,19 +27,9 @@ def _driver():
     return driver
 
 
-def _map_dtype():
-    import numpy as np
-    return np.dtype([("words", np.uint64, (16,))])
-
-
-def tensor_map(t: TensorView, box_rows: int):
-    """The encoded map of `t` (a NumPy structured scalar of 128 bytes), cached per tensor layout."""
-    key = (t.pointer, t.shape, t.strides, box_rows, t.device_id)
-    hit = _cache.get(key)
-    if hit is not None:
-        _cache.move_to_end(key)
-        return hit
-    import numpy as np
+def encode(t: TensorView, box_rows: int, address: int | None = None) -> tuple[int, ...]:
+    """The 16 words of `t`'s map with boxes of `box_rows` rows (at `address` instead of t.pointer
+    when given: the encoder reads no memory, so any 16-byte aligned address encodes)."""
     cu = _driver()
     batch, heads, rows, columns = t.shape
     dims = [columns, rows, heads, batch]
@@ -49,7 +37,7 @@ def tensor_map(t: TensorView, box_rows: int):
     # A unit-size dimension's stride is never used: any legal value will do.
     strides = [s if s > 0 else STRIDE_ALIGN for s in strides]
     err, encoded = cu.cuTensorMapEncodeTiled(
-        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, t.pointer,
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, t.pointer if address is None else address,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(PANEL_COLUMNS), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
         [cu.cuuint32_t(1)] * 4,
@@ -60,9 +48,47 @@ def tensor_map(t: TensorView, box_rows: int):
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeInputError(f"{t.name}: cannot describe shape {t.shape} strides {t.strides} as a TMA tensor map "
                                 f"({err})")
-    value = np.zeros((), dtype=_map_dtype())
-    value["words"] = [int(w) for w in encoded.opaque]
-    if len(_cache) >= _CACHE_SIZE:
-        _cache.popitem(last=False)
-    _cache[key] = value[()]
-    return _cache[key]
+    return tuple(int(w) for w in encoded.opaque)
+
+
+# Two probe offsets (multiples of 16 bytes, far apart): a map whose words differ from the original's
+# in one word, by the offset shifted right by the same amount both times, stores its address there.
+_PROBES = (1 << 21, 1 << 33)
+
+
+def address_field(t: TensorView, box_rows: int, words: tuple) -> tuple[int, int, int] | None:
+    """(word, base, shift) such that the map of `t` at any address a has word = base + (a >> shift)
+    and every other word as in `words`; None when the encoding does not look like that (the map is
+    then encoded again for each new address)."""
+    found = None
+    for delta in _PROBES:
+        other = encode(t, box_rows, t.pointer + delta)
+        changed = [i for i, (a, b) in enumerate(zip(words, other)) if a != b]
+        if len(changed) != 1:
+            return None
+        i = changed[0]
+        step = (other[i] - words[i]) & ((1 << 64) - 1)
+        shifts = [s for s in range(8) if step == delta >> s]
+        if not shifts or (found is not None and (found[0], found[2]) != (i, shifts[0])):
+            return None
+        found = (i, (words[i] - (t.pointer >> shifts[0])) & ((1 << 64) - 1), shifts[0])
+    return found
+
+
+_fields: dict = {}
+
+
+def map_arg(t: TensorView, box_rows: int):
+    """The kernel parameter of `t`'s map (runtime/launch.Arg "map"), with the address field found
+    once per layout so that a prepared call only rewrites one word for a new tensor."""
+    words = encode(t, box_rows)
+    layout = (t.shape, t.strides, box_rows, t.device_id)
+    if layout not in _fields:
+        _fields[layout] = address_field(t, box_rows, words)
+    field = _fields[layout]
+    if field is None:
+        def reencode(address: int) -> tuple[int, ...]:
+            return encode(t, box_rows, address)
+        return Arg("map", MapValue(words, t.pointer, -1, 0, 0, reencode), t.slot)
+    word, base, shift = field
+    return Arg("map", MapValue(words, t.pointer, word, base, shift), t.slot)

@@ -1,10 +1,17 @@
-"""Zero-copy views of GPU tensors from any framework, through DLPack (or __cuda_array_interface__).
+"""Zero-copy views of GPU tensors from any framework, and the cache key of a call's tensors.
 
-We read pointer, shape, strides and dtype ourselves instead of converting to CuPy, because
-CuPy has no bfloat16 dtype and PyTorch's __cuda_array_interface__ refuses bfloat16."""
+A PyTorch tensor is read straight from its attributes (data_ptr(), shape, stride(), dtype, device):
+no DLPack capsule, so a view costs a few attribute reads, and a tensor that requires grad needs no
+detach. CuPy arrays are read through __cuda_array_interface__, anything else through DLPack; we
+read pointer, shape, strides and dtype ourselves because CuPy has no bfloat16 dtype and PyTorch's
+__cuda_array_interface__ refuses bfloat16.
+
+`signature(x)` is what a warm call keys its prepared launch on (runtime/launch.py): shape, strides,
+dtype and device, read without building a view."""
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 
 from ..errors import RuntimeInputError
@@ -44,37 +51,82 @@ class TensorView:
     dtype: object                 # DType or "int32"
     device_id: int
     owner: object
+    slot: int = -1                # the tensor's place in its call (runtime/launch.py); -1: not a call tensor
 
 
-def view(x, name: str) -> TensorView:
+def view(x, name: str, slot: int = -1) -> TensorView:
     """A TensorView of `x` (PyTorch tensor, CuPy array, anything with DLPack or the CUDA array
     interface). Host arrays and unsupported dtypes are refused with a message naming `name`."""
     # torch first: its __cuda_array_interface__ property raises KeyError (not AttributeError) for
     # float8 tensors, so hasattr() on one would raise
-    if _is_torch(x):
-        if str(getattr(x, "dtype", "")) == "torch.float8_e4m3fn":
-            return _from_torch_fp8(x, name)
-    elif hasattr(x, "__cuda_array_interface__"):
-        return _from_cai(x, name)
+    if is_torch(x):
+        return _from_torch(x, name, slot)
+    if hasattr(x, "__cuda_array_interface__"):
+        return _from_cai(x, name, slot)
     if hasattr(x, "__dlpack__"):
-        return _from_dlpack(x, name)
+        return _from_dlpack(x, name, slot)
     raise RuntimeInputError(f"{name}: expected a GPU tensor (PyTorch, CuPy or anything with DLPack), got "
                             f"{type(x).__name__}")
 
 
-def _is_torch(x) -> bool:
+def is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def _from_torch_fp8(x, name: str) -> TensorView:
-    """PyTorch float8_e4m3fn (an FP8 KV cache) read from the tensor itself: DLPack export of float8
-    depends on the PyTorch version."""
-    if not x.is_cuda:
-        raise RuntimeInputError(f"{name}: is on the host; move it to the GPU")
-    return TensorView(name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), DType.E4M3, x.device.index or 0, x)
+_torch_dtypes: dict = {}
 
 
-def _from_dlpack(x, name: str) -> TensorView:
+def torch_dtypes() -> dict:
+    """torch dtype -> DType (or "int32"), built from DTYPES the first time a torch tensor is read."""
+    if not _torch_dtypes:
+        torch = sys.modules["torch"]
+        for dtype, info in DTYPES.items():
+            if hasattr(torch, info.torch):
+                _torch_dtypes[getattr(torch, info.torch)] = dtype
+        _torch_dtypes[torch.int32] = "int32"
+    return _torch_dtypes
+
+
+def _from_torch(x, name: str, slot: int) -> TensorView:
+    device = x.device
+    if device.type != "cuda":
+        raise RuntimeInputError(f"{name}: is on the host ({device}); move it to the GPU")
+    dtype = torch_dtypes().get(x.dtype)
+    if dtype is None:
+        raise RuntimeInputError(f"{name}: unsupported dtype {x.dtype}")
+    return TensorView(name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, device.index or 0, x, slot)
+
+
+def signature(x):
+    """The part of `x` a prepared launch depends on (framework, shape, strides, dtype, device), read
+    with O(1) attribute lookups for torch and CuPy; None for None. Equal signatures get the same
+    launch, whatever the pointers."""
+    if x is None:
+        return None
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.shape, x.stride(), x.dtype, x.device
+    if module.startswith("cupy"):
+        return x.shape, x.strides, x.dtype, x.data.device_id
+    if isinstance(x, (int, float)):
+        return type(x), x
+    t = view(x, "tensor")
+    return type(x), t.shape, t.strides, t.dtype, t.device_id
+
+
+def pointer(x) -> int:
+    """The device address of `x` (0 for None): data_ptr() for torch, .data.ptr for CuPy, else its view."""
+    if x is None:
+        return 0
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.data_ptr()
+    if module.startswith("cupy"):
+        return x.data.ptr
+    return view(x, "tensor").pointer
+
+
+def _from_dlpack(x, name: str, slot: int = -1) -> TensorView:
     try:
         capsule = x.__dlpack__()
     except Exception as err:   # frameworks raise many types here (e.g. a tensor that needs grad)
@@ -93,13 +145,13 @@ def _from_dlpack(x, name: str) -> TensorView:
     else:
         strides = _compact_strides(shape)
     dtype = DLPACK_DTYPES[key]
-    pointer = (tensor.data or 0) + tensor.byte_offset
+    address = (tensor.data or 0) + tensor.byte_offset
     # The capsule is not consumed: its destructor releases the framework's reference, and `x`
     # (kept in owner) holds the memory for as long as we need it.
-    return TensorView(name, pointer, shape, strides, dtype, tensor.device.device_id, x)
+    return TensorView(name, address, shape, strides, dtype, tensor.device.device_id, x, slot)
 
 
-def _from_cai(x, name: str) -> TensorView:
+def _from_cai(x, name: str, slot: int = -1) -> TensorView:
     cai = x.__cuda_array_interface__
     dtype = CAI_DTYPES.get(cai["typestr"])
     if dtype is None:
@@ -108,7 +160,7 @@ def _from_cai(x, name: str) -> TensorView:
     itemsize = 4 if dtype == "int32" else DTYPES[dtype].bytes
     strides = tuple(s // itemsize for s in cai["strides"]) if cai.get("strides") else _compact_strides(shape)
     device_id = getattr(getattr(x, "device", None), "id", 0)
-    return TensorView(name, cai["data"][0], shape, strides, dtype, device_id, x)
+    return TensorView(name, cai["data"][0], shape, strides, dtype, device_id, x, slot)
 
 
 def _compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

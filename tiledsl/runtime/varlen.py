@@ -7,22 +7,31 @@ q's dtype and LSE fp32 (heads, total_q) (FlashAttention's varlen LSE layout; nat
 
 Each TMA map sees a packed tensor as one batch entry of `total` rows: (1, heads, total, d) with
 the row stride heads * d, so the hopper kernel's 4-d copies read it unchanged; a work item adds its
-sequence's first row. The work list -- (sequence, query tile) pairs, the tiles that see the most
-keys first -- is built on the host from host copies of cu_seqlens, so every call syncs on those
-copies (and uploads the list, cached per cu_seqlens contents)."""
+sequence's first row. The work list -- (sequence, query tile) pairs -- comes one of two ways:
+
+- from host copies of cu_seqlens (a sync): checked (serving_checks.check_varlen) and ordered the
+  costliest sequence first, the tiles that see the most keys first; uploaded once per cu_seqlens
+  contents. What `validate=True`, a call without max_seqlen_q / max_seqlen_k, and plan() do;
+- without reading cu_seqlens, when the caller gives max_seqlen_q and max_seqlen_k (as flash-attn
+  asks): every sequence's ceil(max_seqlen_q / tile q) tiles, the later (longer, under a causal
+  mask) tiles first; a tile past its sequence's end reads no keys and stores no row. Uploaded once
+  per (batch, tiles): no sync, capturable in a CUDA graph.
+"""
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from ..errors import RuntimeInputError
-from .device import capturing, cupy_module, is_torch, caller_stream
 from .hopper import PERSISTENT_MASKED_TILES, HopperKernel
+from .inputs import check_operand
+from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
 from .serving_checks import check_varlen, host
 from ..spec import DType, Mask
-from .tensor_maps import tensor_map
-from .tensors import TensorView, view
+from .tensor_maps import map_arg
+from .tensors import TensorView, signature, view
 
-WORK_LISTS = 16   # uploaded work lists kept per kernel (one per recent cu_seqlens pair)
+WORK_LISTS = 16   # uploaded work lists kept per kernel (one per recent cu_seqlens pair or shape)
+PACKED = "(total tokens, heads, head_dim)"
 
 
 def visible_keys(q0: int, rows: int, seq_q: int, seq_kv: int, mask: Mask, left: int, right: int) -> int:
@@ -52,42 +61,73 @@ def work_list(q_lens, k_lens, tile_q: int, mask: Mask, left: int = 0, right: int
     return np.array([(b, -t) for _, b, _, t in entries], dtype=np.int32).reshape(-1, 2)
 
 
+def bounded_work_list(batch: int, tiles: int):
+    """(sequence, query tile) int32 pairs for `tiles` tiles of every sequence, without their lengths:
+    the last tiles first (under a causal mask they see the most keys), sequences in order within."""
+    import numpy as np
+    t, b = np.meshgrid(np.arange(tiles - 1, -1, -1, dtype=np.int32), np.arange(batch, dtype=np.int32), indexing="ij")
+    return np.stack([b.ravel(), t.ravel()], axis=1).astype(np.int32).reshape(-1, 2)
+
+
 def packed_view(t: TensorView) -> TensorView:
     """A packed (total, heads, d) tensor as the (batch 1, heads, rows, d) the tensor maps describe."""
     total, heads, d = t.shape
     return TensorView(t.name, t.pointer, (1, heads, total, d), (total * t.strides[0], t.strides[1], t.strides[0], 1),
-                      t.dtype, t.device_id, t.owner)
+                      t.dtype, t.device_id, t.owner, t.slot)
+
+
+def upload_int32(pairs, like):
+    """A device copy of the int32 NumPy array `pairs` in `like`'s framework (on its current stream)."""
+    from .device import cupy_module
+    if type(like).__module__.startswith("torch"):
+        import torch
+        # From pinned memory, without a sync (torch keeps the host block until the copy has run).
+        return torch.from_numpy(pairs).pin_memory().to(like.device, non_blocking=True)
+    cupy = cupy_module()
+    with cupy.cuda.Device(view(like, "q").device_id):
+        return cupy.asarray(pairs)
 
 
 class VarlenHopperKernel(HopperKernel):
     """A compiled varlen hopper kernel: `o, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k)`
-    (module docstring for the layouts). `max_seqlen_q/k`, when given, are checked against the
-    lengths (the kernel itself needs neither). Runs on the caller's stream; not capturable in a
-    CUDA graph, since the work list is built from host copies of cu_seqlens."""
+    (module docstring for the layouts and the two work lists). `max_seqlen_q/k`, when given, bound
+    the lengths: with both and without `validate`, no host reads (capturable)."""
+
+    CALL = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "lse")
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
         self._work: OrderedDict = OrderedDict()
+        self._host_calls = SignatureCache(WORK_LISTS * 4)
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None,
+                 *, validate: bool | None = None):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        if max_seqlen_q is not None and max_seqlen_k is not None and not validate:
+            return self.run_call(tensors, (int(max_seqlen_q), int(max_seqlen_k)), max_seqlen_q=int(max_seqlen_q),
+                                 max_seqlen_k=int(max_seqlen_k))
+        from .device import capturing
+        if capturing(q):
+            raise RuntimeInputError(f"{self.name}: without max_seqlen_q and max_seqlen_k (or with validate=True) "
+                                    "varlen attention reads cu_seqlens on the host; it cannot run under CUDA graph "
+                                    "capture")
+        cu_q, cu_k = host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k")   # the host sync
+        key = (tuple(map(signature, tensors)), cu_q.tobytes(), cu_k.tobytes(), max_seqlen_q, max_seqlen_k,
+               self.launch_options())
+        call = self._host_calls.get(key)
+        if call is None:
+            call = self._host_calls.put(key, self.prepare_call(tensors, host_offsets=(cu_q, cu_k),
+                                                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
+        return call(*tensors)
 
     def check_packed(self, q: TensorView, k: TensorView, v: TensorView) -> tuple[int, int]:
         """(heads, kv_heads) after checking the packed tensors; errors name the tensor."""
         p = self.spec.problem
         for t, dim in ((q, p.head_dim_qk), (k, p.head_dim_qk), (v, p.head_dim_v)):
-            if len(t.shape) != 3:
-                raise RuntimeInputError(f"{self.name}: {t.name} must be 3-d (total tokens, heads, head_dim), got "
-                                        f"shape {t.shape}")
-            if t.dtype is not p.dtype:
-                raise RuntimeInputError(f"{self.name}: {t.name} is {getattr(t.dtype, 'value', t.dtype)}, the kernel "
-                                        f"was built for {p.dtype.value}")
+            check_operand(t, self.name, p.dtype, 3, q.device_id, PACKED)
             if t.shape[2] != dim:
                 raise RuntimeInputError(f"{self.name}: {t.name} has head_dim {t.shape[2]}, the kernel was built for "
                                         f"{dim}")
-            if t.strides[2] != 1 or any(s % 8 for s in t.strides[:2]) or t.pointer % 16:
-                raise RuntimeInputError(f"{self.name}: {t.name} needs a unit stride on head_dim and 16-byte aligned "
-                                        f"rows "
-                                        f"(strides {t.strides} elements)")
-            if t.device_id != q.device_id:
-                raise RuntimeInputError(f"{self.name}: q is on GPU {q.device_id} but {t.name} on GPU {t.device_id}")
         heads, kv_heads = q.shape[1], k.shape[1]
         if v.shape[:2] != k.shape[:2]:
             raise RuntimeInputError(f"{self.name}: k {k.shape} and v {v.shape} must hold the same (total_k, kv_heads)")
@@ -95,107 +135,87 @@ class VarlenHopperKernel(HopperKernel):
             raise RuntimeInputError(f"{self.name}: {heads} query heads are not a multiple of {kv_heads} kv heads")
         return heads, kv_heads
 
-    def _device_offsets(self, cu, name: str, batch: int, device_id: int) -> TensorView:
-        t = view(cu, name)
-        if t.dtype != "int32" or t.shape != (batch + 1,) or t.strides != (1,) or t.device_id != device_id:
-            raise RuntimeInputError(f"{self.name}: {name} must be a contiguous int32 GPU array of shape ({batch + 1},) "
+    def _device_offsets(self, t: TensorView, batch: int | None, device_id: int) -> int:
+        """The batch size cu_seqlens `t` describes, after checking it is a contiguous int32 GPU vector
+        (of batch + 1 entries when `batch` is known)."""
+        ok = t.dtype == "int32" and len(t.shape) == 1 and t.shape[0] >= 1 and t.strides[0] == 1
+        if not ok or (batch is not None and t.shape[0] != batch + 1) or t.device_id != device_id:
+            want = f"({batch + 1},)" if batch is not None else "(batch + 1,)"
+            raise RuntimeInputError(f"{self.name}: {t.name} must be a contiguous int32 GPU array of shape {want} "
                                     f"on GPU {device_id}")
-        return t
+        return t.shape[0] - 1
 
-    def _work_list(self, like, cu_q, cu_k, q_lens, k_lens, stream):
-        """The uploaded work list for these offsets (and the longest item's kv tiles)."""
-        p = self.spec.problem
-        key = (cu_q.tobytes(), cu_k.tobytes(), is_torch(like), view(like, "q").device_id)
+    def _uploaded(self, key, pairs_of, like):
+        """The device work list for `key` ((device array, items) from `pairs_of()`), kept for reuse."""
         hit = self._work.get(key)
         if hit is None:
-            pairs = work_list(q_lens, k_lens, self.plan.launch.tile_q, p.mask, p.window_left, p.window_right)
-            tile_q, tile_kv = self.plan.launch.tile_q, self.spec.schedule.tile_kv
-            most = max((visible_keys(int(t) * tile_q, tile_q, int(q_lens[b]), int(k_lens[b]), p.mask, p.window_left,
-                                     p.window_right) for b, t in pairs[:1]), default=0)
-            if is_torch(like):
-                import torch
-                device = torch.from_numpy(pairs).to(like.device)
-            else:
-                cupy = cupy_module()
-                with cupy.cuda.Device(view(like, "q").device_id), stream:
-                    device = cupy.asarray(pairs)
-            hit = (device, len(pairs), -(-most // tile_kv) + 1)
+            pairs = pairs_of()
+            hit = (upload_int32(pairs, like), len(pairs))
             if len(self._work) >= WORK_LISTS:
                 self._work.popitem(last=False)
             self._work[key] = hit
         self._work.move_to_end(key)
         return hit
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None):
-        out, lse, launch = self.prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                                               lse)
-        if launch is not None:
-            self.launch_function(self.function(), *launch)
-        return out, lse
+    def build_call(self, b: CallBuilder, host_offsets=None, max_seqlen_q: int | None = None,
+                   max_seqlen_k: int | None = None, planned_work=None) -> None:
+        """The launch on packed q, k, v with a work list from host offsets (`host_offsets`: host copies
+        of cu_seqlens), from the length bounds (max_seqlen_q, max_seqlen_k), or uploaded by a plan
+        (`planned_work`: (device (items, 2) int32 list, items, keys the costliest item sees))."""
+        p = self.spec.problem
+        qv, kw, vv, cu_qv, cu_kv = (b.view(i) for i in range(5))
+        heads, kv_heads = self.check_packed(qv, kw, vv)
+        b.require_aligned(qv, kw, vv)
+        tile_q, tile_kv = self.plan.launch.tile_q, self.spec.schedule.tile_kv
+        framework = type(b.like).__module__.split(".")[0]
+        if host_offsets is not None:
+            cu_q, cu_k = host_offsets
+            q_lens, k_lens = check_varlen(cu_q, cu_k, qv.shape[0], kw.shape[0], max_seqlen_q, max_seqlen_k)
+            batch = q_lens.shape[0]
+            ordered = work_list(q_lens, k_lens, tile_q, p.mask, p.window_left, p.window_right)
+            key = ("host", cu_q.tobytes(), cu_k.tobytes(), framework, qv.device_id)
+            work, pairs = self._uploaded(key, lambda: ordered, b.like)
+            most = max((visible_keys(int(t) * tile_q, tile_q, int(q_lens[s]), int(k_lens[s]), p.mask, p.window_left,
+                                     p.window_right) for s, t in ordered[:1]), default=0)
+        elif planned_work is not None:
+            work, pairs, most = planned_work
+            batch = None
+        else:
+            batch = None
+            most = max_seqlen_k
+        batch = self._device_offsets(cu_qv, batch, qv.device_id)
+        self._device_offsets(cu_kv, batch, qv.device_id)
+        if host_offsets is None and planned_work is None:
+            tiles = -(-max_seqlen_q // tile_q)
+            work, pairs = self._uploaded(("bounded", batch, tiles, framework, qv.device_id),
+                                         lambda: bounded_work_list(batch, tiles), b.like)
+        b.keep.append(work)
+        total_q = qv.shape[0]
+        ov = b.output(5, (total_q, heads, p.head_dim_v), p.dtype)
+        lv = b.output(6, (heads, total_q), DType.FP32, contiguous=True)
+        items = pairs * heads
+        if total_q == 0 or items == 0:
+            return
+        qp, kp, vp = packed_view(qv), packed_view(kw), packed_view(vv)
+        # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
+        k_map, v_map = (map_arg(kp, tile_kv), map_arg(vp, tile_kv)) if kw.shape[0] else (map_arg(qp, tile_q),) * 2
+        args = (map_arg(qp, tile_q), k_map, v_map, pointer_arg(ov), pointer_arg(lv), pointer_arg(cu_qv),
+                pointer_arg(cu_kv), pointer_arg(view(work, "work")), i32(heads), i32(heads // kv_heads), i32(total_q),
+                i64(ov.strides[1]), i64(ov.strides[0]), i32(items))
+        persistent = self.persistent
+        if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
+            persistent = p.mask is Mask.NONE or -(-most // tile_kv) + 1 <= PERSISTENT_MASKED_TILES
+        blocks = min(items, self.slots(b.device_id)) if persistent else items
+        b.launch(self.function(b.device_id), (blocks, 1, 1), self.plan.launch.threads, self.plan.launch.smem_bytes,
+                 args, self.name)
 
     def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None,
                        lse=None):
-        """Checks, outputs and work list: (out, lse, (grid, args, device, stream) of the launch, or
-        None when there is nothing to compute). The benchmark replays the launch alone."""
-        import numpy as np
-        p = self.spec.problem
-        qv, kw, vv = view(q, "q"), view(k, "k"), view(v, "v")
-        heads, kv_heads = self.check_packed(qv, kw, vv)
-        if capturing(q):
-            raise RuntimeInputError(f"{self.name}: varlen attention reads cu_seqlens on the host; it cannot run "
-                                    "under CUDA graph capture")
-        cu_q, cu_k = host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k")   # the host sync
-        q_lens, k_lens = check_varlen(cu_q, cu_k, qv.shape[0], kw.shape[0], max_seqlen_q, max_seqlen_k)
-        batch = q_lens.shape[0]
-        cu_qv = self._device_offsets(cu_seqlens_q, "cu_seqlens_q", batch, qv.device_id)
-        cu_kv = self._device_offsets(cu_seqlens_k, "cu_seqlens_k", batch, qv.device_id)
-        total_q = qv.shape[0]
-        out, lse = self._outputs(q, total_q, heads, out, lse)
-        ov = view(out, "out")
-        stream = caller_stream(q)
-        if total_q == 0 or heads == 0:
-            return out, lse, None
-        work, items, most_tiles = self._work_list(q, cu_q, cu_k, q_lens, k_lens, stream)
-        items *= heads
-        if items == 0:
-            return out, lse, None
-        tile_q, tile_kv = self.plan.launch.tile_q, self.spec.schedule.tile_kv
-        qp, kp, vp = packed_view(qv), packed_view(kw), packed_view(vv)
-        # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
-        k_map, v_map = (tensor_map(kp, tile_kv), tensor_map(vp, tile_kv)) if kw.shape[0] else (tensor_map(qp, tile_q),
-                                                                                               ) * 2
-        i64 = np.int64
-        args = (tensor_map(qp, tile_q), k_map, v_map, np.uintp(ov.pointer), np.uintp(view(lse, "lse").pointer),
-                np.uintp(cu_qv.pointer), np.uintp(cu_kv.pointer), np.uintp(view(work, "work").pointer),
-                np.int32(heads), np.int32(heads // kv_heads), np.int32(total_q), i64(ov.strides[1]), i64(ov.strides[0]),
-                np.int32(items))
-        persistent = self.persistent
-        if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
-            persistent = p.mask is Mask.NONE or most_tiles <= PERSISTENT_MASKED_TILES
-        blocks = min(items, self.slots(qv.device_id)) if persistent else items
-        return out, lse, ((blocks, 1, 1), args, qv.device_id, stream)
-
-    def _outputs(self, q, total_q: int, heads: int, out, lse):
-        """O (total_q, heads, dv) in q's dtype and LSE fp32 (heads, total_q), allocated or checked."""
-        p = self.spec.problem
-        o_shape, lse_shape = (total_q, heads, p.head_dim_v), (heads, total_q)
-        if is_torch(q):
-            import torch
-            out = out if out is not None else torch.empty(o_shape, dtype=q.dtype, device=q.device)
-            lse = lse if lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        else:
-            cupy = cupy_module()
-            if p.dtype is DType.BF16 and out is None:
-                raise RuntimeInputError(f"{self.name}: CuPy has no bfloat16 dtype; pass out= (e.g. a PyTorch tensor)")
-            with cupy.cuda.Device(view(q, "q").device_id):
-                out = out if out is not None else cupy.empty(o_shape, dtype=cupy.float16)
-                lse = lse if lse is not None else cupy.empty(lse_shape, dtype=cupy.float32)
-        ov, lv = view(out, "out"), view(lse, "lse")
-        if ov.shape != o_shape or ov.dtype is not p.dtype or ov.strides[2] != 1 or any(s % 8 for s in ov.strides[:2]) \
-                or ov.pointer % 16:
-            raise RuntimeInputError(f"{self.name}: out must be {o_shape} {p.dtype.value} with a unit stride on "
-                                    f"head_dim "
-                                    f"and 16-byte aligned rows, got {ov.shape} strides {ov.strides}")
-        if lv.shape != lse_shape or lv.dtype is not DType.FP32 or lv.strides != (total_q, 1):
-            raise RuntimeInputError(f"{self.name}: lse must be a contiguous fp32 array of shape {lse_shape}")
-        return out, lse
+        """(out, lse, launches) of one call checked on the host, for benchmarks that replay the launch
+        alone (runtime/launch.run_now)."""
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        offsets = (host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k"))
+        b = self.prepare_call(tensors, immediate=True, host_offsets=offsets, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_k=max_seqlen_k)
+        out, lse = b.results
+        return out, lse, b.launches

@@ -8,11 +8,14 @@ size a power of two 1..256; block_table int32 (batch, max pages per sequence); k
 Masks are aligned bottom-right per sequence: query i of q_len sees key j iff j <= kv_len - q_len + i
 (causal), or j in [kv_len - q_len + i - left, ... + right] (window). Up to DECODE_MAX_QUERIES
 queries per sequence run on the decode family's paged kernel; longer ones (chunked prefill) on
-tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runtime.caller_stream).
+tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runtime/device.stream_reader).
 """
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
+from ..runtime.decode import number_or_none, tensor_or_none
+from ..runtime.launch import SignatureCache
+from ..runtime.tensors import signature
 from ..spec import DType, KernelSpec, Mask, Problem
 
 
@@ -37,42 +40,80 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
     return spec
 
 
+# call key -> (PreparedCall, whether its call takes the FP8 scales): a warm call is this lookup and a launch.
+_calls = SignatureCache()
+
+
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
                     window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, validate: bool | None = None):
     """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
-    log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and
-    kv_lens are checked on the host first (serving_checks.check_paged): bad ones are refused.
-    float8_e4m3fn caches (both) are an FP8 KV cache, dequantized on chip: value = byte * scale, with
-    `k_scale` / `v_scale` float32 (kv_heads,) tensors, or Python floats / 1-element tensors (None: 1.0);
-    decode only (up to DECODE_MAX_QUERIES queries)."""
+    log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The kernel reads the
+    block table and kv_lens itself; `validate=True` checks them on the host first (a sync;
+    runtime/index_checks.py says when the default does). float8_e4m3fn caches (both) are an FP8 KV
+    cache, dequantized on chip: value = byte * scale, with `k_scale` / `v_scale` float32 (kv_heads,)
+    tensors, or Python floats / 1-element tensors (None: 1.0); decode only (up to DECODE_MAX_QUERIES
+    queries). The first call of a signature picks the kernel and prepares the launch; later ones
+    only launch. The key count a launch is sized for is the table's capacity: a table much wider than
+    the longest sequence splits decode's keys too finely (plan/run, tiledsl/serving/plan.py, sizes
+    them by the host lengths)."""
+    ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
+    if window is not None and type(window) is not tuple:
+        window = tuple(window)
+    key = (signature(q), signature(k_cache), signature(v_cache), signature(block_table), signature(kv_lens),
+           signature(ks), signature(vs), number_or_none(k_scale), number_or_none(v_scale), causal, window, scale,
+           validate)
+    hit = _calls.get(key)
+    if hit is None:
+        hit = _calls.put(key, _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale,
+                                             k_scale, v_scale, validate))
+    call, scaled = hit
+    if scaled:
+        out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs)
+    else:
+        out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None)
+    # (batch, q_len, heads) views; torch and CuPy both have swapaxes
+    return (out, lse.swapaxes(1, 2)) if return_lse else out
+
+
+def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, v_scale=None):
+    """(the kernel a paged call on views qv, kv, vv (runtime/paged_views.api_views) runs, whether it takes
+    FP8 scales): decode for up to DECODE_MAX_QUERIES queries, chunked prefill (fa2) beyond; refusals
+    name `api`."""
     from ..spec import DECODE_MAX_QUERIES
-    from ..runtime.paged_views import api_views
-    from ..dispatch.tuned import kernel_for
-    qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
+    from ..dispatch.kernels import kernel_for
     q_len = qv.shape[1]
     fp8 = DType.E4M3 in (kv.dtype, vv.dtype)
     if fp8 and q_len > DECODE_MAX_QUERIES:
-        raise RuntimeInputError(f"paged_attention: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
+        raise RuntimeInputError(f"{api}: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
                                 f"up to {DECODE_MAX_QUERIES} queries per sequence; q has {q_len} (prefill over FP8 "
                                 "caches is not implemented: dequantize first)")
     if not fp8 and (k_scale is not None or v_scale is not None):
-        raise RuntimeInputError("paged_attention: k_scale / v_scale are for float8_e4m3fn caches; these are "
+        raise RuntimeInputError(f"{api}: k_scale / v_scale are for float8_e4m3fn caches; these are "
                                 f"{getattr(kv.dtype, 'value', kv.dtype)}")
     if q_len > DECODE_MAX_QUERIES:
-        from .prefill import paged_prefill
-        return paged_prefill(q, k_cache, v_cache, block_table, kv_lens, causal=causal, window=window, scale=scale,
-                             return_lse=return_lse)
+        from .prefill import prefill_spec
+        from ..runtime.device import device_arch
+        spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window,
+                            None if scale is None else float(scale))
+        return kernel_for(spec), False
     if q_len == 0:
-        raise RuntimeInputError("paged_attention: q has no queries (q.shape[1] == 0)")
-    page_size = kv.shape[1]
+        raise RuntimeInputError(f"{api}: q has no queries (q.shape[1] == 0)")
     kv_dtype = kv_scale = None
     if fp8:
         from ..runtime.kv_fp8 import granularity
         kv_dtype, kv_scale = DType.E4M3, granularity(k_scale, v_scale, kv.shape[2])
-    spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, page_size, q_len, window,
+    spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
                       None if scale is None else float(scale), kv_dtype, kv_scale)
-    extra = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
-    out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens, **extra)
-    # (batch, q_len, heads) views; torch and CuPy both have swapaxes
-    return (out, lse.swapaxes(1, 2)) if return_lse else out
+    return kernel_for(spec), fp8
+
+
+def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale, k_scale, v_scale, validate):
+    from ..runtime.paged_views import api_views
+    qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
+    kernel, fp8 = paged_kernel("paged_attention", qv, kv, vv, mask, window, scale, k_scale, v_scale)
+    head = (q, k_cache, v_cache, block_table, kv_lens, None, None)
+    if fp8:
+        tensors = head + (tensor_or_none(k_scale), tensor_or_none(v_scale))
+        return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
+    return kernel.prepare_call(head, validate=validate), False

@@ -13,6 +13,8 @@ query i sees key j iff j <= kv_len - q_len + i (causal), or j in [kv_len - q_len
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
+from ..runtime.launch import SignatureCache
+from ..runtime.tensors import signature
 from ..spec import KV_PAGE_SIZES, DType, KernelSpec, Mask, Problem
 
 
@@ -29,18 +31,29 @@ def prefill_spec(arch: str, dtype: DType, head_dim: int, head_dim_v: int, mask: 
 
 
 def paged_prefill(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
-                  window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False):
+                  window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
+                  validate: bool | None = None):
     """O (batch, q_len, heads, dv) in q's dtype, or (O, LSE (batch, q_len, heads) fp32, natural log)
-    with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and kv_lens
-    are checked on the host first (serving_checks.check_paged): bad ones are refused by name.
-    Launches on the caller's stream (runtime.caller_stream)."""
-    from ..runtime.paged_views import api_views
-    from ..runtime.device import device_arch
-    from ..dispatch.tuned import kernel_for
-    qv, kv, vv, mask, window = api_views("paged_prefill", q, k_cache, v_cache, causal, window)
-    spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window,
-                        None if scale is None else float(scale))
-    out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens)
+    with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The kernel reads the block
+    table and kv_lens itself; `validate=True` checks them on the host first. Launches on the caller's
+    stream (runtime/device.stream_reader); the first call of a signature prepares the launch."""
+    if window is not None and type(window) is not tuple:
+        window = tuple(window)
+    tensors = (q, k_cache, v_cache, block_table, kv_lens, None, None)
+    key = (tuple(map(signature, tensors[:5])), causal, window, scale, validate)
+    call = _calls.get(key)
+    if call is None:
+        from ..dispatch.kernels import kernel_for
+        from ..runtime.device import device_arch
+        from ..runtime.paged_views import api_views
+        qv, kv, vv, mask, window = api_views("paged_prefill", q, k_cache, v_cache, causal, window)
+        spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window,
+                            None if scale is None else float(scale))
+        call = _calls.put(key, kernel_for(spec).prepare_call(tensors, validate=validate))
+    out, lse = call(*tensors)
     if not return_lse:
         return out
     return out, lse.swapaxes(1, 2)   # (batch, q_len, heads) views (torch and CuPy both have swapaxes)
+
+
+_calls = SignatureCache()

@@ -7,13 +7,16 @@ flash_attn_varlen_func convention, on the tuned hopper schedules.
 q (total_q, heads, d), k (total_k, kv_heads, d), v (total_k, kv_heads, dv); cu_seqlens_q/k int32
 (batch + 1,) GPU arrays of sequence offsets. Returns O (total_q, heads, dv) in q's dtype, and with
 `return_lse` LSE fp32 (heads, total_q), natural log. Masks are aligned bottom-right per sequence.
-Every call copies cu_seqlens to the host (checks and the longest-first work list,
-runtime/varlen.py): the call syncs the caller's stream there and cannot be captured in a CUDA graph.
+Given max_seqlen_q and max_seqlen_k (as flash-attn asks), a call reads nothing on the host: no sync,
+capturable in a CUDA graph (runtime/varlen.py: the work list then covers every sequence's
+ceil(max_seqlen_q / tile) tiles). Without them, or with `validate=True`, cu_seqlens is copied to the
+host (a sync), checked, and the work list ordered longest first.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ..runtime.tensors import signature
 from ..spec import DType, Family, Mask, SeqLayout
 
 
@@ -29,21 +32,41 @@ def varlen_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: 
                                problem=dataclasses.replace(spec.problem, seq_layout=SeqLayout.VARLEN))
 
 
+_kernels: dict = {}   # call key -> the varlen kernel
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, causal: bool = False, window: tuple[int, int] | None = None,
-                     scale: float | None = None, return_lse: bool = False):
+                     scale: float | None = None, return_lse: bool = False, validate: bool | None = None):
     """Attention over packed sequences (module docstring). `window=(left, right)` is a sliding
     window around each sequence's bottom-right diagonal; it excludes causal. `max_seqlen_q/k`, when
-    given, are checked against cu_seqlens. fp16 or bf16, head dims 64, 128 and 256 (the tuned
-    hopper schedules); runs on the caller's current stream (torch's for torch tensors)."""
+    both given, bound the lengths and let the call run without host reads; `validate=True` (or
+    leaving them out) checks cu_seqlens on the host instead. fp16 or bf16, head dims 64, 128 and 256
+    (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors)."""
+    if window is not None and type(window) is not tuple:
+        window = tuple(window)
+    key = (signature(q), signature(v), causal, window, scale)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale)
+    out, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_kernel(q, v, causal, window, scale):
+    from ..runtime.tensors import view
+    return varlen_kernel(view(q, "q"), view(v, "v"), causal, window, scale)
+
+
+def varlen_kernel(qv, vv, causal: bool, window, scale):
+    """The varlen kernel for packed q, v views (its dtype and head dims) and the mask; refusals name
+    varlen_attention."""
     from ..errors import RuntimeInputError
     from ..runtime.device import device_arch
-    from ..runtime.tensors import view
-    from ..dispatch.tuned import kernel_for
+    from ..dispatch.kernels import kernel_for
     if causal and window is not None:
         raise ValueError("varlen_attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
-    qv, vv = view(q, "q"), view(v, "v")
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"varlen_attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
     if len(qv.shape) != 3 or len(vv.shape) != 3:
@@ -57,5 +80,4 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         raise RuntimeInputError(f"varlen_attention: q has head_dim {qv.shape[-1]} and v {vv.shape[-1]}; packed "
                                 "sequences run on the tuned hopper schedules: head_dim 64, 128 or 256 (q and v alike), "
                                 "on sm_90")
-    out, lse = kernel_for(spec)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return (out, lse) if return_lse else out
+    return kernel_for(spec)

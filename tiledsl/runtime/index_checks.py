@@ -1,0 +1,53 @@
+"""Checks of the index tensors a kernel trusts: kv_lens (per-sequence key counts) and a paged cache's
+block table. A kernel reads K and V where they point, so a bad entry must never be read.
+
+Two places can check them. On the host (`validate=True`): a copy of the indices (a device sync per
+call) checked by runtime/serving_checks.py, refused with a RuntimeInputError naming the tensor and its
+first bad entry; skipped under CUDA graph capture (nothing may sync there). On the device: the kernel
+bounds every entry it reads and reports a bad one in the error word (runtime/device_errors.py), with
+no sync. Until every template bounds its indices (KERNELS_BOUND_INDICES), a call that does not say
+`validate=` keeps the host check: no kernel reads outside its inputs, at the price of the sync.
+"""
+from __future__ import annotations
+
+from .device import capturing
+from .inputs import check_kv_lens
+
+# Whether the templates bound every kv_len and block-table entry they read on the device (the
+# default then skips the host check).
+KERNELS_BOUND_INDICES = False
+
+
+def host_validation(validate: bool | None) -> bool:
+    """Whether a call checks its index tensors on the host: `validate` when given, else while the
+    kernels do not bound them themselves."""
+    return (not KERNELS_BOUND_INDICES) if validate is None else bool(validate)
+
+
+def add_check(b, check) -> None:
+    """Run `check(tensors)` on every call of the builder's signature (now, for an immediate one),
+    except under graph capture."""
+    def guarded(tensors):
+        if not capturing(b.like if b.immediate else tensors[0]):
+            check(tensors)
+    if b.immediate:
+        guarded(b.tensors)
+    else:
+        b.checks.append(guarded)
+
+
+def add_kv_lens_check(b, index: int, kv_len: int, validate: bool | None) -> None:
+    """The host check of contiguous kv_lens (call position `index`) against the keys k holds."""
+    if b.tensors[index] is None or not host_validation(validate):
+        return
+    name = b.name
+    add_check(b, lambda tensors: check_kv_lens(tensors[index], kv_len, name))
+
+
+def add_paged_check(b, table_index: int, lens_index: int, num_pages: int, page_size: int,
+                    validate: bool | None) -> None:
+    """The host check of a block table and its kv_lens (serving_checks.check_paged)."""
+    if not host_validation(validate):
+        return
+    from .serving_checks import check_paged
+    add_check(b, lambda tensors: check_paged(tensors[table_index], tensors[lens_index], num_pages, page_size))
