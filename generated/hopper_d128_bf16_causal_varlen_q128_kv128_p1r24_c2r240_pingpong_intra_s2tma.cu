@@ -731,7 +731,10 @@ __device__ __forceinline__ WorkItem work_item(int item, int heads, int kv_group,
     }
     const int tile_begin = kv_lo / C::BC;
     const int tile_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : tile_begin;
-    return {q0, head, head / kv_group, seq_q, seq_kv, diag, tile_begin, tile_end, q_start + q0, k_start};
+    // A work list built without the lengths holds max_seqlen_q's tiles of every sequence: a tile past
+    // its sequence's end loads no keys (and stores no rows).
+    const int tile_stop = q0 < seq_q ? tile_end : tile_begin;
+    return {q0, head, head / kv_group, seq_q, seq_kv, diag, tile_begin, tile_stop, q_start + q0, k_start};
 }
 
 // Warp-specialized FA3-style kernel: one work item (query tile, batch * head) per block, or, with
@@ -966,7 +969,8 @@ hopper_d128_bf16_causal_varlen_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(cons
     named_barrier_sync(C::EPILOGUE_BAR + consumer, 128);   // every warp of this consumer is past its last Q K^T
     store_output_panels<C>(acc_o, row_max, row_sum, smem_base + C::O_OFFSET, warp_row, lane,
                            o + w.q_row * o_row_stride + w.head * o_head_stride, o_row_stride,
-                           lse + (i64)w.head * total_q + w.q_row, w.seq_q - q0);   // rows past seq_q belong to the next sequence
+                           lse + (i64)w.head * total_q + w.q_row,
+                           w.q_row < 0 ? 0 : min(w.seq_q - q0, total_q - w.q_row));   // rows past seq_q belong to the next sequence; none past the tensor
     }
     }
 }
