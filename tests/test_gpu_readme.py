@@ -41,3 +41,21 @@ def test_readme_serving_example_runs_and_matches_the_references():
     # the last decode step saw the cache before the chunk: kv_lens - chunk keys
     ref, _ = paged_attention(f64(ns["q_step"]), *caches, ns["block_table"], ns["kv_lens"] - ns["chunk"])
     assert relative_error(ns["o_step"], ref) < TOLERANCE_O
+
+
+def plan_example() -> str:
+    """The python block of the README's plan / run subsection (the 32-layer decode loop)."""
+    section = README.read_text().split("\n### Plan once per step, run once per layer\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_plan_run_example_runs_and_its_last_layer_matches_the_reference():
+    torch = pytest.importorskip("torch")
+    from tiledsl.reference.serving import paged_attention
+    torch.manual_seed(0)
+    ns: dict = {}
+    exec(compile(plan_example(), "README.md:Plan", "exec"), ns)   # noqa: S102 - the README's own code
+    torch.cuda.synchronize()
+    ref, _ = paged_attention(ns["q"].float(), ns["k_caches"][-1].float(), ns["v_caches"][-1].float(),
+                             ns["block_table"], ns["kv_lens"])
+    assert relative_error(ns["out"], ref) < TOLERANCE_O

@@ -165,3 +165,103 @@ def test_host_validation_reads_the_indices_and_refuses_a_bad_one(device):
         tiledsl.paged_attention(q, k_cache, v_cache, bad, lens, validate=True)
     tiledsl.paged_attention(q, k_cache, v_cache, bad, lens, validate=False)   # not read on the host: launched
 
+
+# ---- plan / run ---------------------------------------------------------------------------------------------
+
+def planned(device, q_len=1, **options):
+    decode = tiledsl.PagedAttention(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, num_pages=24,
+                                    dtype="bfloat16", device=device.torch.device("cuda", 0), max_batch=4,
+                                    max_pages=8, **options)
+    table = np.arange(24, dtype=np.int32).reshape(3, 8)[:, ::-1].copy()
+    lens = np.array([128, 100, 1], np.int32)
+    return decode, table, lens
+
+
+@pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "chunked-prefill"])
+def test_plan_uploads_once_and_run_reads_the_uploaded_metadata_without_allocating(device, q_len, monkeypatch):
+    decode, table, lens = planned(device, causal=True)
+    k_cache, v_cache = device.tensor((24, 16, 8, 128)), device.tensor((24, 16, 8, 128))
+    copies = []
+    real_copy = type(decode.metadata.device).copy_
+    monkeypatch.setattr(type(decode.metadata.device), "copy_", lambda self, src, non_blocking=False: (
+        copies.append(non_blocking), real_copy(self, src, non_blocking))[1])
+    decode.plan(table, lens, q_len=q_len)
+    assert copies == [True]                                          # one non-blocking copy
+    assert (decode.metadata.device.host[:3] == lens).all() and (decode.metadata.device.host[4:28] == table.ravel()).all()
+    q, out = device.tensor((3, q_len, 32, 128)), device.tensor((3, q_len, 32, 128))
+    assert decode.run(q, k_cache, v_cache, out=out) is out           # the first run prepares
+    made = []
+    real_empty = device.torch.empty
+    monkeypatch.setattr(device.torch, "empty", lambda *a, **kw: made.append(a) or real_empty(*a, **kw))
+    device.counts.clear()
+    for layer in range(3):
+        q, out = device.tensor((3, q_len, 32, 128)), device.tensor((3, q_len, 32, 128))
+        decode.run(q, k_cache, v_cache, out=out)
+        name, grid, threads, smem, stream, values = device.last()
+        assert values[0] == q.data_ptr() and out.data_ptr() in values
+        assert decode.metadata.device.data_ptr() in values          # kv_lens: the wrapper's buffer, first
+    assert made == [] and guarded_calls(device) == {}
+    decode.plan(table[::-1].copy(), lens[::-1].copy(), q_len=q_len)  # the next step: same shapes, new contents
+    decode.run(q, k_cache, v_cache, out=out)
+    assert made == [] and (decode.metadata.device.host[:3] == lens[::-1]).all()
+
+
+def test_plan_checks_the_host_metadata_by_name(device):
+    decode, table, lens = planned(device)
+    bad = table.copy()
+    bad[2, 0] = 24
+    with pytest.raises(RuntimeInputError, match=r"block_table\[2, 0\] = 24 is out of range"):
+        decode.plan(bad, lens)
+    with pytest.raises(RuntimeInputError, match=r"kv_lens\[1\] = 129 is over the cache"):
+        decode.plan(table, np.array([1, 129, 1], np.int32))
+    with pytest.raises(RuntimeInputError, match="reading a GPU tensor would sync"):
+        decode.plan(device.index(table), lens)
+    with pytest.raises(RuntimeInputError, match="call plan"):
+        decode.run(device.tensor((3, 1, 32, 128)), device.tensor((24, 16, 8, 128)), device.tensor((24, 16, 8, 128)))
+    decode.plan(table, lens)
+    with pytest.raises(RuntimeInputError, match="k_cache holds 20 pages"):
+        decode.run(device.tensor((3, 1, 32, 128)), device.tensor((20, 16, 8, 128)), device.tensor((20, 16, 8, 128)))
+
+
+def test_planned_decode_splits_for_the_longest_sequence_not_the_table(device):
+    decode, table, lens = planned(device)
+    q, cache = device.tensor((3, 1, 32, 128)), device.tensor((24, 16, 8, 128))
+    decode.plan(table, np.array([4, 2, 1], np.int32))
+    decode.run(q, cache, cache)
+    short = device.last()[1]
+    decode.plan(table, lens, max_kv_len=128)
+    decode.run(q, cache, cache)
+    assert short[0] <= device.last()[1][0]
+
+
+def test_varlen_plan_and_run(device):
+    varlen = tiledsl.VarlenAttention(num_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16",
+                                     device=device.torch.device("cuda", 0), max_batch=4, causal=True)
+    cu = np.array([0, 100, 350, 351], np.int32)
+    varlen.plan(cu, cu)
+    for _ in range(2):
+        q, k, out = device.tensor((351, 16, 128)), device.tensor((351, 4, 128)), device.tensor((351, 16, 128))
+        assert varlen.run(q, k, k, out=out) is out
+        assert device.last()[5][0] == q.data_ptr() and out.data_ptr() in device.last()[5]
+    with pytest.raises(RuntimeInputError, match=r"cu_seqlens_q is not non-decreasing"):
+        varlen.plan(np.array([0, 100, 50, 351], np.int32), cu)
+
+
+# ---- the kernels' error word ---------------------------------------------------------------------------------
+
+def test_a_reported_bad_entry_is_raised_once_naming_the_tensor_and_the_entry(device, monkeypatch):
+    from tiledsl.runtime import device_errors
+    host = np.zeros(device_errors.WORDS, np.int32)
+    monkeypatch.setitem(device_errors._words, 0, (host, host))
+    assert device_errors.take(0) is None
+    host[:6] = [1, 1, 2, 7, 999, 24]    # block_table[2, 7] = 999, the cache has 24 pages
+    with pytest.raises(RuntimeInputError, match=r"block_table\[2, 7\] = 999 is out of range: the cache has 24 pages "
+                                                r"\(0\.\.23\).*NaN"):
+        tiledsl.check_errors(0)
+    assert (host == 0).all() and device_errors.take(0) is None   # raised once, then cleared
+    host[:6] = [2, 2, 1, 0, 4097, 4096]
+    with pytest.raises(RuntimeInputError, match=r"kv_lens\[1\] = 4097 is over the cache: block_table gives each "
+                                                r"sequence 4096 keys"):
+        device_errors.raise_pending(0)
+    host[:6] = [4, 2, 0, 0, 5000, 4096]
+    assert "kv_lens[0] = 5000 is over the 4096 keys k holds" in str(device_errors.take(0))

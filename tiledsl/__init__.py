@@ -11,11 +11,13 @@ from .errors import LaunchError, RuntimeInputError, SpecError
 from .spec import AUTO, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mask, Mma, Problem, Schedule, Span
 from .version import __version__
 
-# name -> the module that defines it, imported on first access (PEP 562)
+# name -> the module that defines it, imported on first access (PEP 562); tiledsl.compile(spec) is the
+# documented API
 _LAZY = {"load_specs": "frontend.parse", "parse_file": "frontend.parse", "parse_text": "frontend.parse",
          "SpecSpace": "frontend.space", "attention": "api", "Kernel": "runtime.kernel", "compile": "families",
          "paged_attention": "serving.paged", "varlen_attention": "serving.varlen",
-         "attention_backward": "dispatch.backward"}   # tiledsl.compile(spec) is the documented API
+         "attention_backward": "dispatch.backward", "PagedAttention": "serving.plan",
+         "VarlenAttention": "serving.plan", "check_errors": "runtime.device_errors"}
 
 
 def __getattr__(name: str):
@@ -33,6 +35,6 @@ def __dir__() -> list[str]:
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
            "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
-           "varlen_attention", "compile",
+           "varlen_attention", "PagedAttention", "VarlenAttention", "check_errors", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

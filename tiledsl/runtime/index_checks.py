@@ -36,9 +36,26 @@ def add_check(b, check) -> None:
         b.checks.append(guarded)
 
 
+def add_device_report(b) -> None:
+    """On every call, raise what a kernel of this device reported since the last look (device_errors:
+    an O(1) read of host memory, no sync); only where the kernels report."""
+    if not KERNELS_BOUND_INDICES:
+        return
+    from .device_errors import raise_pending
+    device_id = b.device_id
+    if b.immediate:
+        raise_pending(device_id)
+    else:
+        b.checks.append(lambda tensors: raise_pending(device_id))
+
+
 def add_kv_lens_check(b, index: int, kv_len: int, validate: bool | None) -> None:
-    """The host check of contiguous kv_lens (call position `index`) against the keys k holds."""
-    if b.tensors[index] is None or not host_validation(validate):
+    """The host check of contiguous kv_lens (call position `index`) against the keys k holds, or the
+    kernels' report of them."""
+    if b.tensors[index] is None:
+        return
+    if not host_validation(validate):
+        add_device_report(b)
         return
     name = b.name
     add_check(b, lambda tensors: check_kv_lens(tensors[index], kv_len, name))
@@ -46,8 +63,10 @@ def add_kv_lens_check(b, index: int, kv_len: int, validate: bool | None) -> None
 
 def add_paged_check(b, table_index: int, lens_index: int, num_pages: int, page_size: int,
                     validate: bool | None) -> None:
-    """The host check of a block table and its kv_lens (serving_checks.check_paged)."""
+    """The host check of a block table and its kv_lens (serving_checks.check_paged), or the kernels'
+    report of them."""
     if not host_validation(validate):
+        add_device_report(b)
         return
     from .serving_checks import check_paged
     add_check(b, lambda tensors: check_paged(tensors[table_index], tensors[lens_index], num_pages, page_size))
