@@ -57,7 +57,7 @@ def cases(dev):
         from tiledsl.serving.plan import PagedAttention
     except ImportError:
         return rows
-    planned = PagedAttention(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bfloat16",
+    planned = PagedAttention(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, num_pages=8 * 64, dtype="bfloat16",
                              device=qp.device, max_batch=8, max_pages=64)
     planned.plan(np.arange(8 * 64, dtype=np.int32).reshape(8, 64), np.full(8, 1024, np.int32))
     out = t((8, 1, 32, 128))

@@ -46,6 +46,11 @@ def current_device() -> int:
     return cupy_module().cuda.runtime.getDevice()
 
 
+def device_reader():
+    """current_device without the module lookups: the runtime's own getter, for a warm call."""
+    return cupy_module().cuda.runtime.getDevice
+
+
 def using_device(device_id: int):
     """A context in which `device_id` is the current device (restored after)."""
     return cupy_module().cuda.Device(device_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -282,14 +283,17 @@ class PreparedCall:
     """A call of one signature, ready to run: `outputs = prepared(*tensors)` with the tensors in
     the order the call was prepared with (None where absent). See the module docstring."""
 
-    __slots__ = ("name", "names", "device_id", "read_pointers", "read_stream", "aligned", "allocations",
-                 "results", "launches", "checks", "keep")
+    __slots__ = ("name", "names", "device_id", "read_pointers", "read_stream", "read_device", "aligned", "allocations",
+                 "pick", "launches", "checks", "keep")
 
     def __init__(self, name, names, device_id, read_pointers, read_stream, aligned, allocations, results,
                  launches, checks, keep):
         self.name, self.names, self.device_id = name, names, device_id
         self.read_pointers, self.read_stream = read_pointers, read_stream
-        self.aligned, self.allocations, self.results = aligned, allocations, results
+        self.read_device = device.device_reader()
+        self.aligned, self.allocations = aligned, allocations
+        pick = operator.itemgetter(*results) if results else (lambda objects: ())
+        self.pick = pick if len(results) != 1 else (lambda objects: (pick(objects),))
         self.launches, self.checks, self.keep = launches, checks, keep
 
     def __call__(self, *tensors):
@@ -300,20 +304,20 @@ class PreparedCall:
                                         f"(got {pointers[slot]:#x})")
         for check in self.checks:
             check(tensors)
-        made = [allocate() for allocate in self.allocations]
-        if made:
+        if self.allocations:
+            made = tuple([allocate() for allocate in self.allocations])
             pointers += self.read_pointers(made)
+            tensors += made
         if self.launches:
             stream = self.read_stream()
-            if device.current_device() == self.device_id:
+            if self.read_device() == self.device_id:
                 for launch in self.launches:
                     launch(stream, pointers)
             else:
                 with device.using_device(self.device_id):
                     for launch in self.launches:
                         launch(stream, pointers)
-        objects = tensors + tuple(made)
-        return tuple(objects[i] for i in self.results)
+        return self.pick(tensors)
 
 
 @dataclass

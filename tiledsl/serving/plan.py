@@ -177,6 +177,8 @@ class PagedAttention:
         table_view = table_view.reshape(batch, width) if batch else table_view.reshape(0, width)
         kernel = self._kernel(q_len)
         self.planned = (batch, width, q_len, bound, lens_view, table_view, kernel)
+        self.plan_key = (batch, width, q_len, bound, id(kernel[0]))
+        self.lse_view = self._lse(batch, q_len)
 
     def _kernel(self, q_len: int):
         """The kernel of a plan of `q_len` queries, picked from the wrapper's shapes and dtypes (views of
@@ -201,9 +203,8 @@ class PagedAttention:
             raise RuntimeInputError("PagedAttention.run: call plan(block_table, kv_lens) first")
         batch, width, q_len, bound, lens_view, table_view, (kernel, fp8) = self.planned
         if lse is None:
-            lse = self._lse(batch, q_len)
-        key = (signature(q), signature(k_cache), signature(v_cache), signature(out), signature(lse), batch, width,
-               q_len, bound, id(kernel))
+            lse = self.lse_view
+        key = (signature(q), signature(k_cache), signature(v_cache), signature(out), signature(lse), self.plan_key)
         call = self._calls.get(key)
         if call is None:
             call = self._calls.put(key, self._prepare(kernel, fp8, q, k_cache, v_cache, out, lse))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
 from ..spec import DType, Family, Mask, SeqLayout
 
@@ -32,7 +33,9 @@ def varlen_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: 
                                problem=dataclasses.replace(spec.problem, seq_layout=SeqLayout.VARLEN))
 
 
-_kernels: dict = {}   # call key -> the varlen kernel
+_kernels: dict = {}   # (q's and v's signature, mask, scale) -> the varlen kernel
+# call key -> PreparedCall of a call that reads nothing on the host (max_seqlen_q and max_seqlen_k given)
+_calls = SignatureCache()
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
@@ -45,12 +48,28 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors)."""
     if window is not None and type(window) is not tuple:
         window = tuple(window)
+    bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
+    if bounded:
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
+        key = (tuple(map(signature, tensors[:5])), causal, window, scale, max_seqlen_q, max_seqlen_k)
+        call = _calls.get(key)
+        if call is None:
+            kernel = _kernel_of(q, v, causal, window, scale)
+            call = _calls.put(key, kernel.prepare_call(tensors, max_seqlen_q=int(max_seqlen_q),
+                                                       max_seqlen_k=int(max_seqlen_k)))
+        out, lse = call(*tensors)
+    else:
+        out, lse = _kernel_of(q, v, causal, window, scale)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                            max_seqlen_k, validate=validate)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_of(q, v, causal, window, scale):
     key = (signature(q), signature(v), causal, window, scale)
     kernel = _kernels.get(key)
     if kernel is None:
         kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale)
-    out, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate)
-    return (out, lse) if return_lse else out
+    return kernel
 
 
 def _varlen_kernel(q, v, causal, window, scale):
