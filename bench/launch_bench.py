@@ -294,7 +294,7 @@ def decode_loop_rows(torch, steps: int) -> list[dict]:
                          "peers": {"sdpa_cudnn_us": timed["cudnn"]}}
                 print(entry, flush=True)
                 rows.append(entry)
-            del caches, contiguous
+            caches = contiguous = None   # this shape's memory back before the next one's
             torch.cuda.empty_cache()
     return rows
 

@@ -14,7 +14,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from .gpu_support import TOLERANCE_LSE, TOLERANCE_O, requires_gpu
+from .gpu_support import TOLERANCE_O, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")

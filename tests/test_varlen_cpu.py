@@ -24,7 +24,11 @@ def test_varlen_hopper_spec_renders_the_packed_template():
     source = render(plan)
     assert "cu_seqlens_q[sequence + 1] - q_start" in source
     assert "q_map, p * 64, w.q_row, w.head, 0," in source and "k_map, p * 64, w.k_row + tile * C::BC, w.kv_head, 0," in source
-    assert "lse + (i64)w.head * total_q + w.q_row, w.seq_q - q0" in source
+    # rows stored: the tile's rows of its sequence, none before or past the packed tensor
+    assert "lse + (i64)w.head * total_q + w.q_row,\n" in source
+    assert "w.q_row < 0 ? 0 : min(w.seq_q - q0, total_q - w.q_row)" in source
+    # a tile past its sequence's end (a work list built from max_seqlen_q) loads no keys
+    assert "const int tile_stop = q0 < seq_q ? tile_end : tile_begin;" in source
     assert "w.batch" not in source and "order_groups" not in source.split("extern \"C\"")[1]
 
 
@@ -65,3 +69,12 @@ def test_visible_keys_matches_the_bottom_right_masks():
     assert visible_keys(0, 128, 1000, 300, Mask.CAUSAL, 0, 0) == 0   # rows 0..127 sit before key 0's diagonal
     assert visible_keys(256, 128, 300, 300, Mask.WINDOW, 100, 20) == 300 - 156
     assert visible_keys(0, 128, 5, 0, Mask.NONE, 0, 0) == 0
+
+
+def test_the_work_list_without_lengths_covers_every_tile_the_longest_first():
+    from tiledsl.runtime.varlen import bounded_work_list
+    pairs = bounded_work_list(3, 4)
+    assert pairs.dtype == np.int32 and pairs.shape == (12, 2)
+    assert sorted(map(tuple, pairs.tolist())) == [(b, t) for b in range(3) for t in range(4)]
+    assert list(pairs[:, 1]) == sorted(pairs[:, 1], reverse=True)   # later (under causal: costlier) tiles first
+    assert bounded_work_list(5, 0).shape == (0, 2)

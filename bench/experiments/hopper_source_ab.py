@@ -13,12 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import numpy as np  # noqa: E402
 
 from hopper_ablation import hopper  # noqa: E402
 from tiledsl import compile  # noqa: E402
 from tiledsl.tune.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms
-from tiledsl.runtime.tensor_maps import tensor_map
+from tiledsl.runtime.tensor_maps import map_arg
 from tiledsl.reference.gpu import run_errors
 
 
@@ -28,21 +27,26 @@ class OldSource:
     def __init__(self, spec, source: str):
         self.kernel = compile(spec)
         self.kernel.source = source
-        self.kernel._function = None
+        self.kernel._functions.clear()
         self.name, self.spec = self.kernel.name, spec
 
     def __call__(self, q, k, v, kv_lens=None, out=None, lse=None):
-        kernel = self.kernel
-        views, shapes, out, lse = kernel.prepare(q, k, v, kv_lens, out, lse)
-        qv, kvw, vv, ov, lv, lens = views
+        from tiledsl.runtime.launch import CallBuilder, i32, pointer_arg, strides_args
+        from tiledsl.spec import DType
+        kernel, p = self.kernel, self.spec.problem
+        b = CallBuilder(kernel.name, (q, k, v, kv_lens, out, lse), kernel.CALL, q, immediate=True)
+        qv, kvw, vv, lens = (b.view(i) for i in range(4))
+        shapes = kernel.check_inputs(qv, kvw, vv, lens)
+        ov = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
+        lv = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
         tile_q, tile_kv = kernel.plan.launch.tile_q, kernel.spec.schedule.tile_kv
         items = -(-shapes.q_len // tile_q) * shapes.batch * shapes.heads
-        args = (tensor_map(qv, tile_q), tensor_map(kvw, tile_kv), tensor_map(vv, tile_kv), np.uintp(ov.pointer),
-                np.uintp(lv.pointer), np.uintp(lens.pointer if lens else 0), np.int32(shapes.q_len),
-                np.int32(shapes.kv_len), np.int32(shapes.heads), np.int32(shapes.heads // shapes.kv_heads),
-                *(np.int64(s) for s in ov.strides[:3]), np.int32(kernel.order_groups_for(shapes, qv.device_id)))
-        kernel.launch_function(kernel.function(), (items, 1, 1), args, qv.device_id)
-        return out, lse
+        args = (map_arg(qv, tile_q), map_arg(kvw, tile_kv), map_arg(vv, tile_kv), pointer_arg(ov), pointer_arg(lv),
+                pointer_arg(lens), i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads),
+                i32(shapes.heads // shapes.kv_heads), *strides_args(ov), i32(kernel.order_groups_for(shapes, 0)))
+        b.launch(kernel.function(), (items, 1, 1), kernel.plan.launch.threads, kernel.plan.launch.smem_bytes, args,
+                 kernel.name)
+        return b.run()
 
 
 def main() -> int:

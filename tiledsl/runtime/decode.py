@@ -5,7 +5,8 @@ normalised O (fp32) and LSE to a workspace of (batch * heads * queries, splits, 
 on the kernel and grown on demand, and the last split of each (batch, kv head, row tile) to
 finish merges them; it finds out through an int32 ticket counter per group, zeroed once here and
 reset by the merging block. `split kv = auto` picks the count at launch for the device in hand;
-the count and the reason are kept on the kernel (`last_splits`, `last_split_reason`).
+the count and the reason of the most recently prepared launch are kept on the kernel (`last_splits`,
+`last_split_reason`; a launch's count depends only on its shapes and device).
 """
 from __future__ import annotations
 
