@@ -107,11 +107,12 @@ class FakeTensor:
         return self
 
     def __getitem__(self, index):
-        """A 1-d slice [start:stop] (the plan's views of its metadata buffer)."""
+        """A slice [start:stop] of the first axis (the plan's views of its metadata buffer, a batch's rows)."""
         start, stop, _ = index.indices(self.shape[0])
+        strides = self.stride()
         host = None if self.host is None else self.host[start:stop]
-        return FakeTensor((max(stop - start, 0),), self.dtype, self.device, None,
-                          self._address + start * ITEMSIZE[self.dtype.name], host)
+        return FakeTensor((max(stop - start, 0),) + self.shape[1:], self.dtype, self.device, strides,
+                          self._address + start * strides[0] * ITEMSIZE[self.dtype.name], host)
 
     def reshape(self, *shape):
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape

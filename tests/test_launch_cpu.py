@@ -133,6 +133,24 @@ def test_backward(device):
     assert convert_values[0] == pre_values[3] and convert_values[0] == main_values[6]   # one dQ accumulator
 
 
+def test_a_new_shape_of_a_known_configuration_prepares_without_the_front_end_or_a_graph(device):
+    """Serving changes batch and lengths every step: a new signature re-checks and re-packs, but the
+    kernel (and, for paged calls, the decode spec's pick) is found, not rebuilt."""
+    table, lens, (k_cache, v_cache) = paged_inputs(device)
+    calls = [lambda b, n: tiledsl.attention(device.tensor((b, 8, n, 128)), device.tensor((b, 8, n, 128)),
+                                            device.tensor((b, 8, n, 128)), causal=True),
+             lambda b, n: tiledsl.attention(device.tensor((b, 32, 1, 128)), device.tensor((b, 8, n, 128)),
+                                            device.tensor((b, 8, n, 128))),
+             lambda b, n: tiledsl.paged_attention(device.tensor((b, 1, 32, 128)), k_cache, v_cache, table[:b],
+                                                  lens[:b], validate=False)]
+    for call in calls:
+        call(2, 256)
+    device.counts.clear()
+    for call in calls:
+        call(3, 512)
+    assert guarded_calls(device) == {}
+
+
 # ---- the prepared launch is the call's own ---------------------------------------------------------------
 
 def test_a_new_signature_prepares_a_new_launch_and_each_call_gets_its_outputs(device):

@@ -51,6 +51,13 @@ def device_reader():
     return cupy_module().cuda.runtime.getDevice
 
 
+def make_context_current() -> None:
+    """Make the current device's primary context current on this thread (the driver API launches
+    there; the runtime does it on a thread's first runtime call)."""
+    runtime = cupy_module().cuda.runtime
+    runtime.setDevice(runtime.getDevice())
+
+
 def using_device(device_id: int):
     """A context in which `device_id` is the current device (restored after)."""
     return cupy_module().cuda.Device(device_id)

@@ -167,7 +167,15 @@ class DriverLaunch:
             try:
                 self.call(stream, buffer.address)
             except Exception as err:
-                raise LaunchError(f"{self.launch.describe()}: launch failed: {err}") from None
+                if "CONTEXT" not in str(err).upper():
+                    raise LaunchError(f"{self.launch.describe()}: launch failed: {err}") from None
+                # A thread whose first CUDA work is this launch has no current context yet: the
+                # runtime makes the device's primary context current, then the launch goes again.
+                device.make_context_current()
+                try:
+                    self.call(stream, buffer.address)
+                except Exception as again:
+                    raise LaunchError(f"{self.launch.describe()}: launch failed: {again}") from None
 
 
 def _cupy_driver_launch(launch_kernel, handle, gx, gy, gz, threads, smem, stream, params):

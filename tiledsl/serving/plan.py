@@ -97,8 +97,8 @@ class MetadataUpload:
         i = self.turn
         self.turn = 1 - i
         event = self.events[i]
-        if event is not None:
-            event.synchronize()   # the copy that last read this staging buffer (two plans ago): long done
+        if event is not None and not (event.query() if hasattr(event, "query") else event.done):
+            event.synchronize()   # the copy that last read this staging buffer (two plans ago) still runs
         host = self.hosts[i]
         for part, start, n in zip(parts, starts, sizes):
             host[start:start + n] = part.ravel()
@@ -155,7 +155,8 @@ class PagedAttention:
         self.metadata = MetadataUpload(device, words_for(max_batch, max_batch * max_pages), self.framework)
         self.workspace = DecodeWorkspace()
         self.lse_buffer = None
-        self.planned = None   # (batch, width, q_len, kv bound, lens view, table view, kernel)
+        self.planned = None   # (batch, width, q_len, kv bound, lens view, table view, (kernel, fp8))
+        self._kernels: dict = {}   # q_len -> (kernel, fp8)
         self._calls = SignatureCache(64)
 
     def plan(self, block_table, kv_lens, *, q_len: int = 1, max_kv_len: int | None = None) -> None:
@@ -175,7 +176,9 @@ class PagedAttention:
             raise RuntimeInputError(f"plan: max_kv_len = {bound} is under the longest kv_len {longest}")
         lens_view, table_view = self.metadata.upload([lens, table])
         table_view = table_view.reshape(batch, width) if batch else table_view.reshape(0, width)
-        kernel = self._kernel(q_len)
+        kernel = self._kernels.get(q_len)
+        if kernel is None:
+            kernel = self._kernels[q_len] = self._kernel(q_len)
         self.planned = (batch, width, q_len, bound, lens_view, table_view, kernel)
         self.plan_key = (batch, width, q_len, bound, id(kernel[0]))
         self.lse_view = self._lse(batch, q_len)
