@@ -40,18 +40,18 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
         _load_entry_points()
     if type(q).__module__.startswith("torch") and k_scale is None and v_scale is None and \
             "float8" not in str(k.dtype):
-        return _entry.torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic, validate)
-    out, lse = _entry.forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate)
+        return _entry.autograd.torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic,
+                                               validate)
+    out, lse = _entry.tuned.forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate)
     return (out, lse) if return_lse else out
 
 
-_entry = None   # the implementations, imported on the first call (importing them pulls in the runtime)
+_entry = None   # the implementing modules, imported on the first call (importing them pulls in the runtime)
 
 
 def _load_entry_points() -> None:
     global _entry
     from types import SimpleNamespace
 
-    from .dispatch.autograd import torch_attention
-    from .dispatch.tuned import forward
-    _entry = SimpleNamespace(torch_attention=torch_attention, forward=forward)
+    from .dispatch import autograd, tuned
+    _entry = SimpleNamespace(autograd=autograd, tuned=tuned)

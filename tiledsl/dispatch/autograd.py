@@ -27,15 +27,16 @@ torch.compile that import runs for real, not traced). Without torch the pure hel
 import, for the CPU tests. No `from __future__ import annotations` here: torch.library reads the
 ops' schema from their annotations, which must be real types.
 """
+from . import backward, tuned
+
 WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops take no Optional tuple
 
 
 def encode_window(window):
     """(has_window, left, right) of attention's `window` argument (None or (left, right))."""
-    from .tuned import window_ints
     if window is None:
         return WINDOW_NONE
-    left, right = window_ints(window)
+    left, right = tuned.window_ints(window)
     return True, left, right
 
 
@@ -66,26 +67,25 @@ def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None
         o, lse = EagerAttention.apply(q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale),
                                       bool(deterministic), validate)
     else:
-        from .tuned import forward
-        o, lse = forward(q, k, v, causal, window, scale, kv_lens, validate=validate)
+        o, lse = tuned.forward(q, k, v, causal, window, scale, kv_lens, validate=validate)
     return (o, lse) if return_lse else o
 
 
 def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic, validate):
     """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation (the
     runtime reads the tensors' pointers itself: no detach needed)."""
-    from .tuned import forward
-    return forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale, kv_lens,
-                   validate=validate)
+    return tuned.forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale, kv_lens,
+                         validate=validate)
 
 
 def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
                  validate):
-    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation.
-    The gradients come back contiguous (allocated so), as the backward op's fake promises."""
-    from .backward import attention_backward as backward
-    return backward(q, k, v, o, lse, do, causal=causal, window=decode_window(has_window, window_left, window_right),
-                    scale=scale, kv_lens=kv_lens, deterministic=deterministic, validate=validate)
+    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation."""
+    grads = backward.attention_backward(q, k, v, o, lse, do, causal=causal,
+                                        window=decode_window(has_window, window_left, window_right), scale=scale,
+                                        kv_lens=kv_lens, deterministic=deterministic, validate=validate)
+    # The backward op's fake promises contiguous gradients (a no-op when they already are).
+    return tuple(g.contiguous() for g in grads)
 
 
 def _dtype_name(torch, dtype):

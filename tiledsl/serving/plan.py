@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RuntimeInputError
+from ..runtime.decode import tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.serving_checks import check_paged, check_varlen
 from ..runtime.tensors import signature
@@ -213,7 +214,6 @@ class PagedAttention:
             call = self._calls.put(key, self._prepare(kernel, fp8, q, k_cache, v_cache, out, lse))
         tensors = (q, k_cache, v_cache, table_view, lens_view, out, lse)
         if fp8:
-            from ..runtime.decode import tensor_or_none
             tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale))
         out, lse = call(*tensors)
         return (out, lse.swapaxes(1, 2)) if return_lse else out
@@ -237,7 +237,6 @@ class PagedAttention:
         if kernel.spec.family.value == "decode":
             options["workspace"] = self.workspace
         if fp8:
-            from ..runtime.decode import tensor_or_none
             tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale))
             options.update(k_scale=self.k_scale, v_scale=self.v_scale)
         return kernel.prepare_call(tensors, **options)
