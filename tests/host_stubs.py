@@ -361,10 +361,12 @@ def stub_device(tmp: Path, counts: dict | None = None):
 
 
 def clear_caches() -> None:
-    """Forget every loaded kernel and prepared call (a stubbed run must not leave stub functions behind)."""
+    """Forget every loaded kernel and prepared call (a stubbed run must not leave stub functions behind),
+    and the warm records' fingerprint (it holds the fake CuPy's version)."""
     from tiledsl.dispatch import kernels, tuned
-    from tiledsl.runtime import launch
+    from tiledsl.runtime import launch, warm
     from tiledsl.serving import varlen
+    warm.fingerprint.cache_clear()
     kernels.LOADED.clear()
     tuned._resolved.clear()
     varlen._kernels.clear()
