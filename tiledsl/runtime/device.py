@@ -41,6 +41,23 @@ def stream_reader(x):
     return lambda: cupy.cuda.get_current_stream().ptr
 
 
+_external_streams: dict[tuple[int, int], object] = {}
+
+
+def caller_stream(x):
+    """The CuPy stream object of the stream a call on inputs like `x` launches on (stream_reader's
+    handle, wrapped once per handle as an ExternalStream), for code that launches through CuPy's
+    Function.__call__ (the ring merge)."""
+    cupy = cupy_module()
+    if not is_torch(x):
+        return cupy.cuda.get_current_stream()
+    key = (stream_reader(x)(), x.device.index or 0)
+    stream = _external_streams.get(key)
+    if stream is None:
+        stream = _external_streams[key] = cupy.cuda.ExternalStream(*key)
+    return stream
+
+
 def current_device() -> int:
     """The calling thread's current CUDA device (both torch and CuPy launch there)."""
     return cupy_module().cuda.runtime.getDevice()
