@@ -147,7 +147,7 @@ def _block_spec(arch: str, dtype: DType, head_dim: int, head_dim_v: int, causal:
 def forward_ms(arch: str, dtype: DType, head_dim: int, head_dim_v: int, causal: bool, batch: int, heads: int,
                queries: int, keys: int, limits: DeviceLimits = H200) -> float:
     """The tune model's time of the forward kernel tiledsl.attention runs on one block."""
-    from ..layout import layout_of
+    from ..families import layout_of
     from ..schedule.cost import Resources, Shape, predict
     spec = _block_spec(arch, dtype, head_dim, head_dim_v, causal)
     layout = layout_of(spec)
