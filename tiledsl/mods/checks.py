@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RuntimeInputError
-from .expr import Aux, Expr, Type, source
+from .expr import Aux, Expr, Type, reads, source
 from .intervals import INT32, interval
 from .model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_DROPOUT, AUX_SINKS,
                     AlibiSlopes, Documents, Modifications, geometric_slopes)
@@ -49,9 +49,11 @@ def _builtin_shapes(mods: Modifications, batch: int, heads: int, q_len: int, kv_
 
 
 def check_aux(mods: Modifications, given: dict, batch: int, heads: int, q_len: int, kv_len: int, kv_lens=None,
-              where: str = "attention") -> None:
+              where: str = "attention", value_ranges: dict | None = None) -> None:
     """Refuse aux tensors that don't fit the spec and the launch. `given` maps each name to
-    (shape, is_float) (the dropout rng to any value)."""
+    (shape, is_float) (the dropout rng to any value); `value_ranges` each int tensor's (min, max) where
+    the data has been read: ints formed from its values are then checked against int32 too (without,
+    they are the caller's to keep in range: reading the data would sync)."""
     needed = {a.name: a for a in mods.user_aux()}
     if mods.dropout is not None:
         needed[AUX_DROPOUT] = None
@@ -80,10 +82,14 @@ def check_aux(mods: Modifications, given: dict, batch: int, heads: int, q_len: i
     ranges = launch_ranges(batch, heads, q_len, kv_len, kv_lens)
     for role, expr in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         if expr is not None:
-            _check_expression(role, expr, given, ranges, where)
+            _check_expression(role, expr, given, ranges, where, value_ranges)
 
 
-def _check_expression(role: str, expr: Expr, given: dict, ranges: dict, where: str) -> None:
+def _check_expression(role: str, expr: Expr, given: dict, ranges: dict, where: str, value_ranges) -> None:
+    def table(node, index_ranges):
+        found = (value_ranges or {}).get(node.name)
+        return found if found is not None else (INT32 if node.dtype is Type.INT else None)
+
     def visit(node, span):
         if isinstance(node, Aux):
             shape, is_float = given[node.name]
@@ -101,12 +107,13 @@ def _check_expression(role: str, expr: Expr, given: dict, ranges: dict, where: s
                         f"{where}: {role} reads {source(node)}: index {axis} ({source(index)}) can reach {lo}..{hi} "
                         f"for this launch, outside {node.name}'s 0..{shape[axis] - 1} (shape {tuple(shape)}); size "
                         f"the table for every (query, key) a computed tile holds, or clamp the index with min / max")
-        if node.type is Type.INT and (span[0] < INT32[0] or span[1] > INT32[1]):
+        unread = value_ranges is None and reads(node, Aux)
+        if node.type is Type.INT and not unread and (span[0] < INT32[0] or span[1] > INT32[1]):
             raise RuntimeInputError(f"{where}: {role}'s {source(node)} can reach {span[0]}..{span[1]} for this "
                                     "launch: outside int32, where kernels compute it")
         index_ranges[node] = span
     index_ranges: dict = {}
-    interval(expr, ranges, visit=visit)
+    interval(expr, ranges, aux_range=table, visit=visit)
 
 
 def _kind(array) -> bool:
@@ -122,7 +129,9 @@ def prepare_aux(mods: Modifications, aux: dict | None, batch: int, heads: int, q
     aux = dict(aux or {})
     given = {name: (() if name == AUX_DROPOUT else np.shape(value), False if name == AUX_DROPOUT else _kind(value))
              for name, value in aux.items()}
-    check_aux(mods, given, batch, heads, q_len, kv_len, kv_lens, where)
+    ints = {name: (int(np.min(value)), int(np.max(value))) if np.size(value) else (0, 0)
+            for name, value in aux.items() if name != AUX_DROPOUT and not _kind(value)}
+    check_aux(mods, given, batch, heads, q_len, kv_len, kv_lens, where, ints)
     out = {name: np.asarray(value, dtype=np.float64 if _kind(value) else np.int64)
            for name, value in aux.items() if name != AUX_DROPOUT}
     if mods.dropout is not None:
