@@ -15,7 +15,7 @@ from .version import __version__
 _LAZY = {"load_specs": "frontend.parse", "parse_file": "frontend.parse", "parse_text": "frontend.parse",
          "SpecSpace": "frontend.space", "attention": "api", "Kernel": "runtime.kernel", "compile": "families",
          "paged_attention": "serving.paged", "varlen_attention": "serving.varlen",
-         "attention_backward": "dispatch.backward"}   # tiledsl.compile(spec) is the documented API
+         "attention_backward": "dispatch.backward", "spec_for": "api"}   # tiledsl.compile(spec) is the documented API
 
 
 def __getattr__(name: str):
@@ -32,7 +32,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
-           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
+           "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention", "spec_for",
            "varlen_attention", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 
+from ..mods.model import NO_MODS, Modifications
 from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
 
 # From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
@@ -58,15 +59,15 @@ _hinted: set[tuple] = set()
 @functools.lru_cache(maxsize=None)
 def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                window: tuple[int, int] | None = None, scale: float | None = None,
-               q_len: int | None = None) -> tuple[KernelSpec, bool]:
+               q_len: int | None = None, mods: Modifications = NO_MODS) -> tuple[KernelSpec, bool]:
     """(the spec to run, whether it came from the table). Pure and cached: no GPU needed. A q_len
     of 1..16 picks the decode family where it serves the shape (autoschedule.pick); the table
-    holds prefill schedules only."""
+    holds prefill schedules only. `mods`: score and mask modifications, on the table's schedule."""
     from ..spec import DECODE_MAX_QUERIES
     from .autoschedule import pick
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
-                      softmax_scale=scale)
+                      softmax_scale=scale, mods=mods)
     if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
         spec = pick(arch, problem, q_len)
         if spec.family is Family.DECODE:
@@ -164,6 +165,29 @@ def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
     if len(q_shape) != 4 or len(v_shape) != 4:
         raise RuntimeInputError(f"attention: q and v must be 4-d (batch, heads, seqlen, head_dim), got shapes "
                                 f"{q_shape} and {v_shape}")
+
+
+def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifications, aux: dict):
+    """(O, LSE) of attention with score and mask modifications (dispatch/modified.py): the tuned table's
+    schedule with them, its aux tensors checked against the launch before anything runs."""
+    from ..errors import RuntimeInputError, SpecError
+    from ..runtime.device import device_arch
+    from ..runtime.tensors import view
+    from .modified import check_launch
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    check_q_v(qv.dtype, qv.shape, vv.shape)
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    window = tuple(int(w) for w in window) if window is not None else None
+    batch, heads, q_len, d = qv.shape
+    check_launch(mods, aux, batch, heads, q_len, kv.shape[2])
+    spec, _ = tuned_spec(device_arch(), qv.dtype, d, mask, vv.shape[-1], window,
+                         None if scale is None else float(scale), q_len, mods)
+    try:
+        kernel = kernel_for(spec)
+    except SpecError as err:
+        raise RuntimeInputError(f"attention: {err.message} (tiledsl.spec_for(...) prints the spec; the float64 "
+                                "reference, tiledsl.reference.forward.reference_attention, runs it)") from None
+    return kernel(q, k, v, kv_lens=kv_lens, aux=aux)
 
 
 def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
