@@ -114,3 +114,11 @@ def test_captured_torch_tensors_become_aux_tensors():
     named, aux = trace(lambda score, b, h, q, kv: torch.where(score > 0, score, bias[h, kv]), "score_mod",
                        {"bias": bias})
     assert named == dsl_tree("score_mod", "where(score > 0, score, bias[h, kv_idx])") and list(aux) == ["bias"]
+
+
+def test_the_launch_check_reads_shapes_and_is_conservative_about_kv_lens():
+    from tiledsl.dispatch.modified import check_launch
+    mods, aux = modifications(score_mod="score + bias[kv_len - kv_idx]", aux={"bias": np.zeros(N + 1, np.float32)})
+    check_launch(mods, aux, B, H, N, N)
+    with pytest.raises(RuntimeInputError, match=r"index 0 \(kv_len - kv_idx\) can reach -255\.\.256"):
+        check_launch(mods, aux, B, H, N, N, ragged=True)   # kv_lens unread: kv_len may be anything up to N

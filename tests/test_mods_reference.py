@@ -240,3 +240,35 @@ def test_a_spec_without_modifications_takes_no_aux():
     rng = np.random.default_rng()
     with pytest.raises(RuntimeInputError, match="modifies nothing"):
         reference_attention(spec_for(["mask = causal"]), *inputs(rng, 1, 2, 2, 8, 8), aux={"bias": np.zeros(2)})
+
+
+def test_varlen_and_paged_references_apply_the_modifications_per_sequence():
+    from tiledsl.reference import serving
+    rng = np.random.default_rng()
+    heads, d, lengths = 4, 16, [33, 0, 70, 5]
+    sinks, bias = rng.normal(0, 1, heads), rng.normal(0, 1, (len(lengths), heads))
+    spec = spec_for(["softcap = 3", "sinks = per_head", "score_mod = score + bias[b, h]", "mask = causal"])
+    aux = {"sinks": sinks, "bias": bias}
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((cu[-1], heads, d)) for _ in range(3))
+    o, lse = serving.varlen_attention(q, k, v, cu, cu, mask="causal", mods=spec.problem.mods, aux=aux)
+    for b, (start, stop) in enumerate(zip(cu[:-1], cu[1:])):
+        if stop == start:
+            continue
+        one = [x[start:stop].transpose(1, 0, 2)[None] for x in (q, k, v)]
+        want, want_lse = naive.attention(*one, softcap=3.0, sinks=sinks, mask="causal",
+                                         score_fn=lambda s, _, h, i, j, b=b: s + bias[b][h])
+        assert np.allclose(o[start:stop], want[0].transpose(1, 0, 2), atol=1e-12)
+        assert np.allclose(lse[start:stop], want_lse[0].T, atol=1e-12)
+    page, kv_lens = 16, np.array([40, 3, 70, 17], dtype=np.int32)
+    pages = rng.permutation(40).astype(np.int32)
+    table = pages[:20].reshape(4, 5)
+    k_cache, v_cache = (rng.standard_normal((40, page, 2, d)) for _ in range(2))
+    qp = rng.standard_normal((4, 3, heads, d))
+    o, lse = serving.paged_attention(qp, k_cache, v_cache, table, kv_lens, mask="causal", mods=spec.problem.mods,
+                                     aux=aux)
+    for b in range(4):
+        keys = [serving.gather_pages(c, table[b], kv_lens[b]).transpose(1, 0, 2)[None] for c in (k_cache, v_cache)]
+        want, _ = naive.attention(qp[b].transpose(1, 0, 2)[None], *keys, softcap=3.0, sinks=sinks, mask="causal",
+                                  score_fn=lambda s, _, h, i, j, b=b: s + bias[b][h])
+        assert np.allclose(o[b], want[0].transpose(1, 0, 2), atol=1e-12)

@@ -202,7 +202,7 @@ def modification_lines(spec: KernelSpec, batch: int, heads: int, nq: int, nk: in
     from ..schedule.tiles import Tiling, classify, counts, data_dependent
     lines = ["", "score and mask modifications:"]
     lines += [f"    {key} = {value}" for key, value in mods.config().items()]
-    for aux in mods.aux_tensors():
+    for aux in mods.user_aux():   # what a launch passes (geometric ALiBi slopes are computed for its heads)
         kind = "float32" if aux.dtype.value == "float" else "int32"
         lines.append(f"    aux {aux.name}: {aux.rank}-d {kind}{', ' + aux.what if aux.what else ''}")
     s = spec.schedule

@@ -99,7 +99,8 @@ def shapes_of(aux: dict) -> dict:
 
 
 def check_launch(mods: Modifications, aux: dict, batch: int, heads: int, q_len: int, kv_len: int,
-                 where: str = "attention") -> None:
-    """mods/checks.check_aux on the tensors' shapes (no sync)."""
+                 ragged: bool = False, where: str = "attention") -> None:
+    """mods/checks.check_aux on the tensors' shapes (no sync). `ragged`: kv_lens shorten the sequences
+    by amounts not read here, so an expression's kv_len may be anything in 0..kv_len."""
     from ..mods.checks import check_aux
-    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, None, where)
+    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, [0, kv_len] if ragged else None, where)

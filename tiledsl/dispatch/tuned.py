@@ -179,7 +179,7 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
     batch, heads, q_len, d = qv.shape
-    check_launch(mods, aux, batch, heads, q_len, kv.shape[2])
+    check_launch(mods, aux, batch, heads, q_len, kv.shape[2], ragged=kv_lens is not None)
     spec, _ = tuned_spec(device_arch(), qv.dtype, d, mask, vv.shape[-1], window,
                          None if scale is None else float(scale), q_len, mods)
     try:

@@ -13,12 +13,13 @@ tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runti
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
+from ..mods.model import NO_MODS
 from ..spec import DType, KernelSpec, Mask, Problem
 
 
 def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int, q_len: int,
                window: tuple[int, int] | None = None, scale: float | None = None, kv_dtype: DType | None = None,
-               kv_scale=None) -> KernelSpec:
+               kv_scale=None, mods=NO_MODS) -> KernelSpec:
     """The decode spec a paged call of `q_len` queries runs: the schedule autoschedule picks for
     the contiguous decode, reading K/V through the block table."""
     from ..dispatch.autoschedule import DECODE_HEAD_DIMS, pick_decode
@@ -29,7 +30,7 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
                                 f"{', '.join(map(str, DECODE_HEAD_DIMS))} (equal for k and v)")
     problem = Problem(head_dim, head_dim_v, dtype, mask, window_left=window[0] if window else 0,
                       window_right=window[1] if window else 0, softmax_scale=scale, kv_page_size=page_size,
-                      kv_dtype=kv_dtype, kv_scale=kv_scale)
+                      kv_dtype=kv_dtype, kv_scale=kv_scale, mods=mods)
     spec = pick_decode(problem, q_len)
     if spec is None:
         raise RuntimeInputError(f"paged_attention: no legal decode schedule for head dim {head_dim}, "
@@ -39,18 +40,24 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
 
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
                     window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None,
+                    mask_mod=None, aux=None):
     """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
     log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The block table and
     kv_lens are checked on the host first (serving_checks.check_paged): bad ones are refused.
     float8_e4m3fn caches (both) are an FP8 KV cache, dequantized on chip: value = byte * scale, with
     `k_scale` / `v_scale` float32 (kv_heads,) tensors, or Python floats / 1-element tensors (None: 1.0);
-    decode only (up to DECODE_MAX_QUERIES queries)."""
+    decode only (up to DECODE_MAX_QUERIES queries). softcap, alibi_slopes, sinks, score_mod, mask_mod and
+    aux are attention's (b: the batch entry); no kernel spells them yet: the call checks them and says so."""
     from ..spec import DECODE_MAX_QUERIES
     from ..runtime.paged_views import api_views
     from ..dispatch.tuned import kernel_for
     qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
     q_len = qv.shape[1]
+    keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                    aux=aux)
+    if any(value is not None for value in keywords.values()):
+        _refuse_modifications(qv, kv, vv, block_table, mask, window, scale, keywords)
     fp8 = DType.E4M3 in (kv.dtype, vv.dtype)
     if fp8 and q_len > DECODE_MAX_QUERIES:
         raise RuntimeInputError(f"paged_attention: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
@@ -76,3 +83,25 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     out, lse = kernel_for(spec)(q, k_cache, v_cache, block_table, kv_lens, **extra)
     # (batch, q_len, heads) views; torch and CuPy both have swapaxes
     return (out, lse.swapaxes(1, 2)) if return_lse else out
+
+
+def _refuse_modifications(qv, kv, vv, block_table, mask, window, scale, keywords) -> None:
+    """Paged attention with score and mask modifications: checked (dispatch/modified.py), then refused:
+    neither paged kernel spells them yet (a call that modifies nothing goes on)."""
+    from ..dispatch.modified import check_launch, modifications
+    from ..families import missing_template
+    from ..runtime.tensors import view
+    from ..spec import DECODE_MAX_QUERIES
+    mods, tensors = modifications("paged_attention", **keywords)
+    if not mods.active:
+        return
+    batch, q_len, heads = qv.shape[:3]
+    check_launch(mods, tensors, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
+                 ragged=True, where="paged_attention")
+    why = "chunked prefill (q_len > 16) with modifications has no CUDA template yet"
+    if q_len <= DECODE_MAX_QUERIES:
+        spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
+                          None if scale is None else float(scale), mods=mods)
+        why = missing_template(spec) or why
+    raise RuntimeInputError(f"paged_attention: {why} (tiledsl.reference.serving.paged_attention(..., mods=, aux=) "
+                            "runs them in float64)")
