@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import assume, given, settings, strategies as st
 
 from tiledsl.errors import RuntimeInputError
 from tiledsl.frontend.parse import load_spec
+from tiledsl.mods.expr import Type, source
 from tiledsl.mods.model import geometric_slopes
+from tiledsl.mods.numeric import evaluate, grid
 from tiledsl.mods.philox import keep_mask
 from tiledsl.reference.backward import reference_backward
 from tiledsl.reference.forward import reference_attention
 from tiledsl.schedule.tiles import EMPTY, FULL, Tiling, classify, counts
 
 from . import mods_naive as naive
+from .mods_support import expressions
 
 SCHEDULES = {
     "fa2": "schedule {\n        tile q = 32, kv = 16\n        warps 2\n    }",
@@ -272,3 +276,32 @@ def test_varlen_and_paged_references_apply_the_modifications_per_sequence():
         want, _ = naive.attention(qp[b].transpose(1, 0, 2)[None], *keys, softcap=3.0, sinks=sinks, mask="causal",
                                   score_fn=lambda s, _, h, i, j, b=b: s + bias[b][h])
         assert np.allclose(o[b], want[0].transpose(1, 0, 2), atol=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 90), st.integers(1, 90), st.sampled_from([(16, 16), (32, 16), (16, 48)]),
+       st.integers(0, 2**32 - 1))
+def test_tile_classes_of_any_mask_mod_are_sound(data, nq, nk, tiles, seed):
+    """Random index conditions (and int tables read by them): a full tile has every element visible, an
+    empty one none, against the elementwise evaluation of the same tree."""
+    expr = data.draw(expressions(Type.BOOL, score=False, depth=3))
+    rng = np.random.default_rng(seed)
+    lines = [f"mask_mod = {source(expr)}"]
+    spec = spec_for(lines)
+    batch, heads, lens = 2, 2, np.array([nk, max(nk - 7, 0)])
+    aux = {"t1": rng.integers(-3, 3, 400), "t2": rng.integers(-3, 3, (400, 400))}
+    try:
+        from tiledsl.mods.checks import prepare_aux
+        prepared = prepare_aux(spec.problem.mods, {n: aux[n] for n in ("t1", "t2") if f"{n}[" in lines[0]},
+                               batch, heads, nq, nk, lens)
+    except RuntimeInputError:
+        assume(False)   # an index that can leave the tables, or an int past int32: refused before launch
+    classes = classify(spec.problem, Tiling(nq, nk, *tiles), batch, heads, lens, prepared)
+    g = grid(batch, heads, np.arange(nq), np.arange(nk), lens, nq)
+    seen = np.broadcast_to(evaluate(expr, g.env(), prepared), (batch, heads, nq, nk))
+    seen = seen & (np.arange(nk)[None, None, None, :] < lens[:, None, None, None])
+    for i in range(classes.shape[2]):
+        for j in range(classes.shape[3]):
+            tile = seen[:, :, i * tiles[0]:(i + 1) * tiles[0], j * tiles[1]:(j + 1) * tiles[1]]
+            assert not tile[classes[:, :, i, j] == EMPTY].any(), (source(expr), i, j)
+            assert tile[classes[:, :, i, j] == FULL].all(), (source(expr), i, j)
