@@ -77,3 +77,19 @@ def test_explain_shows_the_modifications_their_aux_and_the_tile_classes():
     assert "generated kernel: none" in text and "have no CUDA template yet" in text
     doc = explain(spec(["mask = causal & document"]), seqlen_q=1024)
     assert "decided per tile at run time from the aux data (partial above): document" in doc
+
+
+def test_the_traffic_model_skips_the_tiles_the_modifications_empty():
+    from tiledsl.schedule.traffic import hbm_traffic
+    from tiledsl.schedule.tiles import EMPTY, Tiling, classify
+    windowed = spec(["mask_mod = kv_idx <= q_idx & q_idx - kv_idx < 1024"], "hopper 128")
+    plain = spec(["mask = causal"], "hopper 128")
+    n = 8192
+    t_mod = hbm_traffic(run_passes(windowed), 1, 4, n, n)
+    t_plain = hbm_traffic(run_passes(plain), 1, 4, n, n)
+    computed = int((classify(windowed.problem, Tiling(n, n, 128, 128), 1, 1) != EMPTY).sum())
+    assert t_mod.flops_executed == 2 * 128 * 128 * 128 * computed * 4
+    assert t_mod.bytes < t_plain.bytes / 3
+    per_head = spec(["mask_mod = kv_idx <= q_idx & (h == 0 | kv_idx < 128)"], "hopper 128")
+    t_head = hbm_traffic(run_passes(per_head), 1, 4, n, n)
+    assert t_plain.flops_executed / 4 < t_head.flops_executed < t_plain.flops_executed / 2

@@ -212,8 +212,8 @@ def modification_lines(spec: KernelSpec, batch: int, heads: int, nq: int, nk: in
                  f"Bc={s.tile_kv}): "
                  + ", ".join(f"{n} {found[n]} ({100 * found[n] / max(total, 1):.1f}%)" for n in ("empty", "full",
                                                                                                 "partial"))
-                 + "; empty ones are skipped, full ones run without per-element masking (the HBM traffic and "
-                 "FLOPs above count the none / causal / window mask's skipping only)")
+                 + "; empty ones are skipped, full ones run without per-element masking (the HBM traffic above "
+                 "skips the empty ones; its useful FLOPs count the none / causal / window mask's pairs only)")
     runtime = data_dependent(mods)
     if runtime:
         lines.append(f"    decided per tile at run time from the aux data (partial above): {', '.join(runtime)}")
