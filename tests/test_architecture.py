@@ -24,7 +24,7 @@ MAX_LINE = 120
 # layouts through it); what its rows name higher up (lowerings, kernel classes) it resolves by name on
 # first use, not by import.
 LAYERS = {
-    "spec": 0, "errors": 0, "version": 0, "hw": 0, "device_limits": 0,
+    "spec": 0, "errors": 0, "version": 0, "hw": 0, "device_limits": 0, "mods": 0,
     "layout": 1,
     "families": 2,
     "schedule": 3, "frontend": 3,

@@ -17,7 +17,8 @@ _LAZY = {"load_specs": "frontend.parse", "parse_file": "frontend.parse", "parse_
          "SpecSpace": "frontend.space", "attention": "api", "Kernel": "runtime.kernel", "compile": "families",
          "paged_attention": "serving.paged", "varlen_attention": "serving.varlen",
          "attention_backward": "dispatch.backward", "PagedAttention": "serving.plan",
-         "VarlenAttention": "serving.plan", "check_errors": "runtime.device_errors"}
+         "VarlenAttention": "serving.plan", "check_errors": "runtime.device_errors",
+         "spec_for": "api"}
 
 
 def __getattr__(name: str):
@@ -35,6 +36,6 @@ def __dir__() -> list[str]:
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
            "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
-           "varlen_attention", "PagedAttention", "VarlenAttention", "check_errors", "compile",
+           "varlen_attention", "PagedAttention", "VarlenAttention", "check_errors", "spec_for", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
-              validate: bool | None = None):
+              validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
+              document_bounds=None, score_mod=None, mask_mod=None, aux=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -32,10 +33,28 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `validate=True` checks kv_lens on the host first (a sync; runtime/index_checks.py says when the
     default does). The first call of a configuration picks and loads the kernel and prepares its
     launch; a later call with the same shapes, strides, dtypes and devices reads the tensors'
-    pointers and launches (runtime/launch.py)."""
+    pointers and launches (runtime/launch.py).
+
+    Score and mask modifications (tiledsl/dispatch/modified.py; `spec_for` prints the spec they make):
+    `softcap` (30: scores become 30 tanh(s / 30)), `alibi_slopes` ("geometric" or a float tensor),
+    `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
+    (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
+    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). They have no CUDA kernels yet: such a
+    call checks its aux tensors, then raises RuntimeInputError naming what is missing."""
     if causal and window is not None:
         raise ValueError("attention: pass causal=True or window=(left, right), not both "
                          "(a causal window is window=(left, 0))")
+    if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
+            and document_bounds is None and score_mod is None and mask_mod is None and aux is None):
+        from .dispatch.modified import modifications
+        from .dispatch.tuned import modified_forward
+        keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
+                        document_bounds=document_bounds, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+        needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
+        mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
+        if mods.active:
+            out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors)
+            return (out, lse) if return_lse else out
     if _entry is None:
         _load_entry_points()
     if type(q).__module__.startswith("torch") and k_scale is None and v_scale is None and \
@@ -55,3 +74,37 @@ def _load_entry_points() -> None:
 
     from .dispatch import autograd, tuned
     _entry = SimpleNamespace(autograd=autograd, tuned=tuned)
+
+
+def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None, *,
+             arch: str | None = None, name: str | None = None, **modifications) -> str:
+    """The spec `attention(q, k, v, ...)` runs, as DSL text that tiledsl.parse_text reads back to the same
+    kernel: the tuned schedule for q's shape and dtype on `arch` (None: this GPU's, or sm_90a without one)
+    with the call's mask and modifications (attention's keywords; callables are traced). q, k, v may be
+    any arrays with .shape and .dtype (shapes are read, never data)."""
+    from .dispatch.modified import KEYWORDS, modifications as build
+    from .dispatch.tuned import tuned_spec
+    from .errors import RuntimeInputError
+    from .spec import DType, Mask
+    from .tune.search import spec_to_dsl
+    unknown = sorted(set(modifications) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"spec_for: unknown keyword(s) {', '.join(unknown)}; modifications: {', '.join(KEYWORDS)}")
+    if causal and window is not None:
+        raise ValueError("spec_for: pass causal=True or window=(left, right), not both")
+    dtypes = {"float16": DType.FP16, "bfloat16": DType.BF16, "half": DType.FP16}
+    dtype = next((d for text, d in dtypes.items() if str(getattr(q, "dtype", "")).endswith(text)), None)
+    if dtype is None or len(q.shape) != 4 or len(v.shape) != 4:
+        raise RuntimeInputError(f"spec_for: q must be 4-d fp16 or bf16 (batch, heads, seqlen, head_dim); got "
+                                f"{getattr(q, 'dtype', '?')} {tuple(getattr(q, 'shape', ()))}")
+    if arch is None:
+        try:
+            from .runtime.device import device_arch
+            arch = device_arch()
+        except Exception:   # no GPU (or no CuPy) here: Hopper's table
+            arch = "sm_90a"
+    mods, _ = build("spec_for", **modifications)
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], tuple(window) if window else None,
+                         None if scale is None else float(scale), q.shape[2], mods)
+    return spec_to_dsl(spec, name or spec.name)

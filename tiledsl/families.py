@@ -30,7 +30,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .spec import Family, KernelSpec, Mma, SeqLayout
+from .spec import MOD_KEYS, Family, KernelSpec, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
 
@@ -104,12 +104,24 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     return None
 
 
+def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
+    """(key, what) when the spec modifies its scores or masks: no template spells those yet."""
+    mods = spec.problem.mods
+    if not mods.active:
+        return None
+    written = [key for key, _ in spec.spans if key in MOD_KEYS + ("mask",)]
+    return (written[0] if written else "mask"), "score and mask modifications (" + ", ".join(mods.config()) + ")"
+
+
 def missing_template(spec: KernelSpec) -> str:
     """Why no template builds `spec` ("" when one does): what `compile --skip-unsupported` skips."""
     if spec.family not in WITH_TEMPLATE:
         return f"the {spec.family.value} family has no CUDA template yet"
     refusal = _serving_refusal(spec)
-    return f"{refusal[1]} has no CUDA template yet for the {spec.family.value} family" if refusal else ""
+    if refusal:
+        return f"{refusal[1]} has no CUDA template yet for the {spec.family.value} family"
+    refusal = _mods_refusal(spec)
+    return f"{refusal[1]} have no CUDA template yet for the {spec.family.value} family" if refusal else ""
 
 
 def row_for(spec: KernelSpec) -> Row:
@@ -121,6 +133,10 @@ def row_for(spec: KernelSpec) -> Row:
         raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text,
                         "`tiledsl explain` and tiledsl.reference.serving take it; "
                         f"remove `{refusal[0]}` to build a kernel")
+    refusal = _mods_refusal(spec)
+    if refusal:
+        raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text,
+                        "`tiledsl explain` and the float64 reference (tiledsl.reference) take them")
     for row in FAMILIES:
         if row.family is spec.family and row.mma is spec.schedule.mma:
             return row

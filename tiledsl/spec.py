@@ -10,12 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 
-# The DSL's setting keys (`key = value` in a block; statements in `schedule { }`).
+from .mods.model import NO_MODS, Modifications
+
+# The DSL's setting keys (`key = value` in a block; statements in `schedule { }`). MOD_KEYS write the
+# score and mask modifications (mods/model.py), besides `mask`'s built-in terms.
+MOD_KEYS = ("softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
-                "kv_scale")
+                "kv_scale") + MOD_KEYS
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq")
@@ -144,6 +148,9 @@ class Problem:
     seq_layout: SeqLayout = SeqLayout.BATCHED
     kv_dtype: DType | None = None        # K/V storage type (E4M3: FP8 decode cache); None: dtype
     kv_scale: KvScale | None = None      # with kv_dtype = e4m3: the scales' granularity
+    # Score and mask modifications (softcap, ALiBi, sinks, document / prefix / block masks, dropout,
+    # score_mod, mask_mod): in config, hash and kernel name only when any is set.
+    mods: Modifications = NO_MODS
 
     @property
     def kv_fp8(self) -> bool:
@@ -238,8 +245,10 @@ class KernelSpec:
 
     def config(self) -> dict:
         """The full config as JSON-ready plain data (enums by value)."""
-        problem = {k: v for k, v in asdict(self.problem).items()
-                   if not (k in SERVING_DEFAULTS and v == SERVING_DEFAULTS[k])}
+        problem = {k: v for k, v in asdict(replace(self.problem, mods=NO_MODS)).items()
+                   if not (k in SERVING_DEFAULTS and v == SERVING_DEFAULTS[k]) and k != "mods"}
+        if self.problem.mods.active:
+            problem["mods"] = self.problem.mods.config()
         schedule = {k: v for k, v in asdict(self.schedule).items()
                     if not (k in SCHEDULE_DEFAULTS and v == SCHEDULE_DEFAULTS[k])}
         config = {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
@@ -298,6 +307,7 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append(f"win{p.window_left}x{p.window_right}")
     if p.softmax_scale is not None:
         parts.append(f"scale{_number(p.softmax_scale)}")
+    parts += p.mods.name_parts()
     if p.queries_per_seq is not None:
         parts.append(f"nq{p.queries_per_seq}")
     if p.kv_page_size is not None:

@@ -89,7 +89,18 @@ def _space_json(space: SpecSpace) -> dict:
 def _print_kernel(spec: KernelSpec, indent: str = "") -> None:
     print(f"{indent}{spec.kernel_name}  ({spec.family.value}, from '{spec.name}')")
     print(f"{indent}    problem:  {_config_text(_problem_shown(spec))}")
+    mods = spec.problem.mods
+    if mods.active:   # score and mask modifications, and the aux tensors a launch passes
+        print(f"{indent}    modifies: {'; '.join(f'{k} = {_mod_shown(v)}' for k, v in mods.config().items())}")
+        aux = ", ".join(f"{a.name} ({a.rank}-d {'float32' if a.dtype.value == 'float' else 'int32'})"
+                        for a in mods.user_aux())
+        if aux:
+            print(f"{indent}    aux:      {aux}")
     print(f"{indent}    schedule: {_config_text(_schedule_shown(spec))}")
+
+
+def _mod_shown(value) -> str:
+    return f"({value[0]}, {value[1]})" if isinstance(value, list) else str(value)
 
 
 def _print_space(space: SpecSpace) -> None:

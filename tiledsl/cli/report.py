@@ -187,8 +187,37 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
     out += generated_kernel_lines(plan, no_plan) + [""]
     out += traffic_lines(graph, t, limits)
+    out += modification_lines(spec, batch, heads, nq, nk)
     out += backward_lines(spec, batch, heads, nq, nk)
     return "\n".join(out) + "\n"
+
+
+def modification_lines(spec: KernelSpec, batch: int, heads: int, nq: int, nk: int) -> list[str]:
+    """The score and mask modifications: what they are, the aux tensors a launch passes, and how the
+    masks classify this shape's (q tile, kv tile) pairs (schedule/tiles.py; terms that read aux data
+    are partial here: a kernel decides them per tile at run time)."""
+    mods = spec.problem.mods
+    if not mods.active:
+        return []
+    from ..schedule.tiles import Tiling, classify, counts, data_dependent
+    lines = ["", "score and mask modifications:"]
+    lines += [f"    {key} = {value}" for key, value in mods.config().items()]
+    for aux in mods.user_aux():   # what a launch passes (geometric ALiBi slopes are computed for its heads)
+        kind = "float32" if aux.dtype.value == "float" else "int32"
+        lines.append(f"    aux {aux.name}: {aux.rank}-d {kind}{', ' + aux.what if aux.what else ''}")
+    s = spec.schedule
+    found = counts(classify(spec.problem, Tiling(nq, nk, s.tile_q, s.tile_kv), batch, heads))
+    total = sum(found.values())
+    lines.append(f"    tiles (batch {batch} x heads {heads} x q tiles x kv tiles = {total}, Br={s.tile_q} "
+                 f"Bc={s.tile_kv}): "
+                 + ", ".join(f"{n} {found[n]} ({100 * found[n] / max(total, 1):.1f}%)" for n in ("empty", "full",
+                                                                                                "partial"))
+                 + "; empty ones are skipped, full ones run without per-element masking (the HBM traffic above "
+                 "skips the empty ones; its useful FLOPs count the none / causal / window mask's pairs only)")
+    runtime = data_dependent(mods)
+    if runtime:
+        lines.append(f"    decided per tile at run time from the aux data (partial above): {', '.join(runtime)}")
+    return lines
 
 
 def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int = 4096,

@@ -19,6 +19,7 @@ import sys
 from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
+from ..mods.model import NO_MODS, Modifications
 from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
 from .kernels import add, kernel_for
 
@@ -61,15 +62,15 @@ _hinted: set[tuple] = set()
 @functools.lru_cache(maxsize=None)
 def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                window: tuple[int, int] | None = None, scale: float | None = None,
-               q_len: int | None = None) -> tuple[KernelSpec, bool]:
+               q_len: int | None = None, mods: Modifications = NO_MODS) -> tuple[KernelSpec, bool]:
     """(the spec to run, whether it came from the table). Pure and cached: no GPU needed. A q_len
     of 1..16 picks the decode family where it serves the shape (autoschedule.pick); the table
-    holds prefill schedules only."""
+    holds prefill schedules only. `mods`: score and mask modifications, on the table's schedule."""
     from ..spec import DECODE_MAX_QUERIES
     from .autoschedule import pick
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
-                      softmax_scale=scale)
+                      softmax_scale=scale, mods=mods)
     if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
         spec = pick(arch, problem, q_len)
         if spec.family is Family.DECODE:
@@ -171,6 +172,29 @@ def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
 
 # call key -> (PreparedCall, whether it takes the FP8 scales): a warm call is this lookup and a launch.
 _calls = SignatureCache()
+
+
+def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifications, aux: dict):
+    """(O, LSE) of attention with score and mask modifications (dispatch/modified.py): the tuned table's
+    schedule with them, its aux tensors checked against the launch before anything runs."""
+    from ..errors import RuntimeInputError, SpecError
+    from ..runtime.device import device_arch
+    from ..runtime.tensors import view
+    from .modified import check_launch
+    qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
+    check_q_v(qv.dtype, qv.shape, vv.shape)
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    window = tuple(int(w) for w in window) if window is not None else None
+    batch, heads, q_len, d = qv.shape
+    check_launch(mods, aux, batch, heads, q_len, kv.shape[2], ragged=kv_lens is not None)
+    spec, _ = tuned_spec(device_arch(), qv.dtype, d, mask, vv.shape[-1], window,
+                         None if scale is None else float(scale), q_len, mods)
+    try:
+        kernel = kernel_for(spec)
+    except SpecError as err:
+        raise RuntimeInputError(f"attention: {err.message} (tiledsl.spec_for(...) prints the spec; the float64 "
+                                "reference, tiledsl.reference.forward.reference_attention, runs it)") from None
+    return kernel(q, k, v, kv_lens=kv_lens, aux=aux)
 
 
 def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,

@@ -36,7 +36,7 @@ from ..spec import (
     SeqLayout,
     Span,
 )
-from . import check_backward
+from . import check_backward, check_mods
 from . import syntax as ast
 from .rules import WARP_COUNTS
 from .space import SpecSpace
@@ -190,7 +190,7 @@ class _Checker:
         if "dtype" in nodes:
             fields["dtype"] = self.word(self.setting_word(nodes["dtype"]), "dtype",
                                         {d.value: d for d in COMPUTE_DTYPES})
-        if "mask" in nodes:
+        if "mask" in nodes and not check_mods.modified_mask(nodes["mask"].value):
             fields.update(self.mask(nodes["mask"].value))
         if "scale" in nodes:
             atom = self.setting_number(nodes["scale"])
@@ -207,6 +207,7 @@ class _Checker:
             fields["seq_layout"] = self.word(self.setting_word(nodes["layout"]), "layout",
                                              {layout.value: layout for layout in SeqLayout})
         fields.update(self.kv_storage(nodes, fields.get("dtype", DType.BF16)))
+        fields.update(check_mods.problem_fields(self, nodes))   # score and mask modifications
         return Problem(**fields)
 
     def kv_storage(self, nodes: dict, dtype: DType) -> dict:

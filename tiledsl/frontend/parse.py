@@ -18,6 +18,7 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from . import syntax as ast
+from ..mods.expr import INFIX
 from .words import EXAMPLES, did_you_mean
 from ..spec import PROBLEM_KEYS, SCHEDULE_KEYS
 from .space import SpecSpace
@@ -85,7 +86,50 @@ class _ToAst(Transformer):
 
     def call(self, meta, children):
         args = tuple(a for a in children[1:] if a is not None)
-        return ast.Call(self._word(children[0]), args, self._span(meta))
+        if all(isinstance(a, ast.Arg) for a in args):   # `window(left = 256)`: a setting's call
+            return ast.Call(self._word(children[0]), args, self._span(meta))
+        return ast.FunctionCall(self._word(children[0]), args, self._span(meta))
+
+    # -- expressions
+    def _operation(self, op: str, meta, operands) -> ast.Operation:
+        return ast.Operation(op, tuple(operands), self._span(meta))
+
+    def or_(self, meta, children):
+        return self._operation("or", meta, children)
+
+    def and_(self, meta, children):
+        return self._operation("and", meta, children)
+
+    def not_(self, meta, children):
+        return self._operation("not", meta, children)
+
+    def neg(self, meta, children):
+        return self._operation("neg", meta, children)
+
+    def compare(self, meta, children):
+        left, op, right = children
+        return self._operation(INFIX[str(op)], meta, (left, right))
+
+    def add(self, meta, children):
+        return self._operation("add", meta, children)
+
+    def sub(self, meta, children):
+        return self._operation("sub", meta, children)
+
+    def mul(self, meta, children):
+        return self._operation("mul", meta, children)
+
+    def div(self, meta, children):
+        return self._operation("div", meta, children)
+
+    def floordiv(self, meta, children):
+        return self._operation("floordiv", meta, children)
+
+    def mod(self, meta, children):
+        return self._operation("mod", meta, children)
+
+    def index(self, meta, children):
+        return ast.Subscript(self._word(children[0]), tuple(children[1:]), self._span(meta))
 
     def setting(self, meta, children):
         return ast.Setting(self._word(children[0]), children[1], self._span(meta))
@@ -149,7 +193,8 @@ class _ToAst(Transformer):
 # ---- parse errors in words ------------------------------------------------------------------------
 
 # How each terminal reads in a message; keywords and punctuation read as themselves, quoted.
-_TERMINAL_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "a new line", "$END": "the end of the file"}
+_TERMINAL_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "a new line", "$END": "the end of the file",
+                   "COMPARE": "a comparison"}
 # Terminal sets that mean "a statement goes here": named as a whole rather than listed.
 _STATEMENT_STARTS = [
     ({"DQ", "ORDER"}, "a backward statement (" + ", ".join(BACKWARD_KEYS) + ") or '}'"),
@@ -168,7 +213,18 @@ def _terminal_word(name: str) -> str:
     return name.lower()
 
 
+# Terminals that continue an expression, and those that may start one besides a name or a number: left
+# out of a message that also expects the end of the line or a plain value, so it stays about those.
+_CONTINUE_EXPRESSION = {"VBAR", "AMPERSAND", "PLUS", "MINUS", "STAR", "SLASH", "_FLOORDIV", "PERCENT", "COMPARE",
+                        "LSQB", "LPAR"}
+_START_EXPRESSION = {"LPAR", "MINUS", "TILDE"}
+
+
 def _expected_words(expected: set[str]) -> str:
+    if "_NL" in expected:
+        expected = expected - _CONTINUE_EXPRESSION
+    if expected & {"NAME", "NUMBER"}:
+        expected = expected - _START_EXPRESSION
     for marker, words in _STATEMENT_STARTS:
         if marker <= expected:
             return words

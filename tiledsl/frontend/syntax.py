@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from ..mods.expr import OPS
 from ..spec import Span
 
 
@@ -88,13 +89,67 @@ class Call:
         return f"{self.name.text}({', '.join(a.source() for a in self.args)})"
 
 
+# ---- expressions (score_mod, mask_mod, `mask = causal & document`) -------------------------------
+
+def _operand(node, parent: int) -> str:
+    """An operand's source, parenthesized where it binds looser than its operator (mods.expr.OPS)."""
+    text = node.source()
+    if isinstance(node, Operation) and OPS[node.op].precedence < parent:
+        return f"({text})"
+    if isinstance(node, Number) and text.startswith("-") and parent >= OPS["neg"].precedence:
+        return f"({text})"
+    return text
+
+
+@dataclass(frozen=True)
+class Operation:
+    """`a + b`, `-a`, `~m`, `a <= b`: op is a key of mods.expr.OPS (add, neg, not, le, ...)."""
+    op: str
+    operands: tuple
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        info = OPS[self.op]
+        if info.prefix:   # `~(a < b)`: the parentheses `~` doesn't need are kept for the reader
+            space = " " if isinstance(self.operands[0], Number) else ""   # `- 1` negates 1; `-1` is a number
+            return info.spelling + space + _operand(self.operands[0], info.precedence if self.op == "neg" else 99)
+        left = info.precedence + (1 if info.rule == "compare" else 0)   # comparisons don't chain
+        return f"{_operand(self.operands[0], left)} {info.spelling} {_operand(self.operands[1], info.precedence + 1)}"
+
+
+@dataclass(frozen=True)
+class Subscript:
+    """`bias[h, q_idx - kv_idx]`: a read of an aux tensor."""
+    tensor: Word
+    indices: tuple
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        return f"{self.tensor.text}[{', '.join(i.source() for i in self.indices)}]"
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    """`tanh(score / 30)`, `prefix(256)`: a call with a positional argument (args may also hold Args,
+    which the checker refuses where a function takes none)."""
+    name: Word
+    args: tuple
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        return f"{self.name.text}({', '.join(a.source() for a in self.args)})"
+
+
+Expression = Union[Number, Word, Call, Operation, Subscript, FunctionCall]
+
+
 # ---- problem settings ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Setting:
     """`key = value` in an attention block: head_dim, dtype, mask, ..."""
     key: Word
-    value: Number | Word | Call
+    value: Expression              # a Number, Word or Call, or an expression (score_mod, `causal & document`)
     span: Span | None = _span()
 
     def source(self) -> str:

@@ -6,7 +6,8 @@ import difflib
 
 EXAMPLES = {
     "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
-    "mask": "mask = causal   (none | causal | window(left = 256, right = 0))",
+    "mask": "mask = causal   (none | causal | window(left = 256, right = 0); & document, prefix(N), blocks(q = 128, "
+            "kv = 128))",
     "scale": "scale = 0.125", "queries": "queries = 1",
     "kv_cache": "kv_cache = paged(page = 16)   (or: contiguous, the default)",
     "layout": "layout = varlen   (or: batched, the default)",
@@ -19,6 +20,13 @@ EXAMPLES = {
     "dequant": "dequant fragments   (or: shared, the default; with kv_dtype = e4m3)",
     "schedule": "schedule {", "attention": "attention NAME {",
     "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
+    # score and mask modifications (frontend/check_mods.py)
+    "softcap": "softcap = 30   (scores become 30 * tanh(score / 30))",
+    "alibi": "alibi = geometric   (or: slopes, read from the aux tensor alibi_slopes)",
+    "sinks": "sinks = per_head   (a learned logit per head joins the softmax: the aux tensor sinks)",
+    "dropout": "dropout = 0.1   (the probability of dropping a weight)",
+    "score_mod": "score_mod = score + bias[h, q_idx - kv_idx]",
+    "mask_mod": "mask_mod = kv_idx <= q_idx | kv_idx == 0",
 }
 
 

@@ -17,39 +17,47 @@ from ..schedule.backward import build_backward_graph
 from ..schedule.ops import OpKind
 from ..schedule.passes import emission_order
 from .forward import check_inputs, Executor, naive_attention
+from ..mods.model import AUX_SINKS
+from ..mods.numeric import dropout_keep, score_derivative
 from ..spec import KernelSpec
 
 
-def reference_backward(spec: KernelSpec, q, k, v, do, o=None, lse=None, kv_lens=None, rng=None):
+def reference_backward(spec: KernelSpec, q, k, v, do, o=None, lse=None, kv_lens=None, rng=None, aux=None):
     """(dQ, dK, dV) of `spec`'s attention for the output gradient `do`, by `spec.backward`'s
-    schedule in float64. o and lse are the forward's (computed with naive_attention when None);
-    rng seeds the order of atomic adds."""
+    schedule in float64, and dsink (heads,) fourth when the spec has `sinks = per_head`. o and lse
+    are the forward's (computed with naive_attention when None, or with the forward's graph when the
+    spec modifies scores or masks); rng seeds the order of atomic adds; `aux` as reference_attention's."""
     q, k, v, lens = check_inputs(q, k, v, kv_lens)
     p = spec.problem
-    if o is None or lse is None:
+    if (o is None or lse is None) and p.mods.active:
+        from .forward import reference_attention
+        o, lse = reference_attention(spec, q, k, v, kv_lens=lens, aux=aux)
+    elif o is None or lse is None:
         o, lse = naive_attention(q, k, v, p.mask, p.window_left, p.window_right, p.scale, kv_lens=lens)
     do, o, lse = (np.asarray(x, dtype=np.float64) for x in (do, o, lse))
     if do.shape != o.shape or o.shape != q.shape[:3] + (v.shape[3],) or lse.shape != q.shape[:3]:
         raise ValueError(f"do {do.shape}, o {o.shape}, lse {lse.shape} do not match q {q.shape} and v {v.shape}")
     graph = build_backward_graph(spec)
     graph.order = tuple(emission_order(graph))
-    return _BackwardExecutor(graph, q, k, v, lens, do, o, lse, np.random.default_rng(rng)).run()
+    return _BackwardExecutor(graph, q, k, v, lens, do, o, lse, np.random.default_rng(rng), aux).run()
 
 
 class _BackwardExecutor(Executor):
-    def __init__(self, graph, q, k, v, kv_lens, do, o, lse, rng):
+    def __init__(self, graph, q, k, v, kv_lens, do, o, lse, rng, aux=None):
         graph.sizes.setdefault("kv_groups", 1)
-        super().__init__(graph, q, k, v, kv_lens, splits=None)
+        super().__init__(graph, q, k, v, kv_lens, splits=None, aux=aux)
         self.do, self.o, self.lse, self.rng = do, o, lse, rng
         self.group = q.shape[1] // k.shape[1]
         shapes = {"D": q.shape[:3], "dQ": q.shape, "dK": k.shape, "dV": v.shape}   # k, v: kv heads
         shapes |= {f"{t}_accum": shapes[t] for t in ("dQ", "dK", "dV")}             # fp32 workspaces
+        shapes["dsink"] = (q.shape[1],)
         self.hbm = {name: np.zeros(shape) for name, shape in shapes.items()}
         self.pending: list[tuple[float, str, slice, np.ndarray]] = []   # (order, workspace, rows, partial)
 
     def run(self):
         self.scope(None, {}, {})
-        return self.hbm["dQ"], self.hbm["dK"], self.hbm["dV"]
+        grads = self.hbm["dQ"], self.hbm["dK"], self.hbm["dV"]
+        return grads + (self.hbm["dsink"],) if self.mods.sinks else grads
 
     def scope(self, loop, at, env):
         for name in self.g.children(loop):
@@ -116,13 +124,28 @@ class _BackwardExecutor(Executor):
             env[f"{name}_part"] = value
 
     def mma_dv(self, op, at, env):
-        self._grad(op, env, "dV", np.swapaxes(env["P"], -1, -2) @ env["dO"])
+        kept = env["P"] * env["Z"] if "Z" in env else env["P"]
+        self._grad(op, env, "dV", np.swapaxes(kept, -1, -2) @ env["dO"])
 
     def mma_dp(self, op, at, env):
         env["dP"] = env["dO"] @ np.swapaxes(env["V"], -1, -2)
 
     def softmax_grad(self, op, at, env):
-        env["dS"] = env["P"] * (env["dP"] - env["D"][..., None])
+        dp = env["dP"] * env["Z"] if "Z" in env else env["dP"]
+        env["dS"] = env["P"] * (dp - env["D"][..., None])
+
+    def dropout(self, op, at, env):
+        """The forward's keep mask, regenerated from the same counters (scaled by 1 / (1 - p))."""
+        env["Z"] = dropout_keep(self.mods, self.grid(at), self.aux)
+
+    def score_mod_grad(self, op, at, env):
+        env["dS"] = env["dS"] * score_derivative(self.mods, env["S_raw"], self.grid(at), self.aux)
+
+    def sink_grad(self, op, at, env):
+        rows = slice(*at["q"])
+        sink = self.aux[AUX_SINKS][None, :, None]
+        weight = np.exp(sink - self.lse[:, :, rows])   # the sink's probability in each row
+        self.hbm["dsink"] -= (weight * env["D"]).sum(axis=(0, 2))
 
     def mma_dk(self, op, at, env):
         self._grad(op, env, "dK", self.scale * (np.swapaxes(env["dS"], -1, -2) @ env["Q"]))

@@ -26,6 +26,12 @@ from ..schedule.passes import run_passes
 from ..schedule.masks import key_bounds
 from ..spec import KernelSpec, Mask
 from ..schedule.splits import choose_splits, split_ranges
+from ..schedule.tiles import EMPTY, FULL, Tiling, classify
+from ..errors import RuntimeInputError
+from ..mods.checks import prepare_aux
+from ..mods.model import AUX_SINKS
+from ..mods.numeric import Grid, dropout_keep, grid, modified_scores
+from ..mods.numeric import visible as modified_visible
 
 # naive_attention materialises at most this many scores at a time (32 MB of float64).
 CHUNK_ELEMENTS = 1 << 22
@@ -117,9 +123,11 @@ def naive_attention(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0,
     return o, lse
 
 
-def reference_attention(spec: KernelSpec, q, k, v, kv_lens=None, split_kv=None, *, tile_q=None, tile_kv=None):
+def reference_attention(spec: KernelSpec, q, k, v, kv_lens=None, split_kv=None, *, tile_q=None, tile_kv=None,
+                        aux=None):
     """Run `spec`'s schedule in float64: (o, lse). tile_q / tile_kv / split_kv override the spec's;
-    `split kv = auto` picks the count with choose_splits for the H200's SM count."""
+    `split kv = auto` picks the count with choose_splits for the H200's SM count. `aux`: the aux
+    tensors of the spec's modifications by name (mods/model.py; checked by mods/checks.prepare_aux)."""
     changes = {name: value for name, value in (("tile_q", tile_q), ("tile_kv", tile_kv), ("split_kv", split_kv))
                if value is not None}
     if changes:
@@ -132,14 +140,14 @@ def reference_attention(spec: KernelSpec, q, k, v, kv_lens=None, split_kv=None, 
     splits = graph.sizes["splits"]
     if has_split_loop(spec) and splits is None:
         splits, _ = choose_splits(q.shape[0], k.shape[1], int(lens.max(initial=0)), graph.sizes["Bc"], H200.sm_count)
-    return Executor(graph, q, k, v, lens, splits).run()
+    return Executor(graph, q, k, v, lens, splits, aux).run()
 
 
 class Executor:
     """Interprets the graph: loops iterate their tiles, each op kind is one method below. `env` is
     a block's on-chip state; `hbm` holds the tensors a kernel reads and writes."""
 
-    def __init__(self, graph: ScheduleGraph, q, k, v, kv_lens, splits):
+    def __init__(self, graph: ScheduleGraph, q, k, v, kv_lens, splits, aux=None):
         p = graph.spec.problem
         self.g, self.splits, self.kv_lens = graph, splits, kv_lens
         self.mask_kind, self.left, self.right, self.scale = p.mask, p.window_left, p.window_right, p.scale
@@ -149,6 +157,15 @@ class Executor:
         B, H, self.nq, _ = q.shape
         self.nk, self.dv = k.shape[2], v.shape[3]
         self.hbm = {"O": np.zeros((B, H, self.nq, self.dv)), "lse": np.full((B, H, self.nq), -np.inf)}
+        # Score and mask modifications: their aux tensors, and every tile's class (schedule/tiles.py), which
+        # the executor trusts as a kernel does: empty tiles are skipped, full ones are not masked.
+        self.mods, self.aux, self.classes = p.mods, {}, None
+        if p.mods.active:
+            self.aux = prepare_aux(p.mods, aux, B, H, self.nq, self.nk, kv_lens)
+            self.classes = classify(p, Tiling(self.nq, self.nk, self.Br, self.Bc), B, H, kv_lens, self.aux)
+        elif aux:
+            raise RuntimeInputError(f"reference: aux tensors {sorted(aux)} given, but {graph.spec.name} modifies "
+                                    "nothing")
 
     def run(self):
         self.scope(None, {}, {})
@@ -179,10 +196,26 @@ class Executor:
         target = self.hbm if op.init_space is Space.HBM else env
         for name, value in op.init:
             shape = (B, H, rows, self.dv) if name.startswith("O") else (B, H, rows)
-            target[name] = np.full(shape, float(value))
+            if "sink" in value:   # m = sink_h, l = 1: the sink joins the softmax (split 0's only)
+                first = at.get("split", 0) == 0
+                sink = np.broadcast_to(self.aux[AUX_SINKS][None, :, None], shape) if first else np.full(shape, -np.inf)
+                target[name] = np.array(sink) if name == "m" else np.full(shape, 1.0 if first else 0.0)
+            else:
+                target[name] = np.full(shape, float(value))
+
+    def tile_class(self, q_range, k_range):
+        """(batch, heads) classes of this tile pair (schedule/tiles.py), or None without modifications."""
+        if self.classes is None:
+            return None
+        return self.classes[:, :, q_range[0] // self.Br, k_range[0] // self.Bc]
 
     def visible(self, q_range, k_range) -> bool:
-        """Tile skipping: does any query of q_range see any key of k_range, in any sequence?"""
+        """Tile skipping: does any query of q_range see any key of k_range, in any sequence? (A range
+        may span several tiles: FA1's kv loop asks for all the queries.)"""
+        if self.classes is not None:
+            rows = slice(q_range[0] // self.Br, (q_range[1] - 1) // self.Br + 1)
+            cols = slice(k_range[0] // self.Bc, (k_range[1] - 1) // self.Bc + 1)
+            return bool((self.classes[:, :, rows, cols] != EMPTY).any())
         lo, _ = key_bounds(q_range[0], self.nq, self.kv_lens, self.mask_kind, self.left, self.right)
         _, hi = key_bounds(q_range[1] - 1, self.nq, self.kv_lens, self.mask_kind, self.left, self.right)
         return bool((np.maximum(lo, k_range[0]) < np.minimum(hi, k_range[1])).any())
@@ -246,11 +279,28 @@ class Executor:
     def mma_qk(self, op, at, env):
         env["S"] = (env["Q"] @ np.swapaxes(env["K"], -1, -2)) * self.scale
 
+    def grid(self, at) -> Grid:
+        return grid(self.q.shape[0], self.q.shape[1], np.arange(*at["q"]), np.arange(*at["kv"]), self.kv_lens,
+                    self.nq)
+
+    def score_mod(self, op, at, env):
+        env["S_raw"] = env["S"]   # the backward's chain rule reads the score before its modification
+        env["S"] = modified_scores(self.mods, env["S"], self.grid(at), self.aux)
+
     def mask(self, op, at, env):
         rows, cols = np.arange(*at["q"]), np.arange(*at["kv"])
         lo, hi = key_bounds(rows[None, :], self.nq, self.kv_lens[:, None], self.mask_kind, self.left, self.right)
-        seen = (cols >= lo[..., None]) & (cols < hi[..., None])          # (B, rows, cols)
-        env["S"] = np.where(seen[:, None], env["S"], -np.inf)
+        seen = ((cols >= lo[..., None]) & (cols < hi[..., None]))[:, None]   # (B, 1, rows, cols)
+        classes = self.tile_class(at["q"], at["kv"])
+        if classes is not None:   # a full tile is not masked (its class is trusted, as a kernel trusts it)
+            seen = (seen & modified_visible(self.mods, self.grid(at), self.aux)) | (classes == FULL)[..., None, None]
+        env["S"] = np.where(seen, env["S"], -np.inf)
+
+    def dropout(self, op, at, env):
+        """P V reads the dropped P (l has summed the undropped one)."""
+        keep = dropout_keep(self.mods, self.grid(at), self.aux)
+        for state, cols in self._states(env):
+            state["P"] = state["P"] * keep[..., cols]
 
     def _states(self, env):
         """The running (m, l, O) states and the key columns of S each one sees: the block's, or with

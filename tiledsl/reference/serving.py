@@ -17,6 +17,7 @@ inputs compare two implementations.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -76,9 +77,36 @@ def attend(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0, window_r
     return o, lse
 
 
+# The built-in aux tensors whose first dimension is the batch: one sequence reads its own row.
+_PER_SEQUENCE = ("document_ids", "document_bounds", "block_mask", "alibi_slopes")
+
+
+def attend_modified(q, k, v, mods, b: int, aux: dict | None, mask: Mask | str = Mask.NONE, window_left: int = 0,
+                    window_right: int = 0, scale: float | None = None):
+    """attend() with score and mask modifications (mods/model.py) for sequence b of a batch: the
+    modifications' `b` is this sequence's index, the batch-major aux tensors give it their row b, and
+    the float64 graph executor (reference/forward.py) runs it as a batch of one."""
+    from ..mods.expr import Const, substitute
+    from ..spec import KernelSpec, Problem, Schedule
+    from .forward import reference_attention
+    one = {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod}
+    mods = replace(mods, **{k: substitute(e, "b", Const(b)) for k, e in one.items() if e is not None})
+    aux = dict(aux or {})
+    for name in _PER_SEQUENCE:
+        if name in aux and np.ndim(aux[name]) >= 2 and np.shape(aux[name])[0] > 1:
+            aux[name] = np.asarray(aux[name])[b:b + 1]
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    problem = Problem(q.shape[2], v.shape[2], mask=Mask(mask), window_left=window_left, window_right=window_right,
+                      softmax_scale=scale, mods=mods)
+    spec = KernelSpec("sequence", problem, Schedule(tile_q=64, tile_kv=64))
+    o, lse = reference_attention(spec, *(x.transpose(1, 0, 2)[None] for x in (q, k, v)), aux=aux)
+    return o[0].transpose(1, 0, 2), lse[0].T
+
+
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, mask: Mask | str = Mask.NONE,
-                    window_left: int = 0, window_right: int = 0, scale: float | None = None):
-    """Attention over a paged KV cache: (o (batch, queries, heads, dv), lse (batch, queries, heads))."""
+                    window_left: int = 0, window_right: int = 0, scale: float | None = None, mods=None, aux=None):
+    """Attention over a paged KV cache: (o (batch, queries, heads, dv), lse (batch, queries, heads)).
+    `mods`, `aux`: score and mask modifications and their aux tensors (attend_modified)."""
     q = np.asarray(host(q, "q"), dtype=np.float64)
     k_cache, v_cache = host(k_cache, "k_cache"), host(v_cache, "v_cache")
     if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
@@ -91,20 +119,28 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, mask: Mask | str 
     o, lse = np.zeros((batch, nq, heads, v_cache.shape[3])), np.full((batch, nq, heads), -np.inf)
     for b in range(batch):
         n = int(lens[b])
-        o[b], lse[b] = attend(q[b], gather_pages(k_cache, table[b], n), gather_pages(v_cache, table[b], n),
-                              mask, window_left, window_right, scale)
+        keys, values = gather_pages(k_cache, table[b], n), gather_pages(v_cache, table[b], n)
+        if mods is not None and mods.active:
+            o[b], lse[b] = attend_modified(q[b], keys, values, mods, b, aux, mask, window_left, window_right, scale)
+        else:
+            o[b], lse[b] = attend(q[b], keys, values, mask, window_left, window_right, scale)
     return o, lse
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, mask: Mask | str = Mask.NONE, window_left: int = 0,
-                     window_right: int = 0, scale: float | None = None):
-    """Attention over packed sequences: (o (total_q, heads, dv), lse (total_q, heads))."""
+                     window_right: int = 0, scale: float | None = None, mods=None, aux=None):
+    """Attention over packed sequences: (o (total_q, heads, dv), lse (total_q, heads)). `mods`, `aux`:
+    score and mask modifications and their aux tensors, b the sequence's index (attend_modified)."""
     q, k, v = (np.asarray(host(x, name), dtype=np.float64) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_varlen(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     cu_q, cu_k = host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k")
     o, lse = np.zeros((q.shape[0], q.shape[1], v.shape[2])), np.full(q.shape[:2], -np.inf)
     for b in range(cu_q.shape[0] - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        o[rows], lse[rows] = attend(q[rows], k[keys], v[keys], mask, window_left, window_right, scale)
+        if mods is not None and mods.active:
+            o[rows], lse[rows] = attend_modified(q[rows], k[keys], v[keys], mods, b, aux, mask, window_left,
+                                                 window_right, scale)
+        else:
+            o[rows], lse[rows] = attend(q[rows], k[keys], v[keys], mask, window_left, window_right, scale)
     return o, lse

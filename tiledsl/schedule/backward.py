@@ -19,7 +19,8 @@ Ops name the backward's DSL statements as `backward.<key>` for their source tags
 from __future__ import annotations
 
 from .graph import ScheduleGraph
-from .ops import MASK_TEXT, Access, Op, OpKind, Space
+from .modify import add_dropout, add_score_mod, add_score_mod_grad, add_sink_grad, mask_key, mask_text
+from .ops import Access, Op, OpKind, Role, Space
 from ..layout.backward import backward_wgmma_dv_schedule
 from ..spec import DqAccumulate, KernelSpec, LoopOrder, Mma
 
@@ -79,17 +80,21 @@ class _Backward:
                                 else "dV_j = P^T dO_i"), shape=("Bc", "dv"), deps=(P, have["dO"]), variant=dkv)
         if wgmma:
             dp = mma_dp()
-        m = self.op(f"{p}mask", OpKind.MASK, loops, "mask", MASK_TEXT[mask], shape=("Br", "Bc"), deps=(s,),
-                    variant=mask.value)
+        s = add_score_mod(self.g, f"{p}score_mod", loops, Role.ALL, TILE, s)
+        m = self.op(f"{p}mask", OpKind.MASK, loops, mask_key(self.g), mask_text(self.g.spec.problem),
+                    shape=("Br", "Bc"), deps=(s,), variant=mask.value)
         P = self.op(f"{p}recompute_p", OpKind.RECOMPUTE_P, loops, "backward", "P = exp(S - LSE)   (0 where LSE = -inf: "
                     "a row that sees no key)", shape=("Br", "Bc"), deps=(m, have["LSE"]))
+        P = add_dropout(self.g, f"{p}dropout", loops, Role.ALL, P)   # dV and dS read the dropped P's mask
         out = {}
         if dkv and not dv_late:
             mma_dv()
         if not wgmma:
             dp = mma_dp()
-        ds = self.op(f"{p}softmax_grad", OpKind.SOFTMAX_GRAD, loops, "backward", "dS = P * (dP - D_i)",
+        dropped = "dS = P * (dP * Z / (1 - p) - D_i)" if self.g.spec.problem.mods.dropout else "dS = P * (dP - D_i)"
+        ds = self.op(f"{p}softmax_grad", OpKind.SOFTMAX_GRAD, loops, "backward", dropped,
                      shape=("Br", "Bc"), deps=(P, dp, have["LSE"]))
+        ds = add_score_mod_grad(self.g, f"{p}score_mod_grad", loops, TILE, ds)
         if dkv and dv_late:
             mma_dv()
         if dkv:
@@ -115,6 +120,7 @@ class _Backward:
         d = self.op("rowsum_d", OpKind.ROWSUM_D, loops, "backward", "D_i = rowsum(dO_i * O_i)", shape=("Br",),
                     deps=(o, do))
         self.store("store_d", loops, "D", "q", "1", "D[i*Br : (i+1)*Br] = D_i", deps=(d,))
+        add_sink_grad(self.g, "sink_grad", loops, d)
 
     def kv_outer(self) -> None:
         b, g = self.b, self.g

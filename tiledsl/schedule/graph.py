@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from .ops import MASK_TEXT as _MASK_TEXT
+from .modify import SINK_INIT, add_dropout, add_score_mod, mask_key, mask_text
 from .ops import Access, Barrier, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
 from .hopper import consumer_tile_math
 from ..layout.fa2 import fa2_page_ring
@@ -256,9 +256,10 @@ class _Builder:
         g.connect(q_ready, "mma_qk", "Q_i")
         g.connect("load_k", "mma_qk", "K_j")
         g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
-        g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, "mask",
-                         _MASK_TEXT[p.mask], variant=p.mask.value))
-        g.connect("mma_qk", "mask", "S")
+        scores = add_score_mod(g, "score_mod", loops, role, "tile", "mma_qk")
+        g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, mask_key(g),
+                         mask_text(p), variant=p.mask.value))
+        g.connect(scores, "mask", "S")
         if state is not None:
             state_text = "O_i, m_i, l_i <- HBM; O_i *= l_i   (a q tile's first kv tile starts empty)"
             if self.groups > 1:
@@ -275,7 +276,7 @@ class _Builder:
         wait_v = waits[1] if waits else self.wait_for("v", loops)
         g.add("mma_pv", Op(OpKind.MMA_PV, Space.REGISTERS, ("Br", "dv"), loops, role, "tile", "PV = P V_j" + where,
                            **self.mma_instruction(p.head_dim_v)))
-        g.connect("online_softmax", "mma_pv", "P")
+        g.connect(add_dropout(g, "dropout", loops, role, "online_softmax"), "mma_pv", "P")
         g.connect("load_v", "mma_pv", "V_j")
         g.connect(wait_v, "mma_pv", "", EdgeKind.SYNC)
         g.add("rescale_o", Op(OpKind.RESCALE_O, Space.REGISTERS, ("Br", "dv"), loops, role, "order",
@@ -336,7 +337,7 @@ def _build_q_outer(g: ScheduleGraph) -> None:
         loops = b.loop("loop_split", loops, "split", "splits", "split",
                        f"for s in splits ({splits}; one block each; balanced ranges of kv tiles)", grid=True)
     q_ready = b.load_q(loops)
-    init = (("m", "-inf"), ("l", "0"), ("O", "0"))
+    init = (SINK_INIT if g.spec.problem.mods.sinks else (("m", "-inf"), ("l", "0"))) + (("O", "0"),)
     kv_loops = b.loop("loop_kv", loops, "kv", "ceil(Nk/Bc)" + (" / splits" if split else ""), "order",
                       "for j in kv tiles" + (" of split s" if split else "")
                       + " (serial; tiles no query sees are skipped)",
@@ -374,7 +375,9 @@ def _build_kv_outer(g: ScheduleGraph) -> None:
     partial O of every row of a pass, so a pass holds as many rows as fit their registers)."""
     b = _Builder(g)
     kv_loops = b.loop("loop_kv", (), "kv", "ceil(Nk/Bc)", "order", "for j in kv tiles (serial, one block per head)",
-                      kernel="attention", init=(("O_state", "0"), ("m", "-inf"), ("l", "0")), init_space=Space.HBM)
+                      kernel="attention", init=(("O_state", "0"),) + (SINK_INIT if g.spec.problem.mods.sinks
+                                                                       else (("m", "-inf"), ("l", "0"))),
+                      init_space=Space.HBM)
     b.load_kv(kv_loops)
     wait_kv = b.wait_for("kv", kv_loops)
     loops = b.loop("loop_q", kv_loops, "q", "ceil(Nq/Br)", "order",

@@ -15,13 +15,14 @@ the prologue and epilogue from the lags (lower/hopper.py).
 """
 from __future__ import annotations
 
-from .ops import MASK_TEXT, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
+from .modify import add_dropout, add_score_mod, mask_key, mask_text
+from .ops import Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
 
 # Issue order of one trip (insertion order; the edges below justify it).
-_ORDER = ("wait_k_full", "turn_wait", "mma_qk", "turn_pass", "wait_s", "arrive_k_empty", "mask", "online_softmax",
-          "rescale_o", "pack_p", "wait_v_full", "mma_pv", "wait_pv", "arrive_v_empty")
+_ORDER = ("wait_k_full", "turn_wait", "mma_qk", "turn_pass", "wait_s", "arrive_k_empty", "score_mod", "mask",
+          "online_softmax", "dropout", "rescale_o", "pack_p", "wait_v_full", "mma_pv", "wait_pv", "arrive_v_empty")
 _ORDER_INTRA = ("wait_pv", "arrive_v_empty", "pack_p", "wait_k_full", "turn_wait", "mma_qk", "rescale_o", "wait_v_full",
-                "mma_pv", "turn_pass", "wait_s", "arrive_k_empty", "mask", "online_softmax")
+                "mma_pv", "turn_pass", "wait_s", "arrive_k_empty", "score_mod", "mask", "online_softmax", "dropout")
 
 
 def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str]:
@@ -50,7 +51,7 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
         "wait_s": op(OpKind.MMA_WAIT, key=ov if intra else "tile", variant="S", pending=1 if intra else 0,
                      text="wait for S_j" + (" only (P_{j-1} V_{j-1} stays in flight)" if intra else "")),
         "arrive_k_empty": op(OpKind.ARRIVE, key="pipeline", barrier="k_empty", text="arrive k_empty (K_j's slot free)"),
-        "mask": op(OpKind.MASK, space=Space.REGISTERS, shape=("Br", "Bc"), key="mask", text=MASK_TEXT[p.mask],
+        "mask": op(OpKind.MASK, space=Space.REGISTERS, shape=("Br", "Bc"), key=mask_key(g), text=mask_text(p),
                    variant=p.mask.value),
         "online_softmax": op(OpKind.ONLINE_SOFTMAX, space=Space.REGISTERS, shape=("Br", "Bc"), key="order",
                              variant="running", text="m_new = max(m, rowmax S); alpha = exp(m - m_new); "
@@ -70,7 +71,11 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
                              text=f"arrive v_empty (V{tile['done']}'s slot free)"),
     }
     for name in _ORDER_INTRA if intra else _ORDER:
-        if pingpong or not name.startswith("turn_"):
+        if name == "score_mod":   # the modifications' ops (schedule/modify.py), when the spec has them
+            scores = add_score_mod(g, name, loops, Role.CONSUMER, "tile", "wait_s")
+        elif name == "dropout":
+            probabilities = add_dropout(g, name, loops, Role.CONSUMER, "online_softmax")
+        elif pingpong or not name.startswith("turn_"):
             g.add(name, ops[name])
 
     def link(src: str, dst: str, value: str = "", kind: EdgeKind = EdgeKind.DATA, later: int = 0) -> None:
@@ -83,11 +88,14 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
     link("load_k", "mma_qk", "K_j")
     link("mma_qk", "wait_s", "S")
     link("wait_s", "arrive_k_empty", "K_j read", sync)
-    link("wait_s", "mask", "S")
+    if scores == "wait_s":   # else add_score_mod linked wait_s -> score_mod
+        link("wait_s", "mask", "S")
+    else:
+        link(scores, "mask", "S")
     link("mask", "online_softmax", "S")
     link("online_softmax", "online_softmax", "m, l", later=1)
     link("online_softmax", "rescale_o", "alpha")
-    link("online_softmax", "pack_p", "P")
+    link(probabilities, "pack_p", "P")
     link("arrive_v_full", "wait_v_full", "v_full", sync)
     link("wait_v_full", "mma_pv", "", sync)
     link("load_v", "mma_pv", "V_j")

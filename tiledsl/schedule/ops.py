@@ -30,6 +30,10 @@ class OpKind(str, Enum):
     MMA_WAIT = "mma_wait"               # Hopper: wait for an async wgmma (wgmma.wait_group `pending`)
     PACK_P = "pack_p"                   # Hopper: P (fp32 accumulators) -> the P V wgmma's A fragments
     PAGE_LOOKUP = "page_lookup"         # paged KV: the kv tile's block-table entries -> page indices
+    SCORE_MOD = "score_mod"             # softcap, ALiBi, score_mod on S (schedule/modify.py)
+    DROPOUT = "dropout"                 # P *= Z / (1 - p), Z from Philox counters
+    SCORE_MOD_GRAD = "score_mod_grad"   # backward: dS *= d(modified S) / dS
+    SINK_GRAD = "sink_grad"             # backward preprocess: dsink_h -= sum_i exp(sink_h - lse_i) D_i
     # the backward (schedule/backward.py): P recomputed from S and LSE, never stored
     LOAD_O = "load_o"                   # preprocess: the forward's O tile
     LOAD_DO = "load_do"                 # dO tile

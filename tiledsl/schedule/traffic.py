@@ -12,6 +12,9 @@ Closed forms per head, in elements, Nq queries, Nk keys, no mask (ragged tiles i
     FA1          Nk (d + dv) + ceil(Nk/Bc) Nq (d + 2 dv + 4)      (= 2Nd + N/Bc (3Nd + 4N))
     FA2          Nq (d + dv + 1) + ceil(Nq/Br) Nk (d + dv)        (= 2Nd + 2N^2 d/Br + N)
     split-KV     S Nq d + ceil(Nq/Br) Nk (d + dv) + 2 S Nq (dv + 1) + Nq (dv + 1)
+A spec's score and mask modifications skip their empty tiles too, as far as the indices decide them
+(schedule/tiles.py; terms that read aux data count as computed); the useful FLOPs count the none /
+causal / window mask's visible pairs only.
 Paged KV adds the block table: every (q tile, kv tile) step reads the kv tile's page indices,
 ceil(Nq/Br) Nk/page int32 per head when pages hold whole tiles' worth of keys or less.
 Element sizes (`element_bytes`): Q, O in the spec's dtype, K and V in the KV cache's (kv_dtype: 1 byte for e4m3);
@@ -108,6 +111,10 @@ def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seq
     if p.kv_page_size is not None:   # block-table entries per kv tile: the pages its keys touch
         rows["pages"] = -(-k1 // p.kv_page_size) - k0 // p.kv_page_size
     seen = tiles_visible(q0, q1, k0, k1, seqlen_q, seqlen_kv, p.mask, p.window_left, p.window_right)
+    if p.mods.modifies_mask:   # the modifications' empty tiles are skipped too (data-dependent terms: computed),
+        from .tiles import EMPTY, Tiling, classify   # as a share of the heads where a mask_mod reads h
+        classes = classify(p, Tiling(seqlen_q, seqlen_kv, z["Br"], z["Bc"]), 1, heads)
+        seen = seen * (classes[0] != EMPTY).mean(axis=0)
     splits, reason = None, ""
     if has_split_loop(spec):
         if spec.schedule.split_kv == AUTO:

@@ -13,6 +13,7 @@ tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runti
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
+from ..mods.model import NO_MODS
 from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
@@ -21,7 +22,7 @@ from ..spec import DType, KernelSpec, Mask, Problem
 
 def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int, q_len: int,
                window: tuple[int, int] | None = None, scale: float | None = None, kv_dtype: DType | None = None,
-               kv_scale=None) -> KernelSpec:
+               kv_scale=None, mods=NO_MODS) -> KernelSpec:
     """The decode spec a paged call of `q_len` queries runs: the schedule autoschedule picks for
     the contiguous decode, reading K/V through the block table."""
     from ..dispatch.autoschedule import DECODE_HEAD_DIMS, pick_decode
@@ -32,7 +33,7 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
                                 f"{', '.join(map(str, DECODE_HEAD_DIMS))} (equal for k and v)")
     problem = Problem(head_dim, head_dim_v, dtype, mask, window_left=window[0] if window else 0,
                       window_right=window[1] if window else 0, softmax_scale=scale, kv_page_size=page_size,
-                      kv_dtype=kv_dtype, kv_scale=kv_scale)
+                      kv_dtype=kv_dtype, kv_scale=kv_scale, mods=mods)
     spec = pick_decode(problem, q_len)
     if spec is None:
         raise RuntimeInputError(f"paged_attention: no legal decode schedule for head dim {head_dim}, "
@@ -46,7 +47,8 @@ _calls = SignatureCache()
 
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
                     window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
-                    k_scale=None, v_scale=None, validate: bool | None = None):
+                    k_scale=None, v_scale=None, validate: bool | None = None, softcap=None, alibi_slopes=None,
+                    sinks=None, score_mod=None, mask_mod=None, aux=None):
     """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
     log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The kernel reads the
     block table and kv_lens itself; `validate=True` checks them on the host first (a sync;
@@ -56,7 +58,15 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     queries). The first call of a signature picks the kernel and prepares the launch; later ones
     only launch. The key count a launch is sized for is the table's capacity: a table much wider than
     the longest sequence splits decode's keys too finely (plan/run, tiledsl/serving/plan.py, sizes
-    them by the host lengths)."""
+    them by the host lengths). softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's
+    (b: the batch entry); no kernel spells them yet: the call checks them and says so."""
+    if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
+            and aux is None):
+        from ..runtime.paged_views import api_views
+        qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
+        _refuse_modifications(qv, kv, vv, block_table, mask, window, scale,
+                              dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
+                                   mask_mod=mask_mod, aux=aux))
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
     if window is not None and type(window) is not tuple:
         window = tuple(window)
@@ -117,3 +127,25 @@ def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, sc
         tensors = head + (tensor_or_none(k_scale), tensor_or_none(v_scale))
         return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
     return kernel.prepare_call(head, validate=validate), False
+
+
+def _refuse_modifications(qv, kv, vv, block_table, mask, window, scale, keywords) -> None:
+    """Paged attention with score and mask modifications: checked (dispatch/modified.py), then refused:
+    neither paged kernel spells them yet (a call that modifies nothing goes on)."""
+    from ..dispatch.modified import check_launch, modifications
+    from ..families import missing_template
+    from ..runtime.tensors import view
+    from ..spec import DECODE_MAX_QUERIES
+    mods, tensors = modifications("paged_attention", **keywords)
+    if not mods.active:
+        return
+    batch, q_len, heads = qv.shape[:3]
+    check_launch(mods, tensors, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
+                 ragged=True, where="paged_attention")
+    why = "chunked prefill (q_len > 16) with modifications has no CUDA template yet"
+    if q_len <= DECODE_MAX_QUERIES:
+        spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
+                          None if scale is None else float(scale), mods=mods)
+        why = missing_template(spec) or why
+    raise RuntimeInputError(f"paged_attention: {why} (tiledsl.reference.serving.paged_attention(..., mods=, aux=) "
+                            "runs them in float64)")

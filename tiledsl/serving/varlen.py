@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..mods.model import NO_MODS
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
 from ..spec import DType, Family, Mask, SeqLayout
 
 
 def varlen_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
-                window: tuple[int, int] | None = None, scale: float | None = None):
+                window: tuple[int, int] | None = None, scale: float | None = None, mods=NO_MODS):
     """The tuned table's hopper spec for (dtype, head dim, mask) with `layout = varlen`, or None when
-    the table has no hopper entry for it (varlen runs on the hopper family only)."""
+    the table has no hopper entry for it (varlen runs on the hopper family only). `mods`: score and
+    mask modifications (dispatch/modified.py)."""
     from ..dispatch.tuned import tuned_spec
-    spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale)
+    spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, None, mods)
     if not found or spec.family is not Family.HOPPER:
         return None
     return dataclasses.replace(spec, name=spec.name + "_varlen",
@@ -40,12 +42,20 @@ _calls = SignatureCache()
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, causal: bool = False, window: tuple[int, int] | None = None,
-                     scale: float | None = None, return_lse: bool = False, validate: bool | None = None):
+                     scale: float | None = None, return_lse: bool = False, validate: bool | None = None,
+                     softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None):
     """Attention over packed sequences (module docstring). `window=(left, right)` is a sliding
     window around each sequence's bottom-right diagonal; it excludes causal. `max_seqlen_q/k`, when
     both given, bound the lengths and let the call run without host reads; `validate=True` (or
     leaving them out) checks cu_seqlens on the host instead. fp16 or bf16, head dims 64, 128 and 256
-    (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors)."""
+    (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors).
+    softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's (b: the sequence's index;
+    the sequences are the documents already); no kernel spells them yet: the call checks them and says so."""
+    if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
+            and aux is None):
+        _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
+                              dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
+                                   mask_mod=mask_mod, aux=aux))
     if window is not None and type(window) is not tuple:
         window = tuple(window)
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
@@ -100,3 +110,29 @@ def varlen_kernel(qv, vv, causal: bool, window, scale):
                                 "sequences run on the tuned hopper schedules: head_dim 64, 128 or 256 (q and v alike), "
                                 "on sm_90")
     return kernel_for(spec)
+
+
+def _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
+                          keywords) -> None:
+    """varlen attention with score and mask modifications: checked (dispatch/modified.py), then refused:
+    the varlen kernel spells none yet (a call that modifies nothing goes on)."""
+    from ..dispatch.modified import check_launch, modifications
+    from ..errors import RuntimeInputError
+    from ..families import missing_template
+    from ..runtime.device import device_arch
+    from ..runtime.tensors import view
+    mods, tensors = modifications("varlen_attention", **keywords)
+    if not mods.active:
+        return
+    qv, vv = view(q, "q"), view(v, "v")
+    kv_len = max_seqlen_k or view(k, "k").shape[0]   # no bound read from cu_seqlens: the longest possible
+    check_launch(mods, tensors, view(cu_seqlens_q, "cu_seqlens_q").shape[0] - 1, qv.shape[1],
+                 max_seqlen_q or qv.shape[0], kv_len, ragged=True, where="varlen_attention")
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
+    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1],
+                       tuple(int(w) for w in window) if window is not None else None,
+                       None if scale is None else float(scale), mods)
+    why = missing_template(spec) if spec is not None else "no varlen schedule for this head dim"
+    if why:
+        raise RuntimeInputError(f"varlen_attention: {why} (tiledsl.reference.serving.varlen_attention(..., "
+                                "mods=, aux=) runs them in float64)")

@@ -54,10 +54,12 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
     if p.head_dim_v != p.head_dim_qk:
         lines.append(f"    head_dim_v = {p.head_dim_v}")
     lines.append(f"    dtype    = {p.dtype.value}")
-    if p.mask is Mask.WINDOW:
-        lines.append(f"    mask     = window(left = {p.window_left}, right = {p.window_right})")
-    else:
-        lines.append(f"    mask     = {p.mask.value}")
+    mask = f"window(left = {p.window_left}, right = {p.window_right})" if p.mask is Mask.WINDOW else p.mask.value
+    terms = p.mods.mask_terms()   # the modifications' mask terms join the mask with `&`
+    if terms:
+        mask = " & ".join(([mask] if p.mask is not Mask.NONE else []) + terms)
+    lines.append(f"    mask     = {mask}")
+    lines += [f"    {line}" for line in p.mods.dsl_lines()]
     if p.softmax_scale is not None:
         lines.append(f"    scale    = {p.softmax_scale!r}")
     if p.queries_per_seq is not None:

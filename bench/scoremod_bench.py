@@ -1,0 +1,150 @@
+"""Score and mask modifications on the H200: tiledsl against FlashAttention-4 and FlexAttention, same run.
+
+    python bench/scoremod_bench.py OUT.json [--seqlens 4096 16384] [--backward]
+
+Rows (tiledsl.tune.bench.record): mod (`none`: tiledsl's unmodified kernel at the shape; softcap,
+alibi, sinks, document, rel_bias), pass (forward / backward), head_dim 128, seqlen, causal, tflops
+(FlashAttention's convention: 16k tokens, hidden 2048, causal FLOPs 4 B H N^2 d / 2 for every mod, so a
+row's ratio to another is a time ratio; backward 2.5x over the time of forward + backward minus
+forward), and peers measured in the same run: fa4 (flash_attn.cute with its softcap; None where it has
+no such modification or is not importable), flex (torch.nn.attention.flex_attention, compiled; None for
+sinks, which it has no form for) and varlen (tiledsl's varlen kernel over the document rows' documents).
+A tiledsl row whose modification has no kernel yet records the refusal in `error` and tflops None.
+Every tiledsl kernel is checked against the float64 reference (batch 1, heads 2, seqlen 257, fresh
+inputs, O poisoned with NaN by the kernel's own tests) before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import tiledsl
+from tiledsl.frontend.parse import load_spec
+from tiledsl.reference.forward import reference_attention
+from tiledsl.tune.bench import attention_flops, prefill_shape, record, time_ms
+
+HEAD_DIM, CAP, DOC_LEN = 128, 30.0, 1000
+MODS = ("none", "softcap", "alibi", "sinks", "document", "rel_bias")
+
+
+def modification(mod: str, batch: int, heads: int, n: int, device="cuda"):
+    """(tiledsl keywords, flex score_mod, flex mask_mod, fa4 keywords or None, documents (n,) or None)."""
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    if mod == "none":
+        return {}, None, causal, {}, None
+    if mod == "softcap":
+        return dict(softcap=CAP), lambda s, b, h, q, kv: CAP * torch.tanh(s / CAP), causal, dict(softcap=CAP), None
+    if mod == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+        return dict(alibi_slopes="geometric"), lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), causal, None, None
+    if mod == "sinks":
+        return dict(sinks=torch.randn(heads, device=device)), None, None, None, None
+    if mod == "document":
+        docs = torch.arange(n, device=device) // DOC_LEN
+        ids = docs.to(torch.int32).expand(batch, n).contiguous()
+        return dict(document_ids=ids), None, lambda b, h, q, kv: (docs[q] == docs[kv]) & (q >= kv), None, docs
+    bias = torch.randn(heads, 2 * n - 1, device=device)
+    return (dict(score_mod=f"score + bias[h, q_idx - kv_idx + {n - 1}]", aux={"bias": bias}),
+            lambda s, b, h, q, kv: s + bias[h, q - kv + n - 1], causal, None, None)
+
+
+def check_tiledsl(mod: str) -> str:
+    """"" when tiledsl's kernel for `mod` matches the float64 reference at a small shape, else why not."""
+    batch, heads, n = 1, 2, 257
+    q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    keywords = modification(mod, batch, heads, n)[0]
+    try:
+        o = tiledsl.attention(q, k, v, causal=True, **keywords)
+    except Exception as err:   # a modification without a kernel yet: recorded, not timed
+        return str(err).splitlines()[0][:300]
+    spec = load_spec(tiledsl.spec_for(q, k, v, causal=True, **keywords))
+    aux = {name: t.double().cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
+           for name, t in _aux_of(keywords).items()}
+    ref, _ = reference_attention(spec, *(x.double().cpu().numpy() for x in (q, k, v)), aux=aux)
+    error = float(np.linalg.norm(o.double().cpu().numpy() - ref) / np.linalg.norm(ref))
+    return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
+
+
+def _aux_of(keywords: dict) -> dict:
+    names = {"alibi_slopes": "alibi_slopes", "sinks": "sinks", "document_ids": "document_ids"}
+    out = {names[k]: v for k, v in keywords.items() if k in names and torch.is_tensor(v)}
+    return {**out, **keywords.get("aux", {})}
+
+
+def timed(fn, backward: bool, inputs):
+    """(forward ms, forward + backward ms or None)."""
+    forward = time_ms(fn)
+    if not backward:
+        return forward, None
+    out = fn()
+    grad = torch.randn_like(out)
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        fn().backward(grad)
+    return forward, time_ms(step)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--backward", action="store_true", help="also time forward + backward")
+    args = parser.parse_args(argv)
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception:
+        flash_attn_func = None
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    checks = {mod: check_tiledsl(mod) for mod in MODS}
+    rows = []
+    for n in args.seqlens:
+        batch, heads = prefill_shape(n, HEAD_DIM)
+        flops = attention_flops(batch, heads, n, n, HEAD_DIM, True)
+        for mod in MODS:
+            q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=args.backward) for _ in range(3))
+            keywords, score_mod, mask_mod, fa4, docs = modification(mod, batch, heads, n)
+            times = {}
+            if not checks[mod]:
+                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=True, **keywords), args.backward,
+                                         (q, k, v))
+            if score_mod is not None or mask_mod is not None:
+                block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") if mask_mod else None
+                times["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask),
+                                      args.backward, (q, k, v))
+            if flash_attn_func is not None and fa4 is not None:
+                qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(args.backward) for x in (q, k, v))
+                times["fa4"] = timed(lambda: flash_attn_func(qt, kt, vt, causal=True, **fa4)[0], args.backward,
+                                     (qt, kt, vt))
+            if docs is not None:
+                lengths = [min(DOC_LEN, n - s) for s in range(0, n, DOC_LEN)] * batch
+                cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device="cuda")
+                packed = [x.detach().transpose(1, 2).reshape(batch * n, heads, HEAD_DIM) for x in (q, k, v)]
+                times["varlen"] = timed(lambda: tiledsl.varlen_attention(*packed, cu, cu, DOC_LEN, DOC_LEN,
+                                                                         causal=True), False, ())
+            for pass_ in ("forward", "backward") if args.backward else ("forward",):
+                def tflops(name):
+                    t = times.get(name)
+                    if t is None or (pass_ == "backward" and t[1] is None):
+                        return None
+                    ms = t[0] if pass_ == "forward" else t[1] - t[0]
+                    return (flops if pass_ == "forward" else 2.5 * flops) / (ms * 1e-3) / 1e12
+                rows.append({"kernel": f"tiledsl_{mod}", "family": "hopper", "dtype": "bf16", "mod": mod,
+                             "pass": pass_, "head_dim": HEAD_DIM, "seqlen": n, "causal": True, "batch": batch,
+                             "heads": heads, "tflops": tflops("tiledsl"), "error": checks[mod] or None,
+                             "peers": {"fa4": tflops("fa4"), "flex": tflops("flex"), "varlen": tflops("varlen")}})
+                print(rows[-1], flush=True)
+    record(Path(args.out), "python bench/scoremod_bench.py " + " ".join(argv), rows,
+           fa4_available=flash_attn_func is not None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
