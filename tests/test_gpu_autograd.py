@@ -210,11 +210,11 @@ def test_opcheck_both_ops():
     gen = torch.Generator(device="cuda").manual_seed(5)
     make = lambda h, n: torch.randn(1, h, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q, k, v = make(2, 33).requires_grad_(), make(1, 40).requires_grad_(), make(1, 40).requires_grad_()
-    scalars = (True, False, 0, 0, None, True)   # causal, no window, default scale, deterministic
+    scalars = (True, False, 0, 0, None, True, None)   # causal, no window, default scale, deterministic, validate
     import tiledsl.dispatch.autograd
     fwd, bwd = torch.ops.tiledsl.attention_forward.default, torch.ops.tiledsl.attention_backward.default
     opcheck(fwd, (q, k, v, None) + scalars)
-    opcheck(fwd, (q, k, v, torch.tensor([40], device="cuda", dtype=torch.int32), False, True, 8, 2, 0.2, True))
+    opcheck(fwd, (q, k, v, torch.tensor([40], device="cuda", dtype=torch.int32), False, True, 8, 2, 0.2, True, True))
     o, lse = fwd(q.detach(), k.detach(), v.detach(), None, *scalars)
     opcheck(bwd, (q.detach(), k.detach(), v.detach(), o, lse, torch.randn_like(o), None) + scalars)
 
