@@ -52,7 +52,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -225,6 +228,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -479,6 +486,7 @@ static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block 
 // One thread block per (query tile, batch * head); each warp owns C::ROWS_PER_WARP query rows
 // (split-Q), so softmax statistics never leave the warp. O stays in registers for the whole
 // kv loop and is divided by the row sum once, at the end.
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).

@@ -68,7 +68,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -241,6 +244,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -502,7 +509,7 @@ static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block 
 //               P^T and dS^T are already the A operands of dV += P^T dO and dK += dS^T Q.
 //   convert     dQ = scale * dQ_accum in q's dtype (atomic dQ)
 //   dq          `dq accumulate separate`: one block per q tile recomputes dS and sums dQ on chip (no atomics)
-
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2).
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;

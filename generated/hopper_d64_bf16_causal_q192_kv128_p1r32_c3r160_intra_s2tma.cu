@@ -53,7 +53,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -226,6 +229,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -561,6 +568,48 @@ __device__ __forceinline__ void wgmma_rs_pv(float (&d)[32], const u32 (&a)[4], u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// The two GEMMs of attention for one warpgroup's 64 rows, issued (the caller waits: wgmma_wait), shared by
+// fa2 on wgmma and the hopper family. S = Q K^T: D / 16 SS wgmmas over the Q and K panels.
+template <class C>
+__device__ __forceinline__ void issue_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
+    float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
+        const u32 column = (ks % 4) * 32;
+        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::Q_PANEL_BYTES + column, 16, 1024),
+                    smem_descriptor(k_tile + (ks / 4) * C::K_PANEL_BYTES + column, 16, 1024), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V, issued (not waited for): P's A fragments from registers, V's panels read transposed.
+template <class C>
+__device__ __forceinline__ void issue_pv(float (&o)[C::M_TILES][C::O_TILES][4], const u32 (&p_frag)[C::BC / 16][4], u32 v_tile) {
+    float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
+    fence_accumulators(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
+        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::V_PANEL_BYTES, 1024));
+    wgmma_commit();
+}
+
+// P (fp32 in the S accumulators) -> A fragments: two adjacent m16n8 tiles are one m16k16 fragment.
+template <class C>
+__device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 16][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk) {
+        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
+        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
+        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
+        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
+    }
+}
+// Hopper's asynchronous copy engine (TMA) and the shared-memory barriers it completes on. The
+// tensor maps are encoded on the host (tiledsl/tensor_maps.py) and passed by value as
+// __grid_constant__ kernel parameters; NVRTC has no <cuda.h>, so the map is a plain 128-byte
+// struct here.
 struct __align__(64) TensorMap { unsigned long long words[16]; };
 
 // mbarrier: an arrival count plus a transaction-byte count; a phase completes when both reach
@@ -609,6 +658,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).
@@ -639,44 +689,6 @@ __device__ __forceinline__ u32 k_full(u32 bars, int stage) { return bars + C::K_
 __device__ __forceinline__ u32 v_full(u32 bars, int stage) { return bars + C::V_FULL_BAR * 8 + stage * 8; }
 __device__ __forceinline__ u32 k_empty(u32 bars, int stage) { return bars + C::K_EMPTY_BAR * 8 + stage * 8; }
 __device__ __forceinline__ u32 v_empty(u32 bars, int stage) { return bars + C::V_EMPTY_BAR * 8 + stage * 8; }
-
-// S = Q K^T for this consumer's 64 rows, issued (not waited for): D / 16 SS wgmmas.
-template <class C>
-__device__ __forceinline__ void issue_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
-    float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
-        const u32 column = (ks % 4) * 32;
-        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::Q_PANEL_BYTES + column, 16, 1024),
-                    smem_descriptor(k_tile + (ks / 4) * C::K_PANEL_BYTES + column, 16, 1024), ks > 0);
-    }
-    wgmma_commit();
-}
-
-// O += P V, issued (not waited for): P's A fragments from registers, V's panels read transposed.
-template <class C>
-__device__ __forceinline__ void issue_pv(float (&o)[C::M_TILES][C::O_TILES][4], const u32 (&p_frag)[C::BC / 16][4], u32 v_tile) {
-    float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
-    fence_accumulators(d);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
-        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::V_PANEL_BYTES, 1024));
-    wgmma_commit();
-}
-
-// P (fp32 in the S accumulators) -> A fragments: two adjacent m16n8 tiles are one m16k16 fragment.
-template <class C>
-__device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 16][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
-        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
-        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
-        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
-        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
-    }
-}
 
 // O / l once, staged in this warp's rows of the (now free) Q panels, then 16-byte coalesced
 // stores; LSE = scale m + log l. Empty rows give O = 0 and LSE = -inf.

@@ -13,7 +13,7 @@ Sizes come from layout/ (its _decode); the template only names them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..layout.base import Layout, cp_async_pending, tile_row_bytes
@@ -22,15 +22,15 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Region, make_plan
 from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, page_constants,
     smem_constants, softmax_constants, tile_row_constants)
 
 
-@dataclass(frozen=True)
-class DecodePlan(KernelPlan):
-    kv_fp8: bool = False   # K/V stored as e4m3: loaded as bytes, dequantized by each warp before its MMA
-    fp8_convert: str = ""  # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
+# The device headers of an FP8 KV cache: what every conversion path shares, then each path's own
+# (layout.FP8_CONVERTS).
+FP8_HEADER = "fp8_kv.cuh"
+FP8_CONVERT_HEADERS = {"shared": "fp8_shared.cuh", "fragments": "fp8_fragments.cuh"}
 
 
 def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> list[Constant]:
@@ -219,13 +219,17 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                                                      s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     if not prefetch_first:
         name += "__wait_first"
+    # the graph's loads: each warp its own key slice of a tile (paged: through the block table)
+    kv_walk = ("paged_" if walk else "") + ("slice" if graph.op("load_k").scope == "warp" else "tile")
+    convert = fp8_convert_of(spec)
+    headers = (("paged_kv.cuh",) if walk else ()) + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ())
     return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
                                                                                        prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
                      lay.register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope=graph.op("load_k").scope,
-                     mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk,
-                     kv_fp8=p.kv_fp8, fp8_convert=fp8_convert_of(spec))
+                     kernel_name=name, notes=notes, kv_load=KvLoad.of(kv_walk, fp8=convert),
+                     mma_traits="W", mask_rows="packed", kv_pages=walk, kv_fp8=p.kv_fp8, fp8_convert=convert,
+                     headers=headers)
 
 
 def decode_blocks_per_sm(plan: KernelPlan, limits: DeviceLimits = H200) -> int:
