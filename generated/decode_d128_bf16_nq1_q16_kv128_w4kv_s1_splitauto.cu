@@ -441,7 +441,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BC = 128;   // keys per kv tile (tile kv); one cp.async tile
     static constexpr int D = 128;   // head dim of q and k
@@ -478,6 +478,15 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
 };
 static_assert(C::ROWS == 16 * C::M_TILES, "packed query rows fill whole 16-row mma tiles");
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 keys of a tile");
@@ -702,8 +711,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = 0;   // warps split the keys: each multiplies all the packed rows
 
@@ -743,11 +752,11 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile_begin + s < tile_end) {
             const int slice0 = (tile_begin + s) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                shared.k(s) + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
                 k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                shared.v(s) + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
                 v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
@@ -773,8 +782,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     // [decode_d128.tile:10] each warp: keys [warp * 32, +32) of every tile, its own online softmax state
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
+        const u32 k_tile = shared.k(stage) + warp * C::WARP_K_BYTES;
+        const u32 v_tile = shared.v(stage) + warp * C::WARP_V_BYTES;
         const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
         float acc_s[W::M_TILES][W::S_TILES][4];
         // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j may still be in flight)
@@ -791,7 +800,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                shared.k((stage + 1) % C::STAGES) + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
                 k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
@@ -818,7 +827,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                shared.v((stage + 1) % C::STAGES) + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
                 v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }

@@ -441,7 +441,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per block (tile q)
     static constexpr int BC = 64;   // keys per kv tile (tile kv)
@@ -472,6 +472,16 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
 };
 static_assert(C::BR == C::WARPS / 4 * 64 && C::ROWS_PER_WARP == 16, "each warpgroup owns 64 query rows, each warp 16");
 static_assert(C::D % 64 == 0 && C::DV % 64 == 0, "wgmma panels are 64 columns wide");
@@ -653,8 +663,8 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride, int order_groups) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET, o_tile = smem_base + C::O_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q(), o_tile = shared.o();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = warp * C::ROWS_PER_WARP;
     const u32 q_rows = q_tile + (warp / 4) * 64 * 128;   // this warpgroup's 64 rows of every Q panel
@@ -687,11 +697,11 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (tile_begin + s < tile_end) {
             load_tile_panels<C::BC, C::D / 8, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
+                shared.k(s), k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
             load_tile_panels<C::BC, C::DV / 8, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
+                shared.v(s), v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
         }
@@ -710,8 +720,8 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
     // [fa2_wgmma_d128.tile:9] q outer (one block per q tile), kv inner; each warpgroup owns 64 rows
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
+        const u32 k_tile = shared.k(stage);
+        const u32 v_tile = shared.v(stage);
         float acc_s[C::M_TILES][C::S_TILES][4];
         // [fa2_wgmma_d128.tile:12] one stage: every warp is done with the buffer before it is refilled
         __syncthreads();
@@ -719,11 +729,11 @@ fa2_d128_bf16_q64_kv64_w4q_s1_wgmma(const u16* __restrict__ q, const u16* __rest
         // [fa2_wgmma_d128.tile:12] load K_j, V_j
         if (tile + 0 < tile_end) {
             load_tile_panels<C::BC, C::D / 8, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 0) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 0) * C::BC * k_row_stride,
+                shared.k((stage + 0) % C::STAGES), k_rows + (i64)(tile + 0) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 0) * C::BC);
             cp_async_commit();
             load_tile_panels<C::BC, C::DV / 8, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 0) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 0) * C::BC * v_row_stride,
+                shared.v((stage + 0) % C::STAGES), v_rows + (i64)(tile + 0) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 0) * C::BC);
             cp_async_commit();
         }

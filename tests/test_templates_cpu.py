@@ -117,3 +117,58 @@ def test_every_fp8_conversion_path_has_its_header():
         plan = lower(_decode(16, convert))
         assert plan.headers == ("paged_kv.cuh", FP8_HEADER, FP8_CONVERT_HEADERS[convert])
         assert all((TEMPLATE_DIR / name).is_file() for name in plan.headers)
+
+
+def _template_texts():
+    return {p.name: p.read_text() for p in sorted(TEMPLATE_DIR.iterdir()) if p.suffix in (".j2", ".cuh")}
+
+
+def test_shared_memory_is_addressed_through_the_typed_view():
+    """No template adds a buffer's offset to the block's base by hand: struct Shared (base.cu.j2, from
+    plan.shared) is the one spelling of every buffer's address."""
+    for name, text in _template_texts().items():
+        code = "\n".join(line for line in text.splitlines() if "static_assert" not in line)
+        assert "smem_base" not in code, name
+        if name != "base.cu.j2":
+            assert not re.search(r"C::\w+_OFFSET \+", code), name
+
+
+def test_the_pipeline_slot_and_phase_are_spelled_once():
+    for name, text in _template_texts().items():
+        if name != "macros.j2":
+            assert "% C::STAGES" not in text and "/ C::STAGES" not in text, name
+
+
+@pytest.mark.parametrize("name", ["fa2_d64.tile", "fa2_wgmma_d128.tile", "fa1_d64.tile", "decode_d128.tile",
+                                  "hopper_d128.tile"])
+def test_every_view_buffer_names_the_layouts_constants(name):
+    plan = lower(_spec(name))
+    constants = {c.name for c in plan.constants}
+    assert plan.shared and {"q", "k", "v"} <= {b.name for b in plan.shared}
+    source = render(plan)
+    for b in plan.shared:
+        assert b.offset in constants and (not b.stage_bytes or b.stage_bytes in constants), b
+        assert f"u32 {b.name}({'int stage' if b.stage_bytes else ''}) const" in source
+
+
+@pytest.mark.parametrize("what, spec, includes", [
+    ("fa2", lambda: _spec("fa2_d64.tile"), ("kv_lens", "order_groups")),
+    ("fa2 paged", lambda: prefill_spec("sm_90a", DType.BF16, 128, 128, Mask.CAUSAL, 16), ("block_table", "table_stride")),
+    ("fa1", lambda: _spec("fa1_d64.tile"), ("o_state", "m_state", "l_state")),
+    ("decode paged fp8", lambda: _decode(16, "fragments"), ("block_table", "k_scale", "v_scale", "num_splits")),
+    ("hopper", lambda: _spec("hopper_d128.tile"), ("q_map", "items")),
+])
+def test_one_parameter_list_is_the_kernel_signature(what, spec, includes):
+    """plan.parameters spells the signature (macros.j2 parameters) and is the order the host passes
+    arguments in (runtime/kernel.py kernel_arguments): one list, no inline ifs in the templates."""
+    plan = lower(spec())
+    flat = [p for line in plan.parameters for p in line]
+    names = [p.name for p in flat]
+    assert len(names) == len(set(names)) and set(includes) <= set(names), what
+    assert {p.kind for p in flat} <= {"pointer", "i32", "i64", "map"}
+    source = render(plan)
+    signature = source[source.index(plan.kernel_name + "("):]
+    signature = " ".join(signature[len(plan.kernel_name) + 1:signature.index(") {")].split())
+    assert signature == ", ".join(f"{p.type} {p.name}" for p in flat)
+    if what == "fa2":
+        assert "block_table" not in source and "k_scale" not in source

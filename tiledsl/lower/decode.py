@@ -22,15 +22,17 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
-from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Region, make_plan
-from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, page_constants,
-    smem_constants, softmax_constants, tile_row_constants)
+from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .steps import (BLOCK_TABLE, IN16, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32, graph_loop_body, kv_buffer_constants,
+    page_constants, parameters, require, smem_constants, softmax_constants, spec_line, stride_lines, tile_row_constants)
 
 
 # The device headers of an FP8 KV cache: what every conversion path shares, then each path's own
 # (layout.FP8_CONVERTS).
 FP8_HEADER = "fp8_kv.cuh"
 FP8_CONVERT_HEADERS = {"shared": "fp8_shared.cuh", "fragments": "fp8_fragments.cuh"}
+# `dequant shared`: the warps' 16-bit slices of K and V, converted from the e4m3 rings.
+DEQUANTIZED_SHARED = (SharedBuffer("k_dequantized", "KD_OFFSET"), SharedBuffer("v_dequantized", "VD_OFFSET"))
 
 
 def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> list[Constant]:
@@ -229,7 +231,21 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      lay.register_estimate,
                      kernel_name=name, notes=notes, kv_load=KvLoad.of(kv_walk, fp8=convert),
                      mma_traits="W", mask_rows="packed", kv_pages=walk, kv_fp8=p.kv_fp8, fp8_convert=convert,
-                     headers=headers)
+                     headers=headers, shared=KV_SHARED + (DEQUANTIZED_SHARED if convert == "shared" else ()),
+                     parameters=decode_parameters(bool(walk), p.kv_fp8))
+
+
+def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:
+    """decode.cu.j2's parameters: Q, K, V, O and LSE, the splits' workspace (partial O and LSE, the
+    tickets), kv_lens (a paged cache's block table, an FP8 cache's scales after it), the sizes and the
+    split count, the strides."""
+    return ((parameters(IN16, "q", "k", "v"),
+             parameters(OUT16, "o") + parameters(OUT32, "lse", "o_part", "lse_part"),
+             parameters("int* __restrict__", "split_counters") + parameters(INT32S, "kv_lens")
+             + (BLOCK_TABLE if paged else ()) + (parameters("const float* __restrict__", "k_scale", "v_scale") if fp8
+                                                 else ())
+             + parameters("int", "q_len", "kv_len", "heads", "kv_group", "row_tiles", "num_splits"))
+            + stride_lines("q", "k", "v", "o"))
 
 
 def decode_blocks_per_sm(plan: KernelPlan, limits: DeviceLimits = H200) -> int:

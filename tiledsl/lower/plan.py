@@ -33,8 +33,7 @@ class LoopOp:
     pending: int = 0          # wait_*: cp.async groups allowed to stay in flight
     distance: int = 0         # prefetch_kv: how many tiles ahead
     node: str = ""            # the scheduler-graph op this step lowers
-    tile: str = ""            # prefetch_*: the kv tile it loads and the ring slot it fills (CUDA expressions)
-    stage: str = ""
+    tile: str = ""            # prefetch_*: the kv tile it loads (a CUDA expression; its slot: ring_slot)
 
 
 @dataclass(frozen=True)
@@ -48,12 +47,38 @@ class KvRange:
 
 
 @dataclass(frozen=True)
+class Parameter:
+    """One parameter of a kernel: its CUDA type and name. The list of them (KernelPlan.parameters) is both
+    the kernel's signature and the order of the host's launch arguments (runtime/kernel.py
+    kernel_arguments), which converts each value by its `kind`."""
+    name: str
+    type: str
+
+    @property
+    def kind(self) -> str:
+        """pointer | i32 | i64 | map (a TMA tensor map, passed by value)."""
+        if "TensorMap" in self.type:
+            return "map"
+        if "*" in self.type:
+            return "pointer"
+        return {"int": "i32", "i64": "i64"}[self.type]
+
+
+@dataclass(frozen=True)
+class SharedBuffer:
+    """One buffer of a kernel's shared memory in its typed view (base.cu.j2's struct Shared): the accessor
+    `name()`, or for a ring `name(stage)`, returns its 32-bit shared address from the block's base, the
+    layout's offset constant plus stage * the stage constant (names of C's constants)."""
+    name: str
+    offset: str             # e.g. "K_OFFSET"
+    stage_bytes: str = ""   # a ring's bytes per stage (e.g. "K_STAGE_BYTES"); "": one buffer
+
+
+@dataclass(frozen=True)
 class RingLoad:
-    """One of K, V of a kv tile copied into its ring stage: the ring in shared memory, the rows in HBM and
-    the loader that copies them, with its row layout as template arguments (CUDA names)."""
-    name: str               # "k" | "v"
-    offset: str             # the ring: C::K_OFFSET + stage * C::K_STAGE_BYTES
-    stage_bytes: str
+    """One of K, V of a kv tile copied into its ring stage: the ring (the Shared view's accessor `name`),
+    the rows in HBM and the loader that copies them, with its row layout as template arguments (CUDA)."""
+    name: str               # "k" | "v": also its ring's accessor in the Shared view
     rows: str               # this kv head's rows (k_rows); a paged cache's page stride is its batch stride
     batch_stride: str
     row_stride: str
@@ -66,7 +91,8 @@ class RingLoad:
 class KvLoad:
     """How a kernel copies a kv tile's K and V into their ring stage, chosen in lowering (lower/steps.py:
     kv_tile_load); macros.j2's issue_kv_tile spells `walk`'s loader for each."""
-    walk: str               # tile | paged_tile (block through the block table) | slice (each warp its keys) | paged_slice
+    # KV_WALKS: tile | paged_tile (the block, through the block table) | slice (each warp its keys) | paged_slice
+    walk: str
     k: RingLoad
     v: RingLoad
     commit_each: bool = True   # a cp.async group per tensor (Q K^T starts before V lands); False: the caller's one
@@ -101,8 +127,7 @@ class KvLoad:
                       "paged_tile": f"load_paged_tile<C, C::BC, {layout}, C::THREADS>",
                       "slice": f"load_tile_async<C::KEYS_PER_WARP, {layout}, 32>",
                       "paged_slice": f"load_paged_slice<C, C::KEYS_PER_WARP, {layout}>"}[walk]
-            return RingLoad(name, f"C::{tensor}_OFFSET", f"C::{tensor}_STAGE_BYTES", f"{name}_rows",
-                            f"{name}_batch_stride", f"{name}_row_stride", loader,
+            return RingLoad(name, f"{name}_rows", f"{name}_batch_stride", f"{name}_row_stride", loader,
                             slice_bytes if walk.endswith("slice") else "",
                             copies_entries_ahead=walk == "paged_tile" and name == "k")
         return cls(walk, ring("k", chunks[0]), ring("v", chunks[1]), commit_each)
@@ -148,6 +173,9 @@ class KernelPlan:
     # a paged KV cache's block-table walk (layout: fa2_page_walk, decode_page_walk); "": contiguous K/V
     kv_pages: str = ""
     headers: tuple[str, ...] = ()   # plain .cuh device headers the kernel pastes (paged_kv.cuh, FP8 paths)
+    shared: tuple[SharedBuffer, ...] = ()   # the typed view of shared memory (struct Shared), from the layout
+    # the kernel's parameters in order, in the lines the signature prints: what the host passes
+    parameters: tuple[tuple[Parameter, ...], ...] = ()
     kv_fp8: bool = False       # decode: K/V stored as e4m3, loaded as bytes and dequantized by each warp
     fp8_convert: str = ""      # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
 
