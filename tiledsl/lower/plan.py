@@ -56,12 +56,17 @@ class Parameter:
 
     @property
     def kind(self) -> str:
-        """pointer | i32 | i64 | map (a TMA tensor map, passed by value)."""
-        if "TensorMap" in self.type:
-            return "map"
-        if "*" in self.type:
-            return "pointer"
-        return {"int": "i32", "i64": "i64"}[self.type]
+        return parameter_kind(self.type)
+
+
+def parameter_kind(cuda_type: str) -> str:
+    """How the host passes a parameter of `cuda_type`: pointer | i32 | i64 | map (a TMA tensor map, by
+    value). A function of the type alone, so a plan read back from the warm cache (fields only) has it."""
+    if "TensorMap" in cuda_type:
+        return "map"
+    if "*" in cuda_type:
+        return "pointer"
+    return {"int": "i32", "i64": "i64"}[cuda_type]
 
 
 @dataclass(frozen=True)
