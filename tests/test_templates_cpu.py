@@ -172,3 +172,30 @@ def test_one_parameter_list_is_the_kernel_signature(what, spec, includes):
     assert signature == ", ".join(f"{p.type} {p.name}" for p in flat)
     if what == "fa2":
         assert "block_table" not in source and "k_scale" not in source
+
+
+def test_the_host_passes_arguments_in_the_parameter_lists_order():
+    """runtime/kernel.py builds a prefill kernel's launch arguments from plan.parameters by name: the
+    order and kinds follow the signature, and a missing or unknown name is refused."""
+    from types import SimpleNamespace
+    from tiledsl.families import compile as compile_kernel
+    from tiledsl.runtime.inputs import Shapes
+    from tiledsl.runtime.kernel import kernel_arguments
+    spec = prefill_spec("sm_90a", DType.BF16, 128, 128, Mask.CAUSAL, 16)
+    kernel = compile_kernel(spec)   # renders; nothing is compiled or launched
+    tensors = {name: SimpleNamespace(pointer=1000 * (i + 1), strides=(9000 + i, 900 + i, 90 + i, 1), slot=i)
+               for i, name in enumerate(("q", "k", "v", "o", "lse", "kv_lens"))}
+    table = SimpleNamespace(pointer=77, strides=(5, 1), slot=6)
+    args = kernel.attention_args(*tensors.values(), Shapes(2, 8, 4, 100, 300), block_table=table, table_stride=5,
+                                 order_groups=3)
+    flat = [p for line in kernel.plan.parameters for p in line]
+    assert len(args) == len(flat)
+    by_name = dict(zip((p.name for p in flat), args))
+    assert by_name["block_table"].value == 77 and by_name["block_table"].slot == 6
+    assert by_name["table_stride"].value == 5 and by_name["order_groups"].value == 3
+    assert by_name["kv_lens"].value == 6000 and by_name["kv_group"].value == 2 and by_name["v_row_stride"].value == 92
+    assert all(a.kind == {"pointer": "u64", "i32": "i32", "i64": "i64"}[p.kind] for p, a in zip(flat, args))
+    with pytest.raises(RuntimeError, match=r"missing \['block_table', 'table_stride'\]"):
+        kernel.attention_args(*tensors.values(), Shapes(2, 8, 4, 100, 300), order_groups=3)
+    with pytest.raises(RuntimeError, match=r"not parameters \['typo'\]"):
+        kernel_arguments(kernel.plan, {**by_name, "typo": 1})
