@@ -109,6 +109,25 @@ DQ_KERNEL_SHARED = (SharedBuffer("dq_q", "DQK_Q_OFFSET"), SharedBuffer("dq_d_o",
                     SharedBuffer("dq_v", "DQK_V_OFFSET", "DQK_V_STAGE_BYTES"))
 
 
+def backward_regions(spec: KernelSpec, zeroed: str, main: str, kv_home: str) -> dict:
+    """The regions both backward templates name: `zeroed` qualifies the preprocess's zeroing of dQ_accum,
+    `main` is the main kernel's loop, `kv_home` where K_j and V_j stay."""
+    b, w = spec.backward, lambda key: spec_line(spec, key)
+    return {
+        "preprocess": Region(w("backward"), f"D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum{zeroed}"),
+        "main": Region(w("backward.order"), main),
+        "q_range": Region(w("mask"),
+                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
+        "load_kv": Region(w("backward.pipeline"),
+                          f"K_j, V_j ({b.tile_kv} rows) -> {kv_home}, kept for the whole q loop"),
+        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
+        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
+        "store_dkv": Region(w("backward.tile"),
+                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+    }
+
+
 def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], limits: DeviceLimits = H200,
                    **wgmma_options) -> BackwardPlan:
     """The plan of `spec`'s backward module on `limits`; SpecError at the backward line when no template
@@ -173,23 +192,10 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], li
             Constant("DQK_SMEM_BYTES", "u32", lay.dq_kernel_smem),
         ]
         dq_launch = Launch(threads=lay.dq_kernel_threads, smem_bytes=lay.dq_kernel_smem, tile_q=b.tile_q)
-    w = lambda key: spec_line(spec, key)   # noqa: E731
-    regions = {
-        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum (atomic dQ)"),
-        "main": Region(w("backward.order"), "kv outer: one block per (kv tile, batch * kv head), dK and dV on chip"),
-        "q_range": Region(w("mask"),
-                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
-        "load_kv": Region(w("backward.pipeline"),
-                          f"K_j, V_j ({b.tile_kv} rows) -> shared memory, kept for the whole q loop"),
-        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
-        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
-        "store_dkv": Region(w("backward.tile"),
-                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
-        "dq": Region(w("backward.dq"),
-                     f"dq accumulate separate: one block per q tile, {BACKWARD_DQ_TILE_KV}-key tiles, "
-                     "dQ on chip"),
-    }
+    regions = backward_regions(spec, " (atomic dQ)", "kv outer: one block per (kv tile, batch * kv head), dK and dV on "
+                               "chip", "shared memory")
+    regions["dq"] = Region(spec_line(spec, "backward.dq"), f"dq accumulate separate: one block per q tile, "
+                           f"{BACKWARD_DQ_TILE_KV}-key tiles, dQ on chip")
     shared = MAIN_SHARED + (() if atomic else DQ_KERNEL_SHARED)
     return _make(spec, consts, regions, _loop_body(spec, atomic), main, names, atomic, dq_launch, b.tile_kv,
                  shared=shared)
@@ -304,21 +310,8 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, limits: DeviceLimits 
              "convert": f"{backward_kernel_name(spec)}_convert"}
     dp_note = "dV still running" if pending else ("dV's wgmma waited for too" if dv_order == "early"
                                                    else "dV, dK are issued after it")
-    w = lambda key: spec_line(spec, key)   # noqa: E731
-    regions = {
-        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum"),
-        "main": Region(w("backward.order"), "kv outer on wgmma: one block per (kv tile, batch * kv head), two "
-                       "warpgroups of 64 keys, dK and dV in their accumulators"),
-        "q_range": Region(w("mask"),
-                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
-        "load_kv": Region(w("backward.pipeline"),
-                          f"K_j, V_j ({bc} rows) -> shared memory panels, kept for the whole q loop"),
-        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
-        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
-        "store_dkv": Region(w("backward.tile"),
-                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
-    }
+    regions = backward_regions(spec, "", "kv outer on wgmma: one block per (kv tile, batch * kv head), two "
+                               "warpgroups of 64 keys, dK and dV in their accumulators", "shared memory panels")
     graph_body = _loop_body(spec, True)   # the backward graph's emission order: the layout's dV schedule
     assert tuple(op.kind for op in graph_body) == _WGMMA_ORDERS[chosen[0]], [op.kind for op in graph_body]
     body = {op.kind: op for op in graph_body}
