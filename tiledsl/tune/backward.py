@@ -220,7 +220,7 @@ def tune_backward(space: SpecSpace, shape: Shape, budget: int | None = None, exh
             except Exception as err:   # a module that does not build is a failed candidate, not a crash
                 failed[c.name] = f"compile: {str(err).splitlines()[0][:300]}"
         return failed
-    trial = Trial(build, lambda c: check_backward(kernels[c.name]), lambda c: time_backward_ms(kernels[c.name], shape),
-                  lambda c: backward_flops(c.spec, shape), lambda c: store_key(c.spec, shape, bench.gpu, bench.toolchain),
-                  {"pass": "backward"})
+    trial = Trial(build, lambda c: check_backward(kernels[c.name]),
+                  lambda c: time_backward_ms(kernels[c.name], shape), lambda c: backward_flops(c.spec, shape),
+                  lambda c: store_key(c.spec, shape, bench.gpu, bench.toolchain), {"pass": "backward"})
     return run_trials(space, shape, candidates, rejected, budget, bench, trial, store, progress, fresh, started)
