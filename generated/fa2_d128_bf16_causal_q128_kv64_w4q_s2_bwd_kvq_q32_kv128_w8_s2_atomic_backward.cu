@@ -522,7 +522,7 @@ static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block 
 //               P^T and dS^T are already the A operands of dV += P^T dO and dK += dS^T Q.
 //   convert     dQ = scale * dQ_accum in q's dtype (atomic dQ)
 //   dq          `dq accumulate separate`: one block per q tile recomputes dS and sums dQ on chip (no atomics)
-// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2).
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -530,6 +530,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));

@@ -584,7 +584,7 @@ __device__ __forceinline__ void load_tile_panels(u32 tile, const u16* src, i64 r
     }
 }
 
-// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2).
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -592,6 +592,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
