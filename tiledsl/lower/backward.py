@@ -1,4 +1,4 @@
-"""Lowering of the backward (issue 14): a spec's `backward { }` schedule -> the plan of
+"""Lowering of the backward: a spec's `backward { }` schedule -> the plan of
 templates/backward.cu.j2 (preprocess, kv-outer main kernel on mma.sync, and convert or the q-outer dQ
 kernel), or with `mma wgmma` of templates/backward_wgmma.cu.j2 (the same preprocess and convert, the
 main kernel on Hopper's warpgroup MMA: lower_backward_wgmma below).
