@@ -53,7 +53,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -226,6 +229,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -434,7 +441,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BC = 128;   // keys per kv tile (tile kv); one cp.async tile
     static constexpr int D = 128;   // head dim of q and k
@@ -472,13 +479,53 @@ struct C {
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
 };
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+};
 static_assert(C::ROWS == 16 * C::M_TILES, "packed query rows fill whole 16-row mma tiles");
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 keys of a tile");
 static_assert(C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES >= C::COMBINE_BYTES, "the combine scratch fits in the kernel's shared memory");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
-// Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
+// combine_warp_states<C>: merge the online-softmax states of warps that processed disjoint key
+// ranges of the same query rows (split-K), through shared memory. Written for FA1's warps along
+// kv; meant for every family that splits a tile's keys across warps (decode too).
+//
+// Contract
+//   Called by every thread of the block (it contains __syncthreads), after each warp has folded
+//   its own keys in with attention.cuh's online_softmax / mma_pv. Each warp holds, for the same
+//   ROWS = C::M_TILES * 16 rows, in the m16n8 accumulator layout:
+//     row_max[mt][h]  its running max of the raw (unscaled) scores, equal across a quad
+//                     (-inf for a row none of its keys is visible to)
+//     row_sum[mt][h]  this thread's partial row sum of P = exp(scale (s - row_max)); the quad's
+//                     four values add up to the warp's l
+//     o[mt][nd][e]    the warp's unnormalised sum of P V (fp32); with QUAD_COLUMNS (decode's FP8
+//                     fragments) the O tiles 2c, 2c+1 of a lane hold columns 16c + 4t + 0..3 (t = lane % 4),
+//                     in that order, instead of 8nd + 2t + 0..1
+//   C needs: WARPS, M_TILES, O_TILES, SCALE_LOG2, COMBINE_ROW_FLOATS (>= O_TILES * 8; a padded
+//   row of the fp32 O tile).
+//   `scratch` points at COMBINE_BYTES >= 4 * (ROWS * COMBINE_ROW_FLOATS + (WARPS + 2) * ROWS)
+//   bytes of shared memory, laid out as float arrays:
+//     o_sum[ROWS][COMBINE_ROW_FLOATS]   the combined unnormalised O, scaled to m
+//     m_part[WARPS][ROWS]               each warp's row max (used internally)
+//     m[ROWS]                           the combined row max (raw scores; -inf: no visible key)
+//     l[ROWS]                           the combined row sum of exp(scale (s - m))
+//   `rows_valid` (default: every row) limits the O rows combined to the first rows_valid: rows
+//   past it (decode's padding of a kv group to a 16-row mma tile) are left unwritten in o_sum.
+//   On return (after a __syncthreads) o_sum, m and l hold the combined state of every row; the
+//   caller normalises (O = o_sum / l, 0 where l == 0) and stores. The registers are consumed
+//   (o and row_sum are rescaled in place). The warps add into o_sum in warp order, so results
+//   are deterministic (bitwise identical run to run). Reuse of `scratch` afterwards needs a
+//   barrier after the caller has read it.
+// It uses fast_exp2, quad_sum, NEG_INF (common.cuh).
+// Shared-memory combine of split-K warp states; the contract is above.
 template <class C, bool QUAD_COLUMNS = false>
 __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                                     float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane,
@@ -664,8 +711,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = 0;   // warps split the keys: each multiplies all the packed rows
 
@@ -705,11 +752,11 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile_begin + s < tile_end) {
             const int slice0 = (tile_begin + s) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                shared.k(s) + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
                 k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                shared.v(s) + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
                 v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
@@ -735,8 +782,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     // [decode_d128.tile:10] each warp: keys [warp * 32, +32) of every tile, its own online softmax state
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES;
+        const u32 k_tile = shared.k(stage) + warp * C::WARP_K_BYTES;
+        const u32 v_tile = shared.v(stage) + warp * C::WARP_V_BYTES;
         const int key0 = tile * C::BC + warp * C::KEYS_PER_WARP;
         float acc_s[W::M_TILES][W::S_TILES][4];
         // [decode_d128.tile:11] wait for the warp's slice of K_j (V_j may still be in flight)
@@ -753,7 +800,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, 32>(
-                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
+                shared.k((stage + 1) % C::STAGES) + warp * C::WARP_K_BYTES, k_rows + (i64)slice0 * k_row_stride,
                 k_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }
@@ -780,7 +827,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         if (tile + 1 < tile_end) {
             const int slice0 = (tile + 1) * C::BC + warp * C::KEYS_PER_WARP;
             load_tile_async<C::KEYS_PER_WARP, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, 32>(
-                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
+                shared.v((stage + 1) % C::STAGES) + warp * C::WARP_V_BYTES, v_rows + (i64)slice0 * v_row_stride,
                 v_row_stride, seq_kv - slice0, lane);
             cp_async_commit();
         }

@@ -52,7 +52,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -225,6 +228,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -433,7 +440,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per q tile (tile q)
     static constexpr int BC = 128;   // keys per kv tile (tile kv)
@@ -472,13 +479,54 @@ struct C {
     static constexpr float SCALE = 0.125f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.18033688011112042f;   // scale * log2(e): softmax through exp2
 };
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
+};
 static_assert(C::ROWS_PER_WARP == C::M_TILES * 16 && C::BR == C::ROW_PASSES * C::ROWS_PER_WARP, "split-K: every warp holds all rows of a pass");
 static_assert(C::BC == C::WARPS * C::KEYS_PER_WARP && C::KEYS_PER_WARP % 16 == 0, "split-K: each warp takes a multiple of 16 keys of the tile");
 static_assert(C::COMBINE_BYTES >= 4 * C::ROWS_PER_WARP * (C::COMBINE_ROW_FLOATS + C::WARPS + 2), "combine scratch holds o_sum, m_part, m, l");
 static_assert(C::S_TILES * 8 == C::KEYS_PER_WARP && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
-// Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
+// combine_warp_states<C>: merge the online-softmax states of warps that processed disjoint key
+// ranges of the same query rows (split-K), through shared memory. Written for FA1's warps along
+// kv; meant for every family that splits a tile's keys across warps (decode too).
+//
+// Contract
+//   Called by every thread of the block (it contains __syncthreads), after each warp has folded
+//   its own keys in with attention.cuh's online_softmax / mma_pv. Each warp holds, for the same
+//   ROWS = C::M_TILES * 16 rows, in the m16n8 accumulator layout:
+//     row_max[mt][h]  its running max of the raw (unscaled) scores, equal across a quad
+//                     (-inf for a row none of its keys is visible to)
+//     row_sum[mt][h]  this thread's partial row sum of P = exp(scale (s - row_max)); the quad's
+//                     four values add up to the warp's l
+//     o[mt][nd][e]    the warp's unnormalised sum of P V (fp32); with QUAD_COLUMNS (decode's FP8
+//                     fragments) the O tiles 2c, 2c+1 of a lane hold columns 16c + 4t + 0..3 (t = lane % 4),
+//                     in that order, instead of 8nd + 2t + 0..1
+//   C needs: WARPS, M_TILES, O_TILES, SCALE_LOG2, COMBINE_ROW_FLOATS (>= O_TILES * 8; a padded
+//   row of the fp32 O tile).
+//   `scratch` points at COMBINE_BYTES >= 4 * (ROWS * COMBINE_ROW_FLOATS + (WARPS + 2) * ROWS)
+//   bytes of shared memory, laid out as float arrays:
+//     o_sum[ROWS][COMBINE_ROW_FLOATS]   the combined unnormalised O, scaled to m
+//     m_part[WARPS][ROWS]               each warp's row max (used internally)
+//     m[ROWS]                           the combined row max (raw scores; -inf: no visible key)
+//     l[ROWS]                           the combined row sum of exp(scale (s - m))
+//   `rows_valid` (default: every row) limits the O rows combined to the first rows_valid: rows
+//   past it (decode's padding of a kv group to a 16-row mma tile) are left unwritten in o_sum.
+//   On return (after a __syncthreads) o_sum, m and l hold the combined state of every row; the
+//   caller normalises (O = o_sum / l, 0 where l == 0) and stores. The registers are consumed
+//   (o and row_sum are rescaled in place). The warps add into o_sum in warp order, so results
+//   are deterministic (bitwise identical run to run). Reuse of `scratch` afterwards needs a
+//   barrier after the caller has read it.
+// It uses fast_exp2, quad_sum, NEG_INF (common.cuh).
+// Shared-memory combine of split-K warp states; the contract is above.
 template <class C, bool QUAD_COLUMNS = false>
 __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                                     float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane,
@@ -709,8 +757,8 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride,
         float* __restrict__ o_state, float* __restrict__ m_state, float* __restrict__ l_state) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_key = C::SPLIT_K ? warp * C::KEYS_PER_WARP : 0;   // this warp's first key within a kv tile
 
@@ -748,10 +796,10 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (kv_begin + s < kv_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(kv_begin + s) * C::BC * k_row_stride,
+                shared.k(s), k_rows + (i64)(kv_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (kv_begin + s) * C::BC);
             load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(kv_begin + s) * C::BC * v_row_stride,
+                shared.v(s), v_rows + (i64)(kv_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (kv_begin + s) * C::BC);
         }
         cp_async_commit();
@@ -764,8 +812,8 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
     // [fa1_d64.tile:21] kv outer: one block per (batch, head) walks every kv tile once
     for (int tile = kv_begin; tile < kv_end; ++tile) {
         const int stage = (tile - kv_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp_key * C::QK_ROW_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp_key * C::V_ROW_BYTES;
+        const u32 k_tile = shared.k(stage) + warp_key * C::QK_ROW_BYTES;
+        const u32 v_tile = shared.v(stage) + warp_key * C::V_ROW_BYTES;
     // [fa1_d64.tile:24] wait for K_j, V_j (up to 0 later tiles stay in flight)
         cp_async_wait<0>();
         __syncthreads();
@@ -773,10 +821,10 @@ fa1_d64_bf16_q64_kv128_w4kv_s2(const u16* __restrict__ q, const u16* __restrict_
     // [fa1_d64.tile:24] prefetch K, V of tile j+1 into the buffer tile j-1 used
         if (tile + 1 < kv_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
+                shared.k((stage + 1) % C::STAGES), k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 1) * C::BC);
             load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
+                shared.v((stage + 1) % C::STAGES), v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 1) * C::BC);
         }
         cp_async_commit();   // one group per tile, empty past the end, so the wait counts stay fixed

@@ -52,7 +52,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -225,6 +228,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -433,7 +440,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per q tile (tile q)
     static constexpr int BC = 64;   // keys per kv tile (tile kv)
@@ -471,6 +478,16 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.125f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.18033688011112042f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
 };
 static_assert(C::BR == C::WARPS * C::ROWS_PER_WARP && C::ROWS_PER_WARP == C::M_TILES * 16, "each warp owns a multiple of 16 query rows");
 static_assert(C::KEYS_PER_WARP == C::BC, "split-Q: every warp multiplies the whole kv tile");
@@ -640,8 +657,8 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride,
         float* __restrict__ o_state, float* __restrict__ m_state, float* __restrict__ l_state) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET, o_tile = smem_base + C::O_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q(), o_tile = shared.o();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_key = C::SPLIT_K ? warp * C::KEYS_PER_WARP : 0;   // this warp's first key within a kv tile
 
@@ -679,10 +696,10 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (kv_begin + s < kv_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(kv_begin + s) * C::BC * k_row_stride,
+                shared.k(s), k_rows + (i64)(kv_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (kv_begin + s) * C::BC);
             load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(kv_begin + s) * C::BC * v_row_stride,
+                shared.v(s), v_rows + (i64)(kv_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (kv_begin + s) * C::BC);
         }
         cp_async_commit();
@@ -695,8 +712,8 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
     // [fa1_d64.tile:9] kv outer: one block per (batch, head) walks every kv tile once
     for (int tile = kv_begin; tile < kv_end; ++tile) {
         const int stage = (tile - kv_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES + warp_key * C::QK_ROW_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES + warp_key * C::V_ROW_BYTES;
+        const u32 k_tile = shared.k(stage) + warp_key * C::QK_ROW_BYTES;
+        const u32 v_tile = shared.v(stage) + warp_key * C::V_ROW_BYTES;
     // [fa1_d64.tile:12] wait for K_j, V_j (up to 0 later tiles stay in flight)
         cp_async_wait<0>();
         __syncthreads();
@@ -704,10 +721,10 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
     // [fa1_d64.tile:12] prefetch K, V of tile j+1 into the buffer tile j-1 used
         if (tile + 1 < kv_end) {
             load_tile_async<C::BC, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 1) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
+                shared.k((stage + 1) % C::STAGES), k_rows + (i64)(tile + 1) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 1) * C::BC);
             load_tile_async<C::BC, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 1) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
+                shared.v((stage + 1) % C::STAGES), v_rows + (i64)(tile + 1) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 1) * C::BC);
         }
         cp_async_commit();   // one group per tile, empty past the end, so the wait counts stay fixed

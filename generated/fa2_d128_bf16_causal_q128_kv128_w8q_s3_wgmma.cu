@@ -53,7 +53,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -226,6 +229,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -434,7 +441,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 128;   // query rows per block (tile q)
     static constexpr int BC = 128;   // keys per kv tile (tile kv)
@@ -454,6 +461,9 @@ struct C {
     static constexpr u32 K_STAGE_BYTES = 32768;
     static constexpr u32 V_OFFSET = 131072;
     static constexpr u32 V_STAGE_BYTES = 32768;
+    static constexpr u32 Q_PANEL_BYTES = 16384;   // 64 columns of every Q row (one panel)
+    static constexpr u32 K_PANEL_BYTES = 16384;
+    static constexpr u32 V_PANEL_BYTES = 16384;   // also the wgmma leading offset of V read transposed
     static constexpr u32 O_OFFSET = 0;   // O staging for coalesced stores
     static constexpr u32 SMEM_BYTES = 229376;
     static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
@@ -462,6 +472,16 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
 };
 static_assert(C::BR == C::WARPS / 4 * 64 && C::ROWS_PER_WARP == 16, "each warpgroup owns 64 query rows, each warp 16");
 static_assert(C::D % 64 == 0 && C::DV % 64 == 0, "wgmma panels are 64 columns wide");
@@ -544,6 +564,46 @@ __device__ __forceinline__ void wgmma_rs_pv(float (&d)[64], const u32 (&a)[4], u
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
+
+// The two GEMMs of attention for one warpgroup's 64 rows, issued (the caller waits: wgmma_wait), shared by
+// fa2 on wgmma and the hopper family. S = Q K^T: D / 16 SS wgmmas over the Q and K panels.
+template <class C>
+__device__ __forceinline__ void issue_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
+    float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
+        const u32 column = (ks % 4) * 32;
+        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::Q_PANEL_BYTES + column, 16, 1024),
+                    smem_descriptor(k_tile + (ks / 4) * C::K_PANEL_BYTES + column, 16, 1024), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V, issued (not waited for): P's A fragments from registers, V's panels read transposed.
+template <class C>
+__device__ __forceinline__ void issue_pv(float (&o)[C::M_TILES][C::O_TILES][4], const u32 (&p_frag)[C::BC / 16][4], u32 v_tile) {
+    float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
+    fence_accumulators(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
+        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::V_PANEL_BYTES, 1024));
+    wgmma_commit();
+}
+
+// P (fp32 in the S accumulators) -> A fragments: two adjacent m16n8 tiles are one m16k16 fragment.
+template <class C>
+__device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 16][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk) {
+        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
+        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
+        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
+        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
+    }
+}
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).
@@ -568,42 +628,24 @@ __device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
     return block_tile_at<C>(block_index_x(), gridDim.x, q_len, order_groups);
 }
 
-// S = Q K^T for this warpgroup's 64 rows: D / 16 wgmmas, both operands in shared memory.
+// S = Q K^T for this warpgroup's 64 rows (wgmma.cuh's issue_qk), waited for: the mask and softmax read it.
 template <class C>
 __device__ __forceinline__ void wgmma_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
     float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
-        const u32 column = (ks % 4) * 32;
-        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::BR * 128 + column, 16, 1024),
-                    smem_descriptor(k_tile + (ks / 4) * C::BC * 128 + column, 16, 1024), ks > 0);
-    }
-    wgmma_commit();
+    issue_qk<C>(s, q_rows, k_tile);
     wgmma_wait<0>();
     fence_accumulators(d);
 }
 
-// O += P V: P from the S accumulators (the m16n8 accumulator layout of two adjacent n-tiles is
-// the A-fragment layout), V read transposed from its panels (panel stride = leading offset).
+// O += P V: P packed from the S accumulators (pack_p), V's panels read transposed (issue_pv), waited
+// for before the next tile's softmax rescales O.
 template <class C>
 __device__ __forceinline__ void wgmma_pv(float (&o)[C::M_TILES][C::O_TILES][4], const float (&p)[C::M_TILES][C::S_TILES][4],
                                          u32 v_tile) {
     float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
     u32 p_frag[C::BC / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
-        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
-        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
-        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
-        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
-    }
-    fence_accumulators(d);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
-        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::BC * 128, 1024));
-    wgmma_commit();
+    pack_p<C>(p_frag, p);
+    issue_pv<C>(o, p_frag, v_tile);
     wgmma_wait<0>();
     fence_accumulators(d);
     fence_fragments(p_frag);
@@ -621,8 +663,8 @@ fa2_d128_bf16_causal_q128_kv128_w8q_s3_wgmma(const u16* __restrict__ q, const u1
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride, int order_groups) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET, o_tile = smem_base + C::O_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q(), o_tile = shared.o();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = warp * C::ROWS_PER_WARP;
     const u32 q_rows = q_tile + (warp / 4) * 64 * 128;   // this warpgroup's 64 rows of every Q panel
@@ -655,11 +697,11 @@ fa2_d128_bf16_causal_q128_kv128_w8q_s3_wgmma(const u16* __restrict__ q, const u1
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (tile_begin + s < tile_end) {
             load_tile_panels<C::BC, C::D / 8, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
+                shared.k(s), k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
             load_tile_panels<C::BC, C::DV / 8, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
+                shared.v(s), v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
         }
@@ -678,8 +720,8 @@ fa2_d128_bf16_causal_q128_kv128_w8q_s3_wgmma(const u16* __restrict__ q, const u1
     // [fa2_wgmma_d128_causal.tile:9] q outer (one block per q tile), kv inner; each warpgroup owns 64 rows
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
+        const u32 k_tile = shared.k(stage);
+        const u32 v_tile = shared.v(stage);
         float acc_s[C::M_TILES][C::S_TILES][4];
         // [fa2_wgmma_d128_causal.tile:12] wait for K_j (V_j and later tiles may still be in flight)
         cp_async_wait<3>();
@@ -689,11 +731,11 @@ fa2_d128_bf16_causal_q128_kv128_w8q_s3_wgmma(const u16* __restrict__ q, const u1
         // [fa2_wgmma_d128_causal.tile:12] prefetch K, V of tile j+2 into the buffer freed last step
         if (tile + 2 < tile_end) {
             load_tile_panels<C::BC, C::D / 8, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 2) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 2) * C::BC * k_row_stride,
+                shared.k((stage + 2) % C::STAGES), k_rows + (i64)(tile + 2) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 2) * C::BC);
             cp_async_commit();
             load_tile_panels<C::BC, C::DV / 8, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 2) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 2) * C::BC * v_row_stride,
+                shared.v((stage + 2) % C::STAGES), v_rows + (i64)(tile + 2) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 2) * C::BC);
             cp_async_commit();
         }

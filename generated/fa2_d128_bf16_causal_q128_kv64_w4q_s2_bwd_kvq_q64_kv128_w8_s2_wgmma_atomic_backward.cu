@@ -69,7 +69,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -242,6 +245,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -450,7 +457,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per q tile (backward tile q)
     static constexpr int BC = 128;   // keys per block (backward tile kv): 64 per warpgroup
@@ -465,10 +472,10 @@ struct C {
     static constexpr u32 Q_STAGE_BYTES = 16384;
     static constexpr u32 DO_OFFSET = 98304;
     static constexpr u32 DO_STAGE_BYTES = 16384;
-    static constexpr u32 DS_OFFSET = 131072;
     static constexpr u32 LSE_OFFSET = 147456;
     static constexpr u32 DROW_OFFSET = 148480;
     static constexpr u32 ROW_STAGE_BYTES = 256;
+    static constexpr u32 DS_OFFSET = 131072;
     static constexpr u32 SMEM_BYTES = 184320;
     static constexpr u32 SMEM_LIMIT = 232448;   // opt-in shared memory per block on sm_90
     static constexpr int DQ_M_TILES = 1;   // 16-row dQ_i tiles per warp (backward_ops.j2)
@@ -491,6 +498,20 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 k() const { return base + C::K_OFFSET; }
+    __device__ __forceinline__ u32 v() const { return base + C::V_OFFSET; }
+    __device__ __forceinline__ u32 q(int stage) const { return base + C::Q_OFFSET + stage * C::Q_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_o(int stage) const { return base + C::DO_OFFSET + stage * C::DO_STAGE_BYTES; }
+    __device__ __forceinline__ u32 lse(int stage) const { return base + C::LSE_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_rows(int stage) const { return base + C::DROW_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 ds() const { return base + C::DS_OFFSET; }
+    __device__ __forceinline__ u32 dq_staging() const { return base + C::DQ_STAGE_OFFSET; }
 };
 static_assert(C::BC == 128 && C::THREADS == 256, "two warpgroups, each owning 64 kv rows of the tile");
 static_assert(C::BR % 64 == 0 && C::D % 64 == 0 && C::DV % 64 == 0, "wgmma panels are 64 columns wide");
@@ -563,7 +584,7 @@ __device__ __forceinline__ void load_tile_panels(u32 tile, const u16* src, i64 r
     }
 }
 
-
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -571,6 +592,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
@@ -767,8 +789,8 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         i64 dk_batch_stride, i64 dk_head_stride, i64 dk_row_stride,
         i64 dv_batch_stride, i64 dv_head_stride, i64 dv_row_stride) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 k_tile = smem_base + C::K_OFFSET, v_tile = smem_base + C::V_OFFSET, ds_tile = smem_base + C::DS_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 k_tile = shared.k(), v_tile = shared.v(), ds_tile = shared.ds();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warpgroup = warp / 4;
     const int warp_row = warp * 16;   // this warp's 16 kv rows of the tile (its warpgroup's 64: warpgroup * 64 + ...)
     const int kv_heads = heads / kv_group;
@@ -801,16 +823,16 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
     auto issue = [&](int s, int slot) {
         const int head = kv_head * kv_group + s / tiles, q0 = (tile_begin + s % tiles) * C::BR;
         load_tile_panels<C::BR, C::D / 8, C::THREADS>(
-            smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES,
+            shared.q(slot),
             q + batch * q_batch_stride + head * q_head_stride + (i64)q0 * q_row_stride, q_row_stride, q_len - q0);
         load_tile_panels<C::BR, C::DV / 8, C::THREADS>(
-            smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES,
+            shared.d_o(slot),
             dout + batch * do_batch_stride + head * do_head_stride + (i64)q0 * do_row_stride, do_row_stride, q_len - q0);
         const i64 row0 = ((i64)batch * heads + head) * q_len + q0;
         for (int r = threadIdx.x; r < 2 * C::BR; r += C::THREADS) {
             const int row = r % C::BR;
             const bool valid = q0 + row < q_len;
-            const u32 dst = smem_base + (r < C::BR ? C::LSE_OFFSET : C::DROW_OFFSET) + slot * C::ROW_STAGE_BYTES + row * 4;
+            const u32 dst = (r < C::BR ? shared.lse(slot) : shared.d_rows(slot)) + row * 4;
             if (valid || r >= C::BR) cp_async_4(dst, (r < C::BR ? lse : d_rows) + (valid ? row0 + row : 0), valid);
             else asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(dst), "f"(-NEG_INF));   // LSE = +inf: P = 0
         }
@@ -828,7 +850,7 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
 
     // [backward_wgmma_d128.tile:14] for each query head of the GQA group, for each visible q tile (serial)
     for (int s = 0; s < steps; ++s) {
-        const int slot = s % C::STAGES;
+        const int slot = (s) % C::STAGES;
         if constexpr (C::STAGES == 1) {
             __syncthreads();   // every warp is done with the slot before it is refilled
             issue(s, 0);
@@ -844,10 +866,10 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             cp_async_commit();
         }
         const int q0 = (tile_begin + s % tiles) * C::BR;
-        const u32 q_tile = smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES;
-        const u32 do_tile = smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES;
-        const u32 lse_tile = smem_base + C::LSE_OFFSET + slot * C::ROW_STAGE_BYTES;
-        const u32 drow_tile = smem_base + C::DROW_OFFSET + slot * C::ROW_STAGE_BYTES;
+        const u32 q_tile = shared.q(slot);
+        const u32 do_tile = shared.d_o(slot);
+        const u32 lse_tile = shared.lse(slot);
+        const u32 drow_tile = shared.d_rows(slot);
         float acc_s[1][C::BR / 8][4], acc_dp[1][C::BR / 8][4];
         u32 p_frag[C::BR / 16][4], ds_frag[C::BR / 16][4];
         // [backward_wgmma_d128.tile:15] S^T = K_j Q_i^T (transposed: P^T is then the A operand of dV)
@@ -856,7 +878,7 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
         // [backward_wgmma_d128.tile:15] dP^T = V_j dO_i^T
         issue_abt<C::BR / 8, C::DV / 16, C::BC, wgmma_ss_n64>(acc_dp, v_tile, warpgroup * 64, do_tile);
         if constexpr (C::DQ_STAGED)   // the last step's dQ_i (staged; the barrier above made it visible) while they run
-            if (s > 0) flush_dq<C>(smem_base + C::DQ_STAGE_OFFSET, dq_accum, s - 1, tiles, tile_begin, batch, heads, kv_head,
+            if (s > 0) flush_dq<C>(shared.dq_staging(), dq_accum, s - 1, tiles, tile_begin, batch, heads, kv_head,
                                    kv_group, q_len);
         wgmma_wait<1>();   // S^T has landed; dP^T may still be running
         fence_accumulators(flat(acc_s));
@@ -947,7 +969,7 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
             const int rows0 = warpgroup * C::DQ_WARPGROUP_ROWS + (warp % 4) * 16;   // this warp's 16 rows of dQ_i
             float* dq_rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D + warpgroup * C::DQ_WARPGROUP_COLS;
             if constexpr (C::DQ_STAGED) {   // every thread's rows and columns, fp32, into the staging rows
-                const u32 stage = smem_base + C::DQ_STAGE_OFFSET + warpgroup * C::DQ_WARPGROUP_COLS * 4 + (lane & 3) * 8;
+                const u32 stage = shared.dq_staging() + warpgroup * C::DQ_WARPGROUP_COLS * 4 + (lane & 3) * 8;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = rows0 + (lane >> 2) + 8 * h;
@@ -995,7 +1017,7 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_wgmma_atomic_backw
     if constexpr (C::DQ_STAGED)
         if (steps > 0) {
             __syncthreads();   // the last step's dQ_i staging is complete
-            flush_dq<C>(smem_base + C::DQ_STAGE_OFFSET, dq_accum, steps - 1, tiles, tile_begin, batch, heads, kv_head, kv_group,
+            flush_dq<C>(shared.dq_staging(), dq_accum, steps - 1, tiles, tile_begin, batch, heads, kv_head, kv_group,
                         q_len);
         }
 

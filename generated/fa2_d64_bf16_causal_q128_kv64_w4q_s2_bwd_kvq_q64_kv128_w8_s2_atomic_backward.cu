@@ -68,7 +68,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -241,6 +244,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -449,7 +456,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per q tile (backward tile q)
     static constexpr int BC = 128;   // keys per block (backward tile kv)
@@ -490,6 +497,19 @@ struct C {
     static constexpr float SCALE = 0.125f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.18033688011112042f;   // scale * log2(e): softmax through exp2
 };
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 k() const { return base + C::K_OFFSET; }
+    __device__ __forceinline__ u32 v() const { return base + C::V_OFFSET; }
+    __device__ __forceinline__ u32 q(int stage) const { return base + C::Q_OFFSET + stage * C::Q_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_o(int stage) const { return base + C::DO_OFFSET + stage * C::DO_STAGE_BYTES; }
+    __device__ __forceinline__ u32 lse(int stage) const { return base + C::LSE_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_rows(int stage) const { return base + C::DROW_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 ds() const { return base + C::DS_OFFSET; }
+};
 static_assert(C::BC == C::WARPS * C::KV_ROWS_PER_WARP && C::KV_ROWS_PER_WARP == 16 * C::KV_M_TILES, "warps split the kv tile, 16 rows per mma tile");
 static_assert(C::BR % 16 == 0 && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
@@ -502,7 +522,7 @@ static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block 
 //               P^T and dS^T are already the A operands of dV += P^T dO and dK += dS^T Q.
 //   convert     dQ = scale * dQ_accum in q's dtype (atomic dQ)
 //   dq          `dq accumulate separate`: one block per q tile recomputes dS and sums dQ on chip (no atomics)
-
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -510,6 +530,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
@@ -697,8 +718,8 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
         i64 dk_batch_stride, i64 dk_head_stride, i64 dk_row_stride,
         i64 dv_batch_stride, i64 dv_head_stride, i64 dv_row_stride) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 k_tile = smem_base + C::K_OFFSET, v_tile = smem_base + C::V_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 k_tile = shared.k(), v_tile = shared.v();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = warp * C::KV_ROWS_PER_WARP;   // this warp's kv rows in the tile
     const int kv_heads = heads / kv_group;
@@ -730,16 +751,16 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
     auto issue = [&](int s, int slot) {
         const int head = kv_head * kv_group + s / tiles, q0 = (tile_begin + s % tiles) * C::BR;
         load_tile_async<C::BR, C::D / 8, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-            smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES,
+            shared.q(slot),
             q + batch * q_batch_stride + head * q_head_stride + (i64)q0 * q_row_stride, q_row_stride, q_len - q0);
         load_tile_async<C::BR, C::DV / 8, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-            smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES,
+            shared.d_o(slot),
             dout + batch * do_batch_stride + head * do_head_stride + (i64)q0 * do_row_stride, do_row_stride, q_len - q0);
         const i64 row0 = ((i64)batch * heads + head) * q_len + q0;
         for (int r = threadIdx.x; r < 2 * C::BR; r += C::THREADS) {
             const int row = r % C::BR;
             const bool valid = q0 + row < q_len;
-            const u32 dst = smem_base + (r < C::BR ? C::LSE_OFFSET : C::DROW_OFFSET) + slot * C::ROW_STAGE_BYTES + row * 4;
+            const u32 dst = (r < C::BR ? shared.lse(slot) : shared.d_rows(slot)) + row * 4;
             if (valid || r >= C::BR) cp_async_4(dst, (r < C::BR ? lse : d_rows) + (valid ? row0 + row : 0), valid);
             else asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(dst), "f"(-NEG_INF));   // LSE = +inf: P = 0
         }
@@ -757,7 +778,7 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
 
     // [backward_d64.tile:14] for each query head of the GQA group, for each visible q tile (serial)
     for (int s = 0; s < steps; ++s) {
-        const int slot = s % C::STAGES;
+        const int slot = (s) % C::STAGES;
         if constexpr (C::STAGES == 1) {
             __syncthreads();   // every warp is done with the slot before it is refilled
             issue(s, 0);
@@ -772,10 +793,10 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
             cp_async_commit();
         }
         const int q0 = (tile_begin + s % tiles) * C::BR;
-        const u32 q_tile = smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES;
-        const u32 do_tile = smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES;
-        const u32 lse_tile = smem_base + C::LSE_OFFSET + slot * C::ROW_STAGE_BYTES;
-        const u32 drow_tile = smem_base + C::DROW_OFFSET + slot * C::ROW_STAGE_BYTES;
+        const u32 q_tile = shared.q(slot);
+        const u32 do_tile = shared.d_o(slot);
+        const u32 lse_tile = shared.lse(slot);
+        const u32 drow_tile = shared.d_rows(slot);
         float acc_s[C::KV_M_TILES][C::BR / 8][4], acc_dp[C::KV_M_TILES][C::BR / 8][4];
         // [backward_d64.tile:15] S^T = K_j Q_i^T (transposed: P^T is then the A operand of dV)
         zero(acc_s);
@@ -836,7 +857,7 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
         mma_pb<C::KV_M_TILES, C::D / 8, C::BR / 16, C::QK_ROW_BYTES, C::QK_SWIZZLE>(acc_dk, acc_dp, q_tile, 0, 0, lane);
         // [backward_d64.tile:15] dS^T -> shared memory for dQ_i = dS K_j
         {   // dS^T (this warp's kv rows) -> shared memory, the A operand (transposed) of dQ_i = dS K_j
-            const u32 ds_tile = smem_base + C::DS_OFFSET;
+            const u32 ds_tile = shared.ds();
 #pragma unroll
             for (int mt = 0; mt < C::KV_M_TILES; ++mt)
 #pragma unroll
@@ -855,7 +876,7 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q64_kv128_w8_s2_atomic_backward_mai
             float acc_dq[C::DQ_M_TILES][C::DQ_COLS / 8][4];
             zero(acc_dq);
             mma_atb<C::DQ_M_TILES, C::DQ_COLS / 8, C::BC / 16, C::DS_ROW_BYTES, C::DS_SWIZZLE, C::QK_ROW_BYTES, C::QK_SWIZZLE>(
-                acc_dq, smem_base + C::DS_OFFSET, rows0, k_tile, cols0 / 8, lane);
+                acc_dq, shared.ds(), rows0, k_tile, cols0 / 8, lane);
         // [backward_d64.tile:18] dQ_accum += dQ_i (red.global.add.v4.f32 or .v2; scale at the convert)
             const int head = kv_head * kv_group + s / tiles;
             float* dq_rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D + cols0;

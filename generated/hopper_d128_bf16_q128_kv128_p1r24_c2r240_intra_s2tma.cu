@@ -52,7 +52,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -225,6 +228,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -433,7 +440,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 128;   // query rows per block (tile q)
     static constexpr int BC = 128;   // keys per kv tile (tile kv)
@@ -476,6 +483,17 @@ struct C {
     static constexpr int WINDOW_RIGHT = 0;
     static constexpr float SCALE = 0.08838834764831843f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.12751743082459868f;   // scale * log2(e): softmax through exp2
+};
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
+    __device__ __forceinline__ u32 barriers() const { return base + C::BAR_OFFSET; }
 };
 static_assert(C::BR == C::CONSUMERS * 64, "each consumer warpgroup owns 64 query rows");
 static_assert(C::D % 64 == 0 && C::DV % 64 == 0, "wgmma panels are 64 columns wide");
@@ -560,6 +578,48 @@ __device__ __forceinline__ void wgmma_rs_pv(float (&d)[64], const u32 (&a)[4], u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// The two GEMMs of attention for one warpgroup's 64 rows, issued (the caller waits: wgmma_wait), shared by
+// fa2 on wgmma and the hopper family. S = Q K^T: D / 16 SS wgmmas over the Q and K panels.
+template <class C>
+__device__ __forceinline__ void issue_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
+    float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
+        const u32 column = (ks % 4) * 32;
+        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::Q_PANEL_BYTES + column, 16, 1024),
+                    smem_descriptor(k_tile + (ks / 4) * C::K_PANEL_BYTES + column, 16, 1024), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V, issued (not waited for): P's A fragments from registers, V's panels read transposed.
+template <class C>
+__device__ __forceinline__ void issue_pv(float (&o)[C::M_TILES][C::O_TILES][4], const u32 (&p_frag)[C::BC / 16][4], u32 v_tile) {
+    float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
+    fence_accumulators(d);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
+        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::V_PANEL_BYTES, 1024));
+    wgmma_commit();
+}
+
+// P (fp32 in the S accumulators) -> A fragments: two adjacent m16n8 tiles are one m16k16 fragment.
+template <class C>
+__device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 16][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
+#pragma unroll
+    for (int kk = 0; kk < C::BC / 16; ++kk) {
+        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
+        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
+        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
+        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
+    }
+}
+// Hopper's asynchronous copy engine (TMA) and the shared-memory barriers it completes on. The
+// tensor maps are encoded on the host (tiledsl/tensor_maps.py) and passed by value as
+// __grid_constant__ kernel parameters; NVRTC has no <cuda.h>, so the map is a plain 128-byte
+// struct here.
 struct __align__(64) TensorMap { unsigned long long words[16]; };
 
 // mbarrier: an arrival count plus a transaction-byte count; a phase completes when both reach
@@ -608,6 +668,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).
@@ -638,44 +699,6 @@ __device__ __forceinline__ u32 k_full(u32 bars, int stage) { return bars + C::K_
 __device__ __forceinline__ u32 v_full(u32 bars, int stage) { return bars + C::V_FULL_BAR * 8 + stage * 8; }
 __device__ __forceinline__ u32 k_empty(u32 bars, int stage) { return bars + C::K_EMPTY_BAR * 8 + stage * 8; }
 __device__ __forceinline__ u32 v_empty(u32 bars, int stage) { return bars + C::V_EMPTY_BAR * 8 + stage * 8; }
-
-// S = Q K^T for this consumer's 64 rows, issued (not waited for): D / 16 SS wgmmas.
-template <class C>
-__device__ __forceinline__ void issue_qk(float (&s)[C::M_TILES][C::S_TILES][4], u32 q_rows, u32 k_tile) {
-    float (&d)[C::S_TILES * 4] = reinterpret_cast<float (&)[C::S_TILES * 4]>(s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < C::D / 16; ++ks) {   // 16 columns = 32 B of a 128 B panel row
-        const u32 column = (ks % 4) * 32;
-        wgmma_ss_qk(d, smem_descriptor(q_rows + (ks / 4) * C::Q_PANEL_BYTES + column, 16, 1024),
-                    smem_descriptor(k_tile + (ks / 4) * C::K_PANEL_BYTES + column, 16, 1024), ks > 0);
-    }
-    wgmma_commit();
-}
-
-// O += P V, issued (not waited for): P's A fragments from registers, V's panels read transposed.
-template <class C>
-__device__ __forceinline__ void issue_pv(float (&o)[C::M_TILES][C::O_TILES][4], const u32 (&p_frag)[C::BC / 16][4], u32 v_tile) {
-    float (&d)[C::O_TILES * 4] = reinterpret_cast<float (&)[C::O_TILES * 4]>(o);
-    fence_accumulators(d);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk)   // 16 keys = 2 groups of 8 swizzled rows
-        wgmma_rs_pv(d, p_frag[kk], smem_descriptor(v_tile + kk * 16 * 128, C::V_PANEL_BYTES, 1024));
-    wgmma_commit();
-}
-
-// P (fp32 in the S accumulators) -> A fragments: two adjacent m16n8 tiles are one m16k16 fragment.
-template <class C>
-__device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 16][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
-#pragma unroll
-    for (int kk = 0; kk < C::BC / 16; ++kk) {
-        p_frag[kk][0] = pack2(p[0][2 * kk][0], p[0][2 * kk][1]);
-        p_frag[kk][1] = pack2(p[0][2 * kk][2], p[0][2 * kk][3]);
-        p_frag[kk][2] = pack2(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
-        p_frag[kk][3] = pack2(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
-    }
-}
 
 // O / l once, staged in this warp's rows of the (now free) Q panels, then 16-byte coalesced
 // stores; LSE = scale m + log l. Empty rows give O = 0 and LSE = -inf.
@@ -741,8 +764,8 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         int q_len, int kv_len, int heads, int kv_group, i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride,
         int order_groups, int items) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET, bars = smem_base + C::BAR_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q(), bars = shared.barriers();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warpgroup = warp / 4;
 
     if (threadIdx.x == 0) {
@@ -777,9 +800,9 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
                     tma_load_4d(q_tile + p * C::Q_PANEL_BYTES, q_map, p * 64, w.q0, w.head, w.batch, bars + C::Q_FULL_BAR * 8);
     // [hopper_d128.tile:12] K, V tiles through a 2-stage ring: wait for the slot's empty barrier, then copy onto its full barrier
                 for (int tile = w.tile_begin; tile < w.tile_end; ++tile, ++it) {
-                    const int stage = it % C::STAGES, round = it / C::STAGES;
-                    const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-                    const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
+                    const int stage = (it) % C::STAGES, round = (it) / C::STAGES;
+                    const u32 k_tile = shared.k(stage);
+                    const u32 v_tile = shared.v(stage);
                     if (round > 0) mbarrier_wait(k_empty(bars, stage), (round - 1) & 1);
                     mbarrier_arrive_expect_tx(k_full(bars, stage), C::K_STAGE_BYTES);
 #pragma unroll
@@ -817,9 +840,9 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
     mbarrier_wait(bars + C::Q_FULL_BAR * 8, q_round & 1);
 
     if (tile_begin < tile_end) {
-        const int tile = tile_begin, it = it_base, stage = it % C::STAGES;
-        const u32 phase = (it / C::STAGES) & 1;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
+        const int tile = tile_begin, it = it_base, stage = (it) % C::STAGES;
+        const u32 phase = ((it) / C::STAGES) & 1;
+        const u32 k_tile = shared.k(stage);
 // [hopper_d128.tile:12] wait k_full (K_j has landed)
         mbarrier_wait(k_full(bars, stage), phase);
 
@@ -848,9 +871,9 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
     }
     // [hopper_d128.tile:9] q outer (one block per q tile), kv inner; intra-warpgroup overlap
     for (int tile = tile_begin + 1; tile < tile_end; ++tile) {
-        const int local = tile - tile_begin, it = it_base + local, stage = it % C::STAGES;   // ops on an earlier tile name its distance
-        const u32 phase = (it / C::STAGES) & 1;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
+        const int local = tile - tile_begin, it = it_base + local, stage = (it) % C::STAGES;   // ops on an earlier tile name its distance
+        const u32 phase = ((it) / C::STAGES) & 1;
+        const u32 k_tile = shared.k(stage);
 // [hopper_d128.tile:13] wait for O += P_{j-2} V_{j-2} (issued last trip)
         wgmma_wait<0>();
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
@@ -875,7 +898,7 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         mbarrier_wait(v_full(bars, (it - 1) % C::STAGES), ((it - 1) / C::STAGES) & 1);
 
 // [hopper_d128.tile:10] O += P_{j-1} V_{j-1} (RS wgmma, P from registers, issued)
-        issue_pv<C>(acc_o, p_frag, smem_base + C::V_OFFSET + ((it - 1) % C::STAGES) * C::V_STAGE_BYTES);
+        issue_pv<C>(acc_o, p_frag, shared.v((it - 1) % C::STAGES));
 
 // [hopper_d128.tile:13] wait for S_j only (P_{j-1} V_{j-1} stays in flight)
         wgmma_wait<1>();
@@ -917,7 +940,7 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         mbarrier_wait(v_full(bars, (it - 1) % C::STAGES), ((it - 1) / C::STAGES) & 1);
 
 // [hopper_d128.tile:10] O += P_{j-1} V_{j-1} (RS wgmma, P from registers, issued)
-        issue_pv<C>(acc_o, p_frag, smem_base + C::V_OFFSET + ((it - 1) % C::STAGES) * C::V_STAGE_BYTES);
+        issue_pv<C>(acc_o, p_frag, shared.v((it - 1) % C::STAGES));
 
 // [hopper_d128.tile:13] wait for O += P_{j-2} V_{j-2} (issued last trip)
         wgmma_wait<0>();
@@ -933,7 +956,7 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
     // [hopper_d128.tile:9] O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores
     if (lane == 0) mbarrier_arrive(bars + C::Q_EMPTY_BAR * 8);   // Q is read: the producer may load the next item's
     named_barrier_sync(C::EPILOGUE_BAR + consumer, 128);   // every warp of this consumer is past its last Q K^T
-    store_output_panels<C>(acc_o, row_max, row_sum, smem_base + C::O_OFFSET, warp_row, lane,
+    store_output_panels<C>(acc_o, row_max, row_sum, shared.o(), warp_row, lane,
                            o + w.batch * o_batch_stride + w.head * o_head_stride + q0 * o_row_stride, o_row_stride,
                            lse + ((i64)w.batch * heads + w.head) * q_len + q0, q_len - q0);
     }

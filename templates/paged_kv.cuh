@@ -51,15 +51,15 @@ struct TilePages {
     }
 };
 
-// Tile j's entries live in slot j % PAGE_RING.
+// Tile j's entries live in slot j % PAGE_RING of the ring at `ring` (the Shared view's pages()).
 template <class C>
-__device__ __forceinline__ u32 page_slot(u32 smem_base, int tile) {
-    return smem_base + C::PAGES_OFFSET + (C::PAGE_RING > 0 ? tile % C::PAGE_RING : 0) * C::TILE_PAGES * 4;
+__device__ __forceinline__ u32 page_slot(u32 ring, int tile) {
+    return ring + (C::PAGE_RING > 0 ? tile % C::PAGE_RING : 0) * C::TILE_PAGES * 4;
 }
 
 template <class C>
-__device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 smem_base, int tile, int seq_kv) {
-    TilePages<C> pages{table, page_slot<C>(smem_base, tile), (tile * C::BC) >> C::PAGE_SHIFT};
+__device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 ring, int tile, int seq_kv) {
+    TilePages<C> pages{table, page_slot<C>(ring, tile), (tile * C::BC) >> C::PAGE_SHIFT};
     if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE)   // one lookup serves K and V
         pages.first = tile * C::BC < seq_kv ? load_shared_s32(pages.slot) : 0;
     if constexpr (TilePages<C>::HELD > 1) {
@@ -72,9 +72,9 @@ __device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 smem_ba
 // fa2: tile `tile`'s entries into its ring slot, by cp.async into the caller's open group (ASYNC),
 // or by plain loads and stores (the caller syncs).
 template <class C, bool ASYNC>
-__device__ __forceinline__ void copy_tile_pages(const int* table, u32 smem_base, int tile, int seq_kv) {
+__device__ __forceinline__ void copy_tile_pages(const int* table, u32 ring, int tile, int seq_kv) {
     const int first = (tile * C::BC) >> C::PAGE_SHIFT;
-    const u32 slot = page_slot<C>(smem_base, tile);
+    const u32 slot = page_slot<C>(ring, tile);
     if (threadIdx.x < C::TILE_PAGES)   // threads past the entries skip the loop (and ptxas keeps fewer registers live)
         for (int e = threadIdx.x; e < C::TILE_PAGES; e += C::THREADS) {
             if ((first + e) << C::PAGE_SHIFT >= seq_kv) break;

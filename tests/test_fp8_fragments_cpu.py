@@ -26,7 +26,7 @@ from tiledsl.spec import Axis, DType, KernelSpec, KvScale, Mask, Problem, Schedu
 LANES = range(32)
 
 
-# ---- transcriptions of common.cuh.j2 ------------------------------------------------------------
+# ---- transcriptions of common.cuh ----------------------------------------------------------------
 
 def swizzle_xor(row_bytes: int, row: int) -> int:
     shift = 0 if row_bytes >= 128 else 1 if row_bytes == 64 else 2

@@ -86,3 +86,33 @@ def test_dry_run_table(tmp_path, capsys):
     assert main(["tune", str(path), "--seqlen", "1024", "--dry-run", "--budget", "1"]) == 0
     text = capsys.readouterr().out
     assert "backward: batch" in text and "would time 1" in text and "backward q128 kv128 w8 s2 atomic" in text
+
+
+def test_both_tuners_share_one_search_loop_and_one_check(tmp_path):
+    """The backward tuner's GPU half is run_trials with the backward's Trial: a module that fails to
+    build or to check never wins, stored entries say `"pass": "backward"`, and the check's verdict is
+    judge's (CHECK_TOLERANCE, a NaN is wrong)."""
+    import math
+    from types import SimpleNamespace
+    from tiledsl.tune import backward as tune_backward
+    from tiledsl.tune import search
+    from tiledsl.tune.search import CHECK_TOLERANCE, Trial, judge, run_trials
+    from tiledsl.tune.store import TuneStore
+    assert tune_backward.CHECK_SHAPE is search.CHECK_SHAPE and not hasattr(tune_backward, "CHECK_TOLERANCE")
+    assert judge({"dq": 0.0, "dk": 1e-3, "dv": CHECK_TOLERANCE["dv"]})[0]
+    ok, _, why = judge({"dq": math.nan, "dk": 0.0, "dv": 0.5})
+    assert not ok and why.startswith("wrong result: dq error nan") and "dv error 5.00e-01" in why
+    shape = Shape(1, 2, 1024, 1024)
+    planned, rejected, budget = plan_backward_candidates(space(), shape, use_nvcc=False)
+    pending = [c for c in planned if c.status == "pending"]
+    broken, wrong = pending[0].name, pending[1].name
+    trial = Trial(lambda cs: {broken: "compile: no"}, lambda c: (c.name != wrong, {"dq": 0.0}, "wrong"),
+                  lambda c: 1.0 + len(c.name) / 1000, lambda c: 1e12, lambda c: store_key(c.spec, shape, "G", {}),
+                  {"pass": "backward"})
+    bench = SimpleNamespace(gpu="G", toolchain={})
+    store = TuneStore(tmp_path / "t.json")
+    result = run_trials(space(), shape, planned, rejected, budget, bench, trial, store, False, False, 0.0)
+    status = {c.name: c.status for c in result.candidates}
+    assert status[broken] == status[wrong] == "failed" and result.winner.name not in (broken, wrong)
+    entries = json.loads((tmp_path / "t.json").read_text())
+    assert entries and all(e["pass"] == "backward" for e in (entries.get("entries") or entries).values())

@@ -49,10 +49,11 @@ def environment() -> jinja2.Environment:
 
 @functools.lru_cache(maxsize=None)
 def header(name: str) -> str:
-    """A plain CUDA header under templates/ (`.cuh`, no Jinja), pasted into a kernel verbatim."""
+    """A plain CUDA header under templates/ (`.cuh`, no Jinja), pasted into a kernel verbatim: its lines
+    without the last newline, so `{{ header(name) }}` on a line of its own is replaced by them."""
     if not name.endswith(".cuh"):
         raise ValueError(f"{name}: only plain .cuh headers are pasted verbatim")
-    return (TEMPLATE_DIR / name).read_text()
+    return (TEMPLATE_DIR / name).read_text().removesuffix("\n")
 
 
 def render(plan: KernelPlan) -> str:

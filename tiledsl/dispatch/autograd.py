@@ -15,8 +15,8 @@ that uses it gets no gradient through it, rather than a wrong one.
 An eager call whose inputs need no gradient (inference, or under torch.no_grad) skips autograd and
 calls the forward directly: a warm call is then a dictionary lookup and a launch (runtime/launch.py).
 Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
-imports torch._dynamo on the op's first call (1.5 s on a CPU box, ~3.5 s on the H200 machine:
-bench/results/2026-12-01-first-call-3.json), more than the rest of a warm first call. So outside
+imports torch._dynamo on the op's first call (seconds: bench/NOTES.md), more than the rest of a warm
+first call. So outside
 torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same two
 implementations (`run_forward`, `run_backward`) the ops call; under torch.compile (dynamo has been
 imported by then) it calls the forward op, which dynamo traces as one node.

@@ -30,9 +30,8 @@ from ..spec import AUTO, DECODE_MAX_QUERIES, Axis, DType, KernelSpec, Mask, Mma,
 
 MAX_HEAD_DIM = 256        # the largest head dim the API serves (and the GPU tests cover)
 # Head dims the decode kernel serves for every query count and GQA group on the GPU
-# (tests/test_gpu_decode.py's sweep, tests/test_gpu_paged.py). Until 2026-12 only 128: the merge
-# let lanes past the head dim leave its column loop early, so with head dims not a multiple of
-# 128 their shuffles of the next row met the others' (wrong O at d=16 and d=64 on the H200).
+# (tests/test_gpu_decode.py's sweep, tests/test_gpu_paged.py). Every lane of the merge takes every
+# shuffle, so head dims that are not a multiple of 128 merge correctly too.
 DECODE_HEAD_DIMS = tuple(range(16, MAX_HEAD_DIM + 1, 16))
 # The shape candidates are ranked on: long enough that tails and launch costs don't decide.
 REPRESENTATIVE_SEQLEN = 4096
@@ -43,20 +42,12 @@ _WGMMA_TILES = ((64, 4), (128, 8))            # one 64-row warpgroup per 4 warps
 _DECODE = tuple(Schedule(tile_q=16, tile_kv=kv, warps=4, warp_axis=Axis.KV, stages=stages, split_kv=AUTO)
                 for stages, kv in ((1, 128), (1, 64), (2, 64), (2, 32)))
 # FP8 (e4m3) KV decode: Schedule fields over _DECODE[0] (e.g. tile_kv, stages, fp8_convert,
-# min_blocks), tried before _DECODE; None: the bf16 order. Measured on the H200, every variant
-# validated against the float64 reference first:
-#   2026-11-30-fp8-decode-2.json, the `shared` conversion: the bf16 schedule (kv128 x 1) was the
-#   fastest, 1.39-1.40x bf16 KV contiguous and 1.25-1.28x paged; kv64 x 4 1.20-1.30x, kv256 x 1
-#   0.82-0.90x, kv128 x 2/3 0.78-0.98x. The conversion pass through shared memory was the limit.
-#   2026-12-01-fp8-decode-1.json, the `fragments` conversion (no 16-bit tile: 36 KB of shared
-#   memory instead of 100 KB at d128): the bf16 schedule again wins, 1.72-1.88x contiguous and
-#   1.70-1.84x paged (0.81-0.99 of the device copy rate); kv256 x 1 1.66-1.88x, 2-3 stages
-#   1.63-1.86x, kv64 1.57-1.80x, min blocks 3 (168 registers) no better than 2. Timed again in
-#   -2.json and -3.json: kv128 x 1 1.72-1.89x contiguous, 1.70-1.83x paged; kv256 x 1 paged
-#   1.73-1.88x (ahead at n = 128k, behind contiguous): a paged-only default left untried.
+# min_blocks), tried before _DECODE; None: the bf16 order. The `fragments` conversion (ldmatrix on
+# the e4m3 ring, no 16-bit tile) with the bf16 tile and depth was the fastest variant measured, on a
+# contiguous and on a paged cache (bench/NOTES.md, "Why the tables hold what they hold").
 FP8_DECODE_SCHEDULE: dict | None = {"fp8_convert": "fragments"}
-# Above this head dim the FP8 schedule takes 64-key tiles: at 224 with 128 keys ptxas spilled
-# 112 bytes (fragments, contiguous, bf16; 2026-12-01), at 64 keys nothing from 160 to 256.
+# Above this head dim the FP8 schedule takes 64-key tiles: with 128 keys ptxas spills there, with 64
+# it does not, up to 256.
 FP8_DECODE_KV128_MAX_HEAD_DIM = 192
 
 

@@ -22,10 +22,9 @@ from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature, view
 from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
-# (head dim) -> (tile q, tile kv, warps, stages), bf16 at 4k on H200, dq atomic
-# (bench/results/2026-11-30-backward-1.json):
-# d64 q128/kv128/w8 230 / 207 TFLOP/s none / causal (0.91x / 0.96x SDPA flash backward); d128 q64/kv128/w8
-# 240 / 210 (0.88x / 0.87x). fp16 has the same shapes. Other head dims take the first fallback that fits.
+# (head dim) -> (tile q, tile kv, warps, stages) of the mma.sync kernel, dq atomic: the fastest measured
+# at 4k on the H200 (bench/NOTES.md, "Why the tables hold what they hold"). fp16 has the same shapes.
+# Other head dims take the first fallback that fits.
 BACKWARD_TUNED: dict[int, BackwardSchedule] = {64: BackwardSchedule(tile_q=128, tile_kv=128, warps=8, stages=2),
                                                128: BackwardSchedule(tile_q=64, tile_kv=128, warps=8, stages=2)}
 
@@ -36,12 +35,12 @@ _FALLBACKS = tuple(BackwardSchedule(tile_q=q, tile_kv=kv, warps=w, stages=s)
 # The wgmma main kernel (templates/backward_wgmma.cu.j2): attention_backward uses it when this is on,
 # the GPU is a Hopper (sm_90a) and BACKWARD_WGMMA_TUNED has the head dim (same qk and v head dims, atomic dQ);
 # everything else keeps the mma.sync kernel. On: validated on the H200 (tests/test_gpu_backward_wgmma.py) and
-# 1.3-1.5x the mma.sync kernel at 1k-16k (bench/results/2026-12-01-backward-ab-2.json).
+# faster than the mma.sync kernel at every measured shape (bench/NOTES.md, "Why the tables hold what they hold").
 BACKWARD_WGMMA = True
 
 # (head dim) -> (tile q, tile kv, warps, stages) of the wgmma kernel: 2 warpgroups x 64 keys.
-# d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns): bench/results/2026-12-01-backward-ab-1.json
-# (d64 q64 splits dQ by keys, twice the atomics: no faster than mma.sync there).
+# d64 tile q 128 (dQ split by rows), d128 tile q 64 (split by columns); d64 q64 would split dQ by keys,
+# twice the atomics.
 BACKWARD_WGMMA_TUNED: dict[int, BackwardSchedule] = {
     64: BackwardSchedule(tile_q=128, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA),
     128: BackwardSchedule(tile_q=64, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA)}

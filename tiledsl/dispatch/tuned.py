@@ -23,16 +23,14 @@ from ..mods.model import NO_MODS, Modifications
 from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
 from .kernels import add, kernel_for
 
-# From H200 measurements, peers in the same run (bench/results/2026-11-30-hopper-ablation-3.json,
-# `python bench/hopper_ablation.py OUT.json`): the hopper family wins every (head dim, mask) it
-# serves; its best schedule per entry, as a ratio to SDPA cuDNN at 4k-16k:
-#   d64 none / causal:    3 consumers, q192/kv128, intra overlap       (0.99-1.08 / 0.97-1.06)
-#   d128 none:            2 consumers, q128/kv128, intra overlap       (0.99-1.01)
-#   d128 causal:          2 consumers, q128/kv128, ping-pong + intra   (0.96-1.02)
-#   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra        (0.91-0.94 / 0.98-1.02)
+# The table's entries are the hopper family's fastest schedule per (head dim, mask), measured on the
+# H200 against SDPA in the same run (bench/NOTES.md, "Why the tables hold what they hold"):
+#   d64 none / causal:    3 consumers, q192/kv128, intra overlap
+#   d128 none:            2 consumers, q128/kv128, intra overlap
+#   d128 causal:          2 consumers, q128/kv128, ping-pong + intra
+#   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra
 # fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
-# both are measured. Before the hopper family the table held FA2-on-wgmma schedules
-# (bench/results/2026-11-30-tune-bench-3.json), 0.67-0.85x cuDNN.
+# both are measured.
 def hopper_schedule(tile_q: int, tile_kv: int, consumers: int, pingpong: bool = False, intra: bool = False) -> Schedule:
     """A hopper schedule as the checker completes one (frontend.rules.schedule_with_defaults): producer 1,
     the consumers' register split, 2 TMA stages, wgmma, 4 warps a warpgroup."""

@@ -32,8 +32,8 @@ BACKWARD_DQ_TILE_KV = 64       # `dq accumulate separate`: keys per kv tile of t
 
 BACKWARD_MAX_DIM = 256         # preprocess: a warp's lanes take 2 columns per 64 (u32 loads)
 
-# atomic dQ: fp32 per red.global.add (v4: lane pairs swap halves); the first is the default (v2: the measured one,
-# backward-bench-1; v4 validated on the H200, untimed)
+# atomic dQ: fp32 per red.global.add (v4: lane pairs swap halves); the first is the default (v2, the one
+# timed; v4 is validated but untimed: bench/NOTES.md)
 BACKWARD_DQ_VECTORS = (2, 4)
 
 
@@ -163,8 +163,8 @@ def backward_wgmma_dq_stage_row_bytes(head_dim: int) -> int:
 
 def backward_wgmma_dv_schedule(tile_q: int, head_dim: int) -> tuple[str, bool]:
     """(order, waited) of dV's wgmma in the q loop (lower_backward's _WGMMA_ORDERS). "late" (dV and dK
-    issued together after dS^T) was the fastest at every shape of bench/results/2026-12-01-backward-ab-2.json
-    (d64 q128 +3-5%, d128 q64 +1-3% over "early") and the lightest on registers; "early" overlaps dV with
+    issued together after dS^T) was the faster at every shape measured (bench/NOTES.md) and the
+    lightest on registers; "early" overlaps dV with
     dS^T's arithmetic but keeps P^T's fragments alive over it (at tile q 128 it spills unless dS^T waits
     for dV: ("early", True))."""
     return ("late", False)

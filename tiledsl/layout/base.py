@@ -233,6 +233,8 @@ def split_q_rules(spec: KernelSpec, family: str, why: str = "") -> None:
              "use tile kv = 32, 64 or 128")
 
 
-FA2_PAGE_RING_MIN = 16   # smaller pages give a row or two per entry: a shared read per row cost registers (ptxas
+# Smaller pages give a row or two per ring entry: a shared read per row costs registers (ptxas spills),
+# so those read the block table inline.
+FA2_PAGE_RING_MIN = 16
 
 TEMPLATE_DTYPES = (DType.FP16, DType.BF16)

@@ -92,9 +92,9 @@ FP8_CONVERTS = ("shared", "fragments")
 FP8_CONVERT_DEFAULT = FP8_CONVERTS[0]
 
 # Registers the fragments path's ldmatrix words and converted pairs hold beyond the shared path's,
-# a ballpark from ptxas (sm_90a, 2026-12-01): with it Q leaves the registers (mma_qk_fp8 reads its
-# fragments from shared memory per k step) from head dim 192 at 128-key tiles and 224 at 64, where
-# ptxas spilled 8-288 bytes with Q in registers; at 128 and 160 Q stays, spill-free.
+# a ballpark from ptxas reports (bench/NOTES.md): with it Q leaves the registers (mma_qk_fp8 reads
+# its fragments from shared memory per k step) at the head dims where ptxas spilled with Q in
+# registers, and stays where it did not.
 FP8_FRAGMENT_REGISTERS = 56
 
 

@@ -105,17 +105,14 @@ def fa2_page_walk(page_size: int | None, tile_kv: int) -> str:
     return "slice" if page_size % tile_kv == 0 else "rows"
 
 
-                         # spilled 60 B at d=128, page 1), so those read the table inline
-
 
 def fa2_page_ring(page_size: int | None, tile_kv: int, stages: int) -> tuple[int, int]:
     """(slots, entries per slot) of the shared-memory ring that holds an fa2 block's block-table
     entries ahead of its K/V loads; (0, 0) when the loads read the table themselves (contiguous
-    cache; one stage: nothing to overlap the read with; pages under FA2_PAGE_RING_MIN keys). A slot holds one kv tile's
-    entries (one
-    per page it touches). The copy of tile j + stages - 1's entries rides in tile j's K cp.async
-    group, so the entries are in shared memory a whole pipeline step before the loads that use
-    them (a table read in front of the prefetch cost 8-11%: paged-prefill-3). The prologue issues
+    cache; one stage: nothing to overlap the read with; pages under FA2_PAGE_RING_MIN keys). A slot
+    holds one kv tile's entries (one per page it touches). The copy of tile j + stages - 1's entries
+    rides in tile j's K cp.async group, so the entries are in shared memory a whole pipeline step
+    before the loads that use them (a table read in front of the prefetch stalls it). The prologue issues
     stages - 1 tiles and copies the entries of the next stages - 1 with no barrier between, so the
     ring holds 2 (stages - 1) tiles; the loop needs `stages` (reads tile j + stages - 1's slot, writes
     tile j + 2 stages - 2's, after a barrier). Entries: the most pages one tile's keys touch."""

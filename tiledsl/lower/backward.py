@@ -1,4 +1,4 @@
-"""Lowering of the backward (issue 14): a spec's `backward { }` schedule -> the plan of
+"""Lowering of the backward: a spec's `backward { }` schedule -> the plan of
 templates/backward.cu.j2 (preprocess, kv-outer main kernel on mma.sync, and convert or the q-outer dQ
 kernel), or with `mma wgmma` of templates/backward_wgmma.cu.j2 (the same preprocess and convert, the
 main kernel on Hopper's warpgroup MMA: lower_backward_wgmma below).
@@ -17,7 +17,7 @@ from ..schedule.backward import build_backward_graph
 from ..layout.backward import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS,
     backward_has_template, backward_wgmma_dq_stage_row_bytes, backward_wgmma_dv_schedule, backward_layout)
 from ..layout.base import tile_row_bytes
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from .plan import Constant, KernelPlan, Launch, LoopOp, Region, SharedBuffer, make_plan
 from .steps import spec_line, graph_loop_body, smem_constants, softmax_constants, tile_row_constants
 from ..spec import DqAccumulate, Family, KernelSpec, Mma
 
@@ -81,6 +81,53 @@ def _loop_body(spec: KernelSpec, atomic: bool) -> tuple[LoopOp, ...]:
     return body
 
 
+def ring_constants(buffers: dict, stages: int, ds_offset: int) -> list[Constant]:
+    """Where the main kernel (either template) keeps K_j and V_j (once), the rings of Q_i, dO_i and the
+    LSE_i, D_i rows (STAGES slots each), and dS^T: the layout's buffers. MAIN_SHARED names them."""
+    return [
+        Constant("STAGES", "int", stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
+        Constant("K_OFFSET", "u32", buffers["K"].offset),
+        Constant("V_OFFSET", "u32", buffers["V"].offset),
+        Constant("Q_OFFSET", "u32", buffers["Q"].offset),
+        Constant("Q_STAGE_BYTES", "u32", buffers["Q"].bytes // stages),
+        Constant("DO_OFFSET", "u32", buffers["dO"].offset),
+        Constant("DO_STAGE_BYTES", "u32", buffers["dO"].bytes // stages),
+        Constant("LSE_OFFSET", "u32", buffers["LSE"].offset),
+        Constant("DROW_OFFSET", "u32", buffers["D"].offset),
+        Constant("ROW_STAGE_BYTES", "u32", buffers["LSE"].bytes // stages),
+        Constant("DS_OFFSET", "u32", ds_offset),
+    ]
+
+
+# The main kernel's shared memory in its typed view (ring_constants), and the separate dQ kernel's.
+MAIN_SHARED = (SharedBuffer("k", "K_OFFSET"), SharedBuffer("v", "V_OFFSET"),
+               SharedBuffer("q", "Q_OFFSET", "Q_STAGE_BYTES"), SharedBuffer("d_o", "DO_OFFSET", "DO_STAGE_BYTES"),
+               SharedBuffer("lse", "LSE_OFFSET", "ROW_STAGE_BYTES"),
+               SharedBuffer("d_rows", "DROW_OFFSET", "ROW_STAGE_BYTES"), SharedBuffer("ds", "DS_OFFSET"))
+DQ_KERNEL_SHARED = (SharedBuffer("dq_q", "DQK_Q_OFFSET"), SharedBuffer("dq_d_o", "DQK_DO_OFFSET"),
+                    SharedBuffer("dq_k", "DQK_K_OFFSET", "DQK_K_STAGE_BYTES"),
+                    SharedBuffer("dq_v", "DQK_V_OFFSET", "DQK_V_STAGE_BYTES"))
+
+
+def backward_regions(spec: KernelSpec, zeroed: str, main: str, kv_home: str) -> dict:
+    """The regions both backward templates name: `zeroed` qualifies the preprocess's zeroing of dQ_accum,
+    `main` is the main kernel's loop, `kv_home` where K_j and V_j stay."""
+    b, w = spec.backward, lambda key: spec_line(spec, key)
+    return {
+        "preprocess": Region(w("backward"), f"D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum{zeroed}"),
+        "main": Region(w("backward.order"), main),
+        "q_range": Region(w("mask"),
+                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
+        "load_kv": Region(w("backward.pipeline"),
+                          f"K_j, V_j ({b.tile_kv} rows) -> {kv_home}, kept for the whole q loop"),
+        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
+        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
+        "store_dkv": Region(w("backward.tile"),
+                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+    }
+
+
 def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], limits: DeviceLimits = H200,
                    **wgmma_options) -> BackwardPlan:
     """The plan of `spec`'s backward module on `limits`; SpecError at the backward line when no template
@@ -115,17 +162,7 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], li
         *tile_row_constants(qk_row, qk_sw, v_row, v_sw),
         Constant("DS_ROW_BYTES", "int", ds_row, "shared-memory row of dS^T"),
         Constant("DS_SWIZZLE", "bool", ds_sw),
-        Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
-        Constant("K_OFFSET", "u32", buf["K"].offset),
-        Constant("V_OFFSET", "u32", buf["V"].offset),
-        Constant("Q_OFFSET", "u32", buf["Q"].offset),
-        Constant("Q_STAGE_BYTES", "u32", buf["Q"].bytes // b.stages),
-        Constant("DO_OFFSET", "u32", buf["dO"].offset),
-        Constant("DO_STAGE_BYTES", "u32", buf["dO"].bytes // b.stages),
-        Constant("LSE_OFFSET", "u32", buf["LSE"].offset),
-        Constant("DROW_OFFSET", "u32", buf["D"].offset),
-        Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
-        Constant("DS_OFFSET", "u32", buf["dS^T"].offset if atomic else 0),
+        *ring_constants(buf, b.stages, buf["dS^T"].offset if atomic else 0),
         *smem_constants(main),
         Constant("DQ_M_TILES", "int", lay.dq_m_tiles, "dQ_i = dS K_j: 16-row tiles per warp"),
         Constant("DQ_ROW_GROUPS", "int", lay.dq_row_groups, "warps along dQ_i's rows"),
@@ -155,24 +192,13 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], li
             Constant("DQK_SMEM_BYTES", "u32", lay.dq_kernel_smem),
         ]
         dq_launch = Launch(threads=lay.dq_kernel_threads, smem_bytes=lay.dq_kernel_smem, tile_q=b.tile_q)
-    w = lambda key: spec_line(spec, key)   # noqa: E731
-    regions = {
-        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum (atomic dQ)"),
-        "main": Region(w("backward.order"), "kv outer: one block per (kv tile, batch * kv head), dK and dV on chip"),
-        "q_range": Region(w("mask"),
-                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
-        "load_kv": Region(w("backward.pipeline"),
-                          f"K_j, V_j ({b.tile_kv} rows) -> shared memory, kept for the whole q loop"),
-        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
-        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
-        "store_dkv": Region(w("backward.tile"),
-                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
-        "dq": Region(w("backward.dq"),
-                     f"dq accumulate separate: one block per q tile, {BACKWARD_DQ_TILE_KV}-key tiles, "
-                     "dQ on chip"),
-    }
-    return _make(spec, consts, regions, _loop_body(spec, atomic), main, names, atomic, dq_launch, b.tile_kv)
+    regions = backward_regions(spec, " (atomic dQ)", "kv outer: one block per (kv tile, batch * kv head), dK and dV on "
+                               "chip", "shared memory")
+    regions["dq"] = Region(spec_line(spec, "backward.dq"), f"dq accumulate separate: one block per q tile, "
+                           f"{BACKWARD_DQ_TILE_KV}-key tiles, dQ on chip")
+    shared = MAIN_SHARED + (() if atomic else DQ_KERNEL_SHARED)
+    return _make(spec, consts, regions, _loop_body(spec, atomic), main, names, atomic, dq_launch, b.tile_kv,
+                 shared=shared)
 
 
 def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv, template=TEMPLATE,
@@ -257,17 +283,7 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, limits: DeviceLimits 
         Constant("THREADS", "int", main.threads, "two warpgroups"),
         Constant("KV_M_TILES", "int", 1,
                  "16-row accumulator tiles per warp (backward_ops.j2): a warp's slice of 64 rows"),
-        Constant("STAGES", "int", b.stages, "Q_i, dO_i, LSE_i, D_i ring slots"),
-        Constant("K_OFFSET", "u32", buf["K"].offset),
-        Constant("V_OFFSET", "u32", buf["V"].offset),
-        Constant("Q_OFFSET", "u32", buf["Q"].offset),
-        Constant("Q_STAGE_BYTES", "u32", buf["Q"].bytes // b.stages),
-        Constant("DO_OFFSET", "u32", buf["dO"].offset),
-        Constant("DO_STAGE_BYTES", "u32", buf["dO"].bytes // b.stages),
-        Constant("DS_OFFSET", "u32", buf["dS^T"].offset),
-        Constant("LSE_OFFSET", "u32", buf["LSE"].offset),
-        Constant("DROW_OFFSET", "u32", buf["D"].offset),
-        Constant("ROW_STAGE_BYTES", "u32", buf["LSE"].bytes // b.stages),
+        *ring_constants(buf, b.stages, buf["dS^T"].offset),
         *smem_constants(main),
         Constant("DQ_M_TILES", "int", 1, "16-row dQ_i tiles per warp (backward_ops.j2)"),
         Constant("DQ_COLS", "int", lay.dq_cols,
@@ -294,25 +310,13 @@ def lower_backward_wgmma(spec: KernelSpec, dq_vector: int, limits: DeviceLimits 
              "convert": f"{backward_kernel_name(spec)}_convert"}
     dp_note = "dV still running" if pending else ("dV's wgmma waited for too" if dv_order == "early"
                                                    else "dV, dK are issued after it")
-    w = lambda key: spec_line(spec, key)   # noqa: E731
-    regions = {
-        "preprocess": Region(w("backward"), "D = rowsum(dO * O) (fp32), one warp per row; zero dQ_accum"),
-        "main": Region(w("backward.order"), "kv outer on wgmma: one block per (kv tile, batch * kv head), two "
-                       "warpgroups of 64 keys, dK and dV in their accumulators"),
-        "q_range": Region(w("mask"),
-                          "the q tiles that see this kv tile (bottom-right aligned masks; none past kv_lens)"),
-        "load_kv": Region(w("backward.pipeline"),
-                          f"K_j, V_j ({bc} rows) -> shared memory panels, kept for the whole q loop"),
-        "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
-        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
-        "store_dkv": Region(w("backward.tile"),
-                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
-    }
+    regions = backward_regions(spec, "", "kv outer on wgmma: one block per (kv tile, batch * kv head), two "
+                               "warpgroups of 64 keys, dK and dV in their accumulators", "shared memory panels")
     graph_body = _loop_body(spec, True)   # the backward graph's emission order: the layout's dV schedule
     assert tuple(op.kind for op in graph_body) == _WGMMA_ORDERS[chosen[0]], [op.kind for op in graph_body]
     body = {op.kind: op for op in graph_body}
     order = _WGMMA_ORDERS[dv_order]   # an A/B's other order (lower_backward's options) reorders the same ops
     ops, wgmma = _wrappers(b.tile_q, d, p.head_dim_v, lay.dq_cols)
     return _make(spec, consts, regions, [body[k] for k in order], main, names, True, None, bc,
-                 template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note)
+                 template=WGMMA_TEMPLATE, wgmma_ops=ops, wgmma=wgmma, mma="wgmma", dp_wait_note=dp_note,
+                 shared=MAIN_SHARED + (SharedBuffer("dq_staging", "DQ_STAGE_OFFSET"),))

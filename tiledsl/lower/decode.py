@@ -13,7 +13,7 @@ Sizes come from layout/ (its _decode); the template only names them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..layout.base import Layout, cp_async_pending, tile_row_bytes
@@ -22,15 +22,17 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
-from .steps import (LOOP_TEXT, require, spec_line, graph_loop_body, kv_buffer_constants, page_constants,
-    smem_constants, softmax_constants, tile_row_constants)
+from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .steps import (BLOCK_TABLE, IN16, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32, graph_loop_body, kv_buffer_constants,
+    page_constants, parameters, require, smem_constants, softmax_constants, spec_line, stride_lines, tile_row_constants)
 
 
-@dataclass(frozen=True)
-class DecodePlan(KernelPlan):
-    kv_fp8: bool = False   # K/V stored as e4m3: loaded as bytes, dequantized by each warp before its MMA
-    fp8_convert: str = ""  # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
+# The device headers of an FP8 KV cache: what every conversion path shares, then each path's own
+# (layout.FP8_CONVERTS).
+FP8_HEADER = "fp8_kv.cuh"
+FP8_CONVERT_HEADERS = {"shared": "fp8_shared.cuh", "fragments": "fp8_fragments.cuh"}
+# `dequant shared`: the warps' 16-bit slices of K and V, converted from the e4m3 rings.
+DEQUANTIZED_SHARED = (SharedBuffer("k_dequantized", "KD_OFFSET"), SharedBuffer("v_dequantized", "VD_OFFSET"))
 
 
 def fp8_constants(spec: KernelSpec, lay, keys_per_warp: int, convert: str) -> list[Constant]:
@@ -219,13 +221,31 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                                                      s.tile_kv) else f"{spec.kernel_name}__kv{tile_kv}_s{stages}"
     if not prefetch_first:
         name += "__wait_first"
+    # the graph's loads: each warp its own key slice of a tile (paged: through the block table)
+    kv_walk = ("paged_" if walk else "") + ("slice" if graph.op("load_k").scope == "warp" else "tile")
+    convert = fp8_convert_of(spec)
+    headers = (("paged_kv.cuh",) if walk else ()) + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ())
     return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
                                                                                        prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
                      lay.register_estimate,
-                     kernel_name=name, notes=notes, kv_load_scope=graph.op("load_k").scope,
-                     mma_traits="W", mask_rows="packed", plan_class=DecodePlan, kv_pages=walk,
-                     kv_fp8=p.kv_fp8, fp8_convert=fp8_convert_of(spec))
+                     kernel_name=name, notes=notes, kv_load=KvLoad.of(kv_walk, fp8=convert),
+                     mma_traits="W", mask_rows="packed", kv_pages=walk, kv_fp8=p.kv_fp8, fp8_convert=convert,
+                     headers=headers, shared=KV_SHARED + (DEQUANTIZED_SHARED if convert == "shared" else ()),
+                     parameters=decode_parameters(bool(walk), p.kv_fp8))
+
+
+def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:
+    """decode.cu.j2's parameters: Q, K, V, O and LSE, the splits' workspace (partial O and LSE, the
+    tickets), kv_lens (a paged cache's block table, an FP8 cache's scales after it), the sizes and the
+    split count, the strides."""
+    return ((parameters(IN16, "q", "k", "v"),
+             parameters(OUT16, "o") + parameters(OUT32, "lse", "o_part", "lse_part"),
+             parameters("int* __restrict__", "split_counters") + parameters(INT32S, "kv_lens")
+             + (BLOCK_TABLE if paged else ()) + (parameters("const float* __restrict__", "k_scale", "v_scale") if fp8
+                                                 else ())
+             + parameters("int", "q_len", "kv_len", "heads", "kv_group", "row_tiles", "num_splits"))
+            + stride_lines("q", "k", "v", "o"))
 
 
 def decode_blocks_per_sm(plan: KernelPlan, limits: DeviceLimits = H200) -> int:

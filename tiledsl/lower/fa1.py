@@ -23,9 +23,9 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op, OpKind
 from ..layout.fa1 import FA1_COMBINE_PAD_FLOATS
 from ..layout.base import Buffer, Layout, cp_async_pending, tile_row_bytes
-from .plan import Constant, KernelPlan, KvRange, Launch, LoopOp, Region, make_plan
-from .steps import (spec_line, graph_loop_body, kv_buffer_constants, smem_constants, softmax_constants,
-    tile_row_constants)
+from .plan import Constant, KernelPlan, KvLoad, KvRange, Launch, LoopOp, Region, make_plan
+from .steps import (KV_SHARED, O_SHARED, OUT32, attention_parameters, graph_loop_body, kv_buffer_constants, parameters,
+    smem_constants, softmax_constants, spec_line, tile_row_constants)
 from ..spec import Axis, Family, KernelSpec
 
 
@@ -156,4 +156,6 @@ def lower_fa1(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,
-                     kv_groups_per_tile=1, kv_range=KvRange(q0="0", rows="q_len", begin="kv_begin", end="kv_end"))
+                     kv_load=KvLoad.of(commit_each=False), shared=KV_SHARED + (O_SHARED,),
+                     parameters=attention_parameters(more=(parameters(OUT32, "o_state", "m_state", "l_state"),)),
+                     kv_range=KvRange(q0="0", rows="q_len", begin="kv_begin", end="kv_end"))

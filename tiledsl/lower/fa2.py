@@ -9,9 +9,12 @@ from ..layout.fa2 import fa2_page_ring, fa2_page_walk
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import Family, KernelSpec
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
 from .steps import (
+    KV_SHARED,
     LOOP_TEXT,
+    attention_parameters,
+    O_SHARED,
     graph_loop_body,
     kv_buffer_constants,
     page_constants,
@@ -20,6 +23,14 @@ from .steps import (
     spec_line,
     tile_row_constants,
 )
+
+
+# The launch order's group count (runtime/block_order.py): the last parameter of both fa2 kernels.
+ORDER_GROUPS = (Parameter("order_groups", "int"),)
+
+# 16-byte chunks of a K and a V row in HBM: the loads copy these (a head dim padded on chip leaves its pad
+# chunk alone, zeroed once).
+HBM_CHUNKS = ("C::QK_CHUNKS", "C::V_CHUNKS")
 
 
 def fa2_loop_body(spec: KernelSpec, graph: ScheduleGraph, stages: int) -> tuple[LoopOp, ...]:
@@ -113,7 +124,8 @@ def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
         *softmax_constants(p),
     ]
     regions = fa2_regions(spec)
-    paged = {}
+    paged = {"kv_load": KvLoad.of("tile", HBM_CHUNKS), "shared": KV_SHARED + (O_SHARED,),
+             "parameters": attention_parameters(last=ORDER_GROUPS)}
     if p.kv_page_size is not None:
         walk = fa2_page_walk(p.kv_page_size, s.tile_kv)
         slots, entries = fa2_page_ring(p.kv_page_size, s.tile_kv, s.stages)
@@ -129,10 +141,12 @@ def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
                                           else "one entry per page of the tile") + (
                                           f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots
                                           else ", read inline)"))
-        paged = {"kv_pages": walk}
+        paged = {"kv_pages": walk, "kv_load": KvLoad.of("paged_tile", HBM_CHUNKS), "headers": ("paged_kv.cuh",),
+                 "shared": KV_SHARED + (O_SHARED, SharedBuffer("pages", "PAGES_OFFSET")),
+                 "parameters": attention_parameters(paged=True, last=ORDER_GROUPS)}
     return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
-                     lay.register_estimate, hbm_chunks=("C::QK_CHUNKS", "C::V_CHUNKS"), **paged)
+                     lay.register_estimate, **paged)
 
 
 def fa2_page_constants(page_size: int, walk: str) -> list[Constant]:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hw import WARPGROUP_WARPS
+from ..hw import PANEL_ROW_BYTES, WARPGROUP_WARPS
 from ..layout.base import Layout, tile_row_bytes
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import Family, KernelSpec
-from .fa2 import fa2_loop_body, fa2_regions
-from .plan import Constant, KernelPlan, Launch, make_plan
-from .steps import kv_buffer_constants, mma_instruction, smem_constants, softmax_constants
+from .fa2 import ORDER_GROUPS, fa2_loop_body, fa2_regions
+from .plan import Constant, KernelPlan, KvLoad, Launch, make_plan
+from .steps import (KV_SHARED, O_SHARED, attention_parameters, kv_buffer_constants, mma_instruction, smem_constants,
+                    softmax_constants)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ def lower_fa2_wgmma(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, templat
         Constant("V_ROW_BYTES", "int", v_row, "shared-memory row of the O staging tile"),
         Constant("V_SWIZZLE", "bool", v_swizzle),
         *kv_buffer_constants(s.stages, q.offset, k.offset, k.stage_bytes, v.offset, v.stage_bytes),
+        Constant("Q_PANEL_BYTES", "u32", s.tile_q * PANEL_ROW_BYTES, "64 columns of every Q row (one panel)"),
+        Constant("K_PANEL_BYTES", "u32", s.tile_kv * PANEL_ROW_BYTES),
+        Constant("V_PANEL_BYTES", "u32", s.tile_kv * PANEL_ROW_BYTES,
+                 "also the wgmma leading offset of V read transposed"),
         Constant("O_OFFSET", "u32", lay.buffer("O staging").offset, "O staging for coalesced stores"),
         *smem_constants(lay),
         *softmax_constants(p),
@@ -71,5 +76,7 @@ def lower_fa2_wgmma(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, templat
     regions = fa2_regions(spec, q_layout=" into wgmma panels", kv_loop_note="; each warpgroup owns 64 rows")
     return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
-                     lay.register_estimate, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
+                     lay.register_estimate, kv_load=KvLoad.of(panels=True), shared=KV_SHARED + (O_SHARED,),
+                     parameters=attention_parameters(last=ORDER_GROUPS), mma=mma_qk.mma,
+                     wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5))

@@ -25,10 +25,11 @@ from ..layout.base import Layout
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
-from ..spec import Family, KernelSpec
+from ..spec import Family, KernelSpec, SeqLayout
 from .fa2_wgmma import WgmmaAsm
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
-from .steps import mma_instruction, smem_constants, softmax_constants, spec_line
+from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .steps import (INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters, smem_constants,
+                    softmax_constants, spec_line, stride_lines)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class HopperPlan(KernelPlan):
     prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
 
+
+# Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
+HOPPER_SHARED = KV_SHARED + (O_SHARED, SharedBuffer("barriers", "BAR_OFFSET"))
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
@@ -98,6 +102,21 @@ def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i:
                 break
             pending += graph.op(earlier).kind in (OpKind.MMA_QK, OpKind.MMA_PV)
     return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
+
+
+def hopper_parameters(varlen: bool) -> tuple[tuple[Parameter, ...], ...]:
+    """hopper.cu.j2's parameters: the TMA maps of Q, K, V (by value), O, LSE and the rest; packed
+    sequences (hopper_varlen.cu.j2) read cu_seqlens and the host's work list instead of kv_lens and
+    batched strides."""
+    maps = parameters("const __grid_constant__ TensorMap", "q_map", "k_map", "v_map")
+    if varlen:
+        return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse"),
+                parameters(INT32S, "cu_seqlens_q", "cu_seqlens_k") + parameters("const int2* __restrict__", "work"),
+                parameters("int", "heads", "kv_group", "total_q") + parameters("i64", "o_head_stride", "o_row_stride")
+                + parameters("int", "items"))
+    return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens"),
+            parameters("int", "q_len", "kv_len", "heads", "kv_group") + stride_lines("o")[0],
+            parameters("int", "order_groups", "items"))
 
 
 def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str,
@@ -175,6 +194,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
-                     pingpong=s.pingpong, o_in_q=o_in_q,
+                     pingpong=s.pingpong, o_in_q=o_in_q, shared=HOPPER_SHARED,
+                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN),
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 

@@ -33,8 +33,7 @@ class LoopOp:
     pending: int = 0          # wait_*: cp.async groups allowed to stay in flight
     distance: int = 0         # prefetch_kv: how many tiles ahead
     node: str = ""            # the scheduler-graph op this step lowers
-    tile: str = ""            # prefetch_*: the kv tile it loads and the ring slot it fills (CUDA expressions)
-    stage: str = ""
+    tile: str = ""            # prefetch_*: the kv tile it loads (a CUDA expression; its slot: ring_slot)
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,102 @@ class KvRange:
     rows: str = "C::BR"
     begin: str = "tile_begin"
     end: str = "tile_end"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One parameter of a kernel: its CUDA type and name. The list of them (KernelPlan.parameters) is both
+    the kernel's signature and the order of the host's launch arguments (runtime/kernel.py
+    kernel_arguments), which converts each value by its `kind`."""
+    name: str
+    type: str
+
+    @property
+    def kind(self) -> str:
+        return parameter_kind(self.type)
+
+
+def parameter_kind(cuda_type: str) -> str:
+    """How the host passes a parameter of `cuda_type`: pointer | i32 | i64 | map (a TMA tensor map, by
+    value). A function of the type alone, so a plan read back from the warm cache (fields only) has it."""
+    if "TensorMap" in cuda_type:
+        return "map"
+    if "*" in cuda_type:
+        return "pointer"
+    return {"int": "i32", "i64": "i64"}[cuda_type]
+
+
+@dataclass(frozen=True)
+class SharedBuffer:
+    """One buffer of a kernel's shared memory in its typed view (base.cu.j2's struct Shared): the accessor
+    `name()`, or for a ring `name(stage)`, returns its 32-bit shared address from the block's base, the
+    layout's offset constant plus stage * the stage constant (names of C's constants)."""
+    name: str
+    offset: str             # e.g. "K_OFFSET"
+    stage_bytes: str = ""   # a ring's bytes per stage (e.g. "K_STAGE_BYTES"); "": one buffer
+
+
+@dataclass(frozen=True)
+class RingLoad:
+    """One of K, V of a kv tile copied into its ring stage: the ring (the Shared view's accessor `name`),
+    the rows in HBM and the loader that copies them, with its row layout as template arguments (CUDA)."""
+    name: str               # "k" | "v": also its ring's accessor in the Shared view
+    rows: str               # this kv head's rows (k_rows); a paged cache's page stride is its batch stride
+    batch_stride: str
+    row_stride: str
+    loader: str             # e.g. load_tile_async<C::BC, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>
+    slice_bytes: str = ""   # warp slices: one warp's offset in a stage, per warp (C::WARP_K_BYTES)
+    copies_entries_ahead: bool = False   # fa2's paged K: also copies the block-table entries STAGES - 1 tiles on
+
+
+@dataclass(frozen=True)
+class KvLoad:
+    """How a kernel copies a kv tile's K and V into their ring stage, chosen in lowering (lower/steps.py:
+    kv_tile_load); macros.j2's issue_kv_tile spells `walk`'s loader for each."""
+    # KV_WALKS: tile | paged_tile (the block, through the block table) | slice (each warp its keys) | paged_slice
+    walk: str
+    k: RingLoad
+    v: RingLoad
+    commit_each: bool = True   # a cp.async group per tensor (Q K^T starts before V lands); False: the caller's one
+
+    @property
+    def scope(self) -> str:
+        """Who loads (and waits for) a tile: the whole block, or each warp its own key slice."""
+        return "warp" if self.walk.endswith("slice") else "block"
+
+    @classmethod
+    def of(cls, walk: str = "tile", chunks: tuple[str, str] = ("C::D / 8", "C::DV / 8"), fp8: str = "",
+           panels: bool = False, commit_each: bool = True) -> "KvLoad":
+        """The loads of a `walk` (KV_WALKS) copying `chunks` 16-byte chunks of each K and V row (a row's
+        HBM chunks: head dims padded on chip leave the pad alone); rows of 16-bit values in the
+        mma.sync layout, wgmma's 64-column `panels`, or an FP8 cache's e4m3 rows (`fp8`: the
+        conversion path, layout.FP8_CONVERTS; its `fragments` rings are swizzled)."""
+        if walk not in KV_WALKS:
+            raise ValueError(f"unknown kv walk {walk!r}: one of {', '.join(KV_WALKS)}")
+
+        def ring(name: str, chunk_count: str) -> RingLoad:
+            tensor = name.upper()
+            if fp8:
+                chunk_count, row_bytes = f"C::{tensor}8_CHUNKS", f"C::{tensor}8_ROW_BYTES"
+                swizzle = f"C::{tensor}8_SWIZZLE" if fp8 == "fragments" else "false"
+                slice_bytes = f"C::WARP_{tensor}8_BYTES"
+            else:
+                row = "QK" if name == "k" else "V"
+                row_bytes, swizzle, slice_bytes = f"C::{row}_ROW_BYTES", f"C::{row}_SWIZZLE", f"C::WARP_{tensor}_BYTES"
+            layout = f"{chunk_count}, {row_bytes}, {swizzle}"
+            loader = {"tile": f"load_tile_panels<C::BC, {chunk_count}, C::THREADS>" if panels
+                      else f"load_tile_async<C::BC, {layout}, C::THREADS>",
+                      "paged_tile": f"load_paged_tile<C, C::BC, {layout}, C::THREADS>",
+                      "slice": f"load_tile_async<C::KEYS_PER_WARP, {layout}, 32>",
+                      "paged_slice": f"load_paged_slice<C, C::KEYS_PER_WARP, {layout}>"}[walk]
+            return RingLoad(name, f"{name}_rows", f"{name}_batch_stride", f"{name}_row_stride", loader,
+                            slice_bytes if walk.endswith("slice") else "",
+                            copies_entries_ahead=walk == "paged_tile" and name == "k")
+        return cls(walk, ring("k", chunks[0]), ring("v", chunks[1]), commit_each)
+
+
+# How a kernel walks a kv tile's K and V rows (KvLoad.walk).
+KV_WALKS = ("tile", "paged_tile", "slice", "paged_slice")
 
 
 @dataclass(frozen=True)
@@ -75,15 +170,19 @@ class KernelPlan:
     mma: str = "mma.sync"     # the graph's MMA instruction: "mma.sync" | "wgmma"
     wgmma_qk: object = None   # wgmma only: lower_wgmma.WgmmaAsm of S = Q K^T (its n = the kv tile)
     wgmma_pv: object = None   # wgmma only: lower_wgmma.WgmmaAsm of O += P V (its n = head dim of v)
-    kv_load_scope: str = "block"   # "warp": each warp loads (and waits for) only its key slice of a kv tile
-    kv_groups_per_tile: int = 2    # cp.async groups per K/V tile: 2 (K, then V: QK^T starts before V lands) | 1
+    kv_load: KvLoad = KvLoad.of()  # how a kv tile's K and V reach their ring stage (KvLoad.scope: block | warp)
     # the constants struct attention.cuh's MMA / softmax helpers take ("W": one warp's key slice)
     mma_traits: str = "C"
     mask_rows: str = "tile"        # "tile": rows are the block's query rows | "packed": decode's (head, query) rows
     kv_range: KvRange = KvRange()  # the rows whose kv tiles the kernel walks (kv_range region)
-    hbm_chunks: tuple[str, str] = ("C::D / 8", "C::DV / 8")   # 16-byte chunks of a K and a V row in HBM (CUDA)
     # a paged KV cache's block-table walk (layout: fa2_page_walk, decode_page_walk); "": contiguous K/V
     kv_pages: str = ""
+    headers: tuple[str, ...] = ()   # plain .cuh device headers the kernel pastes (paged_kv.cuh, FP8 paths)
+    shared: tuple[SharedBuffer, ...] = ()   # the typed view of shared memory (struct Shared), from the layout
+    # the kernel's parameters in order, in the lines the signature prints: what the host passes
+    parameters: tuple[tuple[Parameter, ...], ...] = ()
+    kv_fp8: bool = False       # decode: K/V stored as e4m3, loaded as bytes and dequantized by each warp
+    fp8_convert: str = ""      # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
 
 
     @property

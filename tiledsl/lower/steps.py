@@ -13,7 +13,7 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..schedule.passes import emission_order
 from ..spec import KernelSpec, Mask
-from .plan import Constant, LoopOp
+from .plan import Constant, LoopOp, Parameter, SharedBuffer
 
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
 
@@ -82,6 +82,42 @@ def page_constants(page_size: int) -> list[Constant]:
             Constant("PAGE_MASK", "int", page_size - 1, "key -> slot in its page: key & PAGE_MASK")]
 
 
+# Q once and the K and V rings (kv_buffer_constants) in the Shared view.
+KV_SHARED = (SharedBuffer("q", "Q_OFFSET"), SharedBuffer("k", "K_OFFSET", "K_STAGE_BYTES"),
+             SharedBuffer("v", "V_OFFSET", "V_STAGE_BYTES"))
+O_SHARED = SharedBuffer("o", "O_OFFSET")   # O staged for coalesced stores
+
+
+def parameters(type_: str, *names: str) -> tuple[Parameter, ...]:
+    return tuple(Parameter(name, type_) for name in names)
+
+
+# Parameter types: 16-bit inputs and outputs, fp32 outputs, int32 inputs.
+IN16, OUT16 = "const u16* __restrict__", "u16* __restrict__"
+OUT32, INT32S = "float* __restrict__", "const int* __restrict__"
+
+
+def stride_lines(*tensors: str) -> tuple[tuple[Parameter, ...], ...]:
+    """Each tensor's batch, head and row strides (elements), one line per tensor."""
+    return tuple(parameters("i64", f"{t}_batch_stride", f"{t}_head_stride", f"{t}_row_stride") for t in tensors)
+
+
+BLOCK_TABLE = (Parameter("block_table", INT32S), Parameter("table_stride", "i64"))   # a paged cache's
+
+
+def attention_parameters(paged: bool = False, last: tuple[Parameter, ...] = (),
+                         more: tuple[tuple[Parameter, ...], ...] = ()) -> tuple[tuple[Parameter, ...], ...]:
+    """The parameters every one-block-per-query-tile kernel starts with (fa2, fa1): Q, K, V, O, LSE,
+    kv_lens (a paged cache's block table after it), the lengths and head counts, the four tensors'
+    strides; `last` ends the strides' line, `more` are further lines."""
+    strides = stride_lines("q", "k", "v", "o")
+    return ((parameters(IN16, "q", "k", "v"),
+             parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens")
+             + (BLOCK_TABLE if paged else ()),
+             parameters("int", "q_len", "kv_len", "heads", "kv_group"))
+            + strides[:-1] + (strides[-1] + last,) + more)
+
+
 def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, ...]:
     """The ops directly inside `loop`, in the graph's emission order, each lowered by
     `lower_op(name, op) -> [LoopOp, ...]` (nothing for ops a neighbour's CUDA covers, and for
@@ -95,10 +131,11 @@ def graph_loop_body(graph: ScheduleGraph, loop: str, lower_op) -> tuple[LoopOp, 
 
 
 def _prefetch_target(step: LoopOp) -> dict:
-    """A prefetch's tile and ring slot, `distance` tiles ahead of the loop's `tile` and `stage`."""
+    """A prefetch's tile, `distance` tiles ahead of the loop's `tile` (its ring slot is the template's
+    ring_slot of stage + distance)."""
     if not step.kind.startswith("prefetch"):
         return {}
-    return {"tile": f"tile + {step.distance}", "stage": f"(stage + {step.distance}) % C::STAGES"}
+    return {"tile": f"tile + {step.distance}"}
 
 
 def mma_instruction(graph: ScheduleGraph) -> tuple[Op, Op]:

@@ -12,10 +12,10 @@ The GPU starts blocks in launch order, so the order decides two things:
   the resident blocks over every pair and re-reads K/V from HBM; one pair at a time starts its
   longest tile late for the last pairs.
 
-Measured on an H200 (bench/results/2026-11-30-ab-block-order-*.json): groups whose blocks fill
-every resident slot with about 1 to 2 of the longest blocks beat both one pair at a time (by
-up to 8%) and one global list (up to 7%), and a short last group costs up to 10%, so the
-pairs are cut into groups of equal size. Without a mask every block costs the same: one pair at a time.
+Measured on an H200 (bench/NOTES.md): groups whose blocks fill every resident slot with about 1
+to 2 of the longest blocks beat both one pair at a time and one global list, and a short last
+group costs time, so the pairs are cut into groups of equal size. Without a mask every block
+costs the same: one pair at a time.
 """
 from __future__ import annotations
 

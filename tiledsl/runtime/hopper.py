@@ -20,11 +20,10 @@ class HopperKernel(Kernel):
     `persistent` True launches one block per resident slot, each walking work items in launch
     order, so a block's next Q, K and V load while it stores the last O; False launches one block
     per item, and the GPU hands the next item to whichever SM frees first. None (the default)
-    picks as measured (bench/results/2026-11-30-hopper-ablation-3.json and -4.json): persistent
-    without a mask (every item costs the same; +5-12% at 1k-8k), and under a causal or window mask
-    while an item sees at most PERSISTENT_MASKED_TILES kv tiles (1k: +11-22%); one block per item
-    for longer masked items, whose costs spread so far that the static walk balances them worse
-    than the GPU's block scheduler (-3% to -18% at 4k-16k)."""
+    picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same), and
+    under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
+    block per item for longer masked items, whose costs spread so far that the static walk balances
+    them worse than the GPU's block scheduler."""
     persistent: bool | None = None
 
     def launch_options(self) -> tuple:

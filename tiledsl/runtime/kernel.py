@@ -20,13 +20,27 @@ from .compile import cached_cubin
 from .device import current_device, device_arch, device_limits, load_functions
 from .index_checks import add_kv_lens_check
 from .inputs import Shapes, check_int32_vector, check_operand
-from .launch import CallBuilder, SignatureCache, i32, pointer_arg, strides_args
+from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
 from .tensors import TensorView, signature
 
 if TYPE_CHECKING:
     from ..lower.plan import KernelPlan
 
 BATCHED = "(batch, heads, seqlen, head_dim)"
+
+
+def kernel_arguments(plan, values: dict) -> tuple:
+    """The launch arguments of `plan`'s kernel: one per parameter of plan.parameters (the list that also
+    spells the kernel's signature), taken by its name from `values` and made by its kind: a pointer from
+    its TensorView (None: 0; launch.pointer_arg), an int32 or int64 from its value, a tensor map as it
+    is. A name missing or left over is a bug in the caller."""
+    from ..lower.plan import parameter_kind
+    make = {"pointer": pointer_arg, "i32": i32, "i64": i64, "map": lambda value: value}
+    flat = [p for line in plan.parameters for p in line]
+    missing, unknown = [p.name for p in flat if p.name not in values], sorted(set(values) - {p.name for p in flat})
+    if missing or unknown:
+        raise RuntimeError(f"{plan.kernel_name}: launch arguments missing {missing}, not parameters {unknown}")
+    return tuple(make[parameter_kind(p.type)](values[p.name]) for p in flat)
 
 
 class PlanRecord(SimpleNamespace):
@@ -162,11 +176,15 @@ class Kernel:
 
     # -- FA2's launch ------------------------------------------------------------------------------------
     def attention_args(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-                       kv_lens: TensorView | None, shapes: Shapes) -> tuple:
-        """The kernel parameters every prefill family starts with (fa2.cu.j2's signature)."""
-        return (pointer_arg(q), pointer_arg(k), pointer_arg(v), pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
-                i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
-                *strides_args(q), *strides_args(k), *strides_args(v), *strides_args(o))
+                       kv_lens: TensorView | None, shapes: Shapes, **values) -> tuple:
+        """The launch arguments of a one-block-per-query-tile kernel (fa2, fa1), in the order of its plan's
+        parameter list: the tensors, lengths and strides every such kernel takes, and `values` by
+        parameter name for the rest (order_groups, a paged cache's block table, FA1's workspace)."""
+        named = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "kv_lens": kv_lens, "q_len": shapes.q_len,
+                 "kv_len": shapes.kv_len, "heads": shapes.heads, "kv_group": shapes.heads // shapes.kv_heads}
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+            named.update(zip((f"{name}_batch_stride", f"{name}_head_stride", f"{name}_row_stride"), t.strides[:3]))
+        return kernel_arguments(self.plan, {**named, **values})
 
     def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
         """Launch-order groups of (batch, head) pairs (runtime/block_order.py); `self.order_groups` overrides."""
@@ -193,8 +211,8 @@ class Kernel:
         q_tiles, pairs = (shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads
         if q_tiles == 0 or pairs == 0:
             return
-        groups = self.order_groups_for(shapes, b.device_id)
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes) + (i32(groups),)
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes,
+                                   order_groups=self.order_groups_for(shapes, b.device_id))
         launch = self.plan.launch
         b.launch(self.function(b.device_id), (q_tiles * pairs, 1, 1), launch.threads, launch.smem_bytes, args,
                  self.name)

@@ -18,7 +18,7 @@ from ..errors import RuntimeInputError
 from ..hw import MAX_GRID_YZ
 from .inputs import Shapes
 from .kernel import Kernel
-from .launch import CallBuilder, i32, i64, pointer_arg
+from .launch import CallBuilder
 from .paged_views import paged_outputs, paged_views
 from .tensors import TensorView
 
@@ -52,10 +52,8 @@ class PagedPrefillKernel(Kernel):
         blocks = -(-shapes.q_len // tile_q) * shapes.batch * shapes.heads
         if blocks == 0:
             return
-        base = self.attention_args(q, k, v, o, lse, kv_lens, shapes)
-        # fa2.cu.j2's paged signature: the block table and its row stride follow kv_lens.
-        args = base[:6] + (pointer_arg(table), i64(table.strides[0])) + base[6:] + (
-            i32(self.order_groups_for(shapes, b.device_id)),)
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes, block_table=table, table_stride=table.strides[0],
+                                   order_groups=self.order_groups_for(shapes, b.device_id))
         launch = self.plan.launch
         b.launch(self.function(b.device_id), (blocks, 1, 1), launch.threads, launch.smem_bytes, args, self.name)
 

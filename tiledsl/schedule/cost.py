@@ -9,8 +9,8 @@ the plan's register estimate) and the device limits, and predicts milliseconds f
              the wgmma rate for `mma wgmma` configs
     smem     bytes read by ldmatrix: every warp reads the whole K and V tile, so shared-memory
              traffic per flop is 1 / rows-per-warp. At 16 rows per warp it is twice that at 32,
-             which is what made the 8-warp, 16-row configs ~10% (d128) to 25% (d64) slower;
-             wgmma reads K, V and its 64 Q rows once per warpgroup
+             which is what makes the 8-warp, 16-row configs slower; wgmma reads K, V and its 64 Q
+             rows once per warpgroup
     softmax  per S element (max, exp2, sum, convert) and per O element (the rescale)
     the three run on different units; how much they overlap grows with the resident warps
   + a sync latency per kv step (cp.async wait + barrier), hidden by the other resident blocks;
@@ -24,9 +24,9 @@ the plan's register estimate) and the device limits, and predicts milliseconds f
 
 A config is *hopeless* (pruned before timing, whatever the budget) when no block fits on an SM
 or when ptxas spills more than SPILL_HOPELESS_BYTES. The rest are ranked by predicted time and
-the best `budget` are timed. Constants are calibrated on the H200 sweep of 2026-11-30
-(bench/results/2026-11-30-fa2-sweep-1.json); tests/test_tune_model.py checks that the measured
-best of every shape there ranks in the model's top 30%.
+the best `budget` are timed. Constants are calibrated on an H200 sweep of the bundled spaces
+(bench/NOTES.md); tests/test_tune_model.py checks that the measured best of every shape there
+ranks in the model's top 30%.
 """
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ def choose_splits(batch: int, kv_heads: int, kv_len: int, tile_kv: int, sm_count
 
     One block per (sequence, kv head, split). Aim for exactly one wave of resident blocks
     (sm_count * blocks_per_sm): more splits only add partial outputs to write and merge, and a
-    ragged second wave idles SMs. Measured on an H200 (bench/results/2026-11-30-decode-splits-1.json,
-    32 kv heads, 2 resident blocks per SM): 4 or 8 splits 3.8-4.1 TB/s, 16 3.6-4.0, 64 3.2-3.7.
-    No split when batch*kv_heads blocks already fill the resident slots; never more splits than
-    kv tiles (a split without a tile would only write an empty partial)."""
+    ragged second wave idles SMs (measured: bench/NOTES.md). No split when batch*kv_heads blocks
+    already fill the resident slots; never more splits than kv tiles (a split without a tile would
+    only write an empty partial)."""
     blocks = max(batch * kv_heads, 1)
     tiles = max(math.ceil(kv_len / tile_kv), 1)
     slots = sm_count * max(blocks_per_sm, 1)

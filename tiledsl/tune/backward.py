@@ -5,8 +5,9 @@
           ──rank (heavy spills last, then larger tiles, more warps)──► best `budget` kept
           ──BackwardKernel (NVRTC)──► float64 reference check on a small shape──► timed (bench.time_ms)
 
-The forward tuner's machinery does the rest: tune.Candidate / Workbench (GPU, toolchain), the
-store (tune_store.TuneStore, keys with "pass": "backward"), cli_tune's table. The rank is a
+The forward tuner's machinery does the rest: tune/search.py's Candidate / Workbench (GPU, toolchain),
+its search loop (run_trials, with the backward's Trial) and check verdict (judge, CHECK_TOLERANCE), the
+store (tune/store.py TuneStore, keys with "pass": "backward"), cli/tune.py's table. The rank is a
 heuristic, not a time model (tune_model is the forward's): on the GPU every kept member is timed.
 `stored_backward(store, spec, shape, gpu, toolchain)` reads a measurement back for the backward
 table (backward.BACKWARD_TUNED). The CPU half (to the rank) runs without a GPU: `--dry-run`.
@@ -25,12 +26,10 @@ from ..errors import SpecError
 from ..lower.backward import lower_backward
 from ..codegen.render import render
 from ..spec import KernelSpec, Mask
-from .search import Candidate, Progress, TuneResult, nvcc_available
+from .search import CHECK_SHAPE, Candidate, Progress, TuneResult, Trial, judge, nvcc_available, run_trials
 from ..schedule.cost import Shape
 from .store import TuneStore, entry_key
 
-CHECK_SHAPE = (1, 2, 257)     # batch, heads, seqlen of the correctness check
-CHECK_TOLERANCE = 1e-2        # normwise relative error of dQ, dK, dV against float64 (the GPU tests')
 SPILL_LIMIT = 64              # bytes of spill stores + loads per thread the rank tolerates (see _rank_key)
 FLOPS_PER_FORWARD = 2.5       # backward FLOPs = 2.5 x the forward's (bench/backward_*.py, PEERS.md)
 
@@ -177,8 +176,7 @@ def check_backward(kernel) -> tuple[bool, dict, str]:
     for name, x, r in zip(("dq", "dk", "dv"), out, ref):
         x = x.double()
         errors[name] = float((x - r).norm() / (r.norm() or 1.0)) if bool(torch.isfinite(x).all()) else math.inf
-    bad = [f"{n} error {e:.2e} > {CHECK_TOLERANCE:g}" for n, e in errors.items() if not e <= CHECK_TOLERANCE]
-    return not bad, errors, "wrong result: " + ", ".join(bad) if bad else ""
+    return judge(errors)
 
 
 def time_backward_ms(kernel, shape: Shape, o_lse=None) -> float:
@@ -211,46 +209,18 @@ def tune_backward(space: SpecSpace, shape: Shape, budget: int | None = None, exh
     bench = bench or Workbench()
     candidates, rejected, budget = plan_backward_candidates(space, shape, bench.limits, bench.arch, budget, exhaustive,
                                                             progress=progress)
-    todo = [c for c in candidates if c.status == "pending"]
-    keys = {c.name: store_key(c.spec, shape, bench.gpu, bench.toolchain) for c in todo}
-    stored = 0
-    if store is not None and not fresh:
-        for c in todo:
-            entry = store.get(keys[c.name])
-            if entry is not None:
-                stored += 1
-                c.status = "stored" if entry.get("valid") else "failed"
-                c.ms, c.tflops = entry.get("ms"), entry.get("tflops")
-                c.errors, c.reason = entry.get("errors", {}), entry.get("error", "")
-    to_time = [c for c in todo if c.status == "pending"]
-    bar = Progress(len(to_time), enabled=progress)
-    best = None
-    for c in to_time:
-        bar.update(f"checking {c.name}", best)
-        try:
-            kernel = compile_backward(c.spec)
-            kernel.functions()
-        except Exception as err:   # a module that does not build is a failed candidate, not a crash
-            c.status, c.reason = "failed", f"compile: {str(err).splitlines()[0][:300]}"
-        else:
-            ok, c.errors, why = check_backward(kernel)
-            if not ok:
-                c.status, c.reason = "failed", why
-            else:
-                bar.update(f"timing {c.name}", best)
-                c.ms = time_backward_ms(kernel, shape)
-                c.tflops = backward_flops(c.spec, shape) / c.ms / 1e9
-                c.status = "timed"
-                if best is None or c.tflops > best[1]:
-                    best = (c.name, c.tflops)
-        bar.done += 1
-        if store is not None:
-            store.put(keys[c.name], {"kernel": c.name, "pass": "backward", "space": space.name, "shape": shape.key(),
-                                     "gpu": bench.gpu, "valid": c.status == "timed", "ms": c.ms, "tflops": c.tflops,
-                                     "errors": c.errors, "error": c.reason, "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    bar.update("done", best)
-    bar.finish()
-    if store is not None:
-        store.save()
-    return TuneResult(space.name, shape, candidates, rejected, budget, bench.gpu, bench.toolchain,
-                      time.time() - started, stored, len(to_time))
+    kernels = {}
+
+    def build(cs):
+        failed = {}
+        for c in cs:
+            try:
+                kernels[c.name] = compile_backward(c.spec)
+                kernels[c.name].functions()
+            except Exception as err:   # a module that does not build is a failed candidate, not a crash
+                failed[c.name] = f"compile: {str(err).splitlines()[0][:300]}"
+        return failed
+    trial = Trial(build, lambda c: check_backward(kernels[c.name]),
+                  lambda c: time_backward_ms(kernels[c.name], shape), lambda c: backward_flops(c.spec, shape),
+                  lambda c: store_key(c.spec, shape, bench.gpu, bench.toolchain), {"pass": "backward"})
+    return run_trials(space, shape, candidates, rejected, budget, bench, trial, store, progress, fresh, started)

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..codegen import nvcc
 from ..schedule import cost as tune_model
@@ -38,8 +39,17 @@ from ..schedule.traffic import hbm_traffic
 from ..schedule.cost import Prediction, Shape
 from .store import TuneStore, entry_key
 
-CHECK_SHAPE = (1, 2, 257)               # batch, heads, seqlen of the correctness check
-CHECK_TOLERANCE = {"o": 1e-2, "lse": 1e-3}   # normwise relative error of O; max |LSE - ref|
+CHECK_SHAPE = (1, 2, 257)               # batch, heads, seqlen of both tuners' correctness check
+# What a checked output may be off by: normwise relative error of O and of the backward's dQ, dK, dV
+# against float64 (the GPU tests'); LSE: max |LSE - ref|.
+CHECK_TOLERANCE = {"o": 1e-2, "lse": 1e-3, "dq": 1e-2, "dk": 1e-2, "dv": 1e-2}
+
+
+def judge(errors: dict) -> tuple[bool, dict, str]:
+    """(correct?, errors, why) of a check's errors against CHECK_TOLERANCE (a NaN error is wrong)."""
+    bad = [f"{key} error {e:.2e} > {CHECK_TOLERANCE[key]:g}" for key, e in errors.items()
+           if not e <= CHECK_TOLERANCE[key]]
+    return not bad, errors, "wrong result: " + ", ".join(bad) if bad else ""
 MIN_INPUT_SETS = 3                      # rotate through at least this many input sets when timing
 
 
@@ -294,10 +304,7 @@ class Workbench:
             errors = {"o": relative_error(out, ref_o), "lse": lse_error(lse, ref_lse)}
         except Exception as err:
             return False, {}, f"check failed to run: {str(err).splitlines()[0][:200]}"
-        ok = all(errors[key] <= CHECK_TOLERANCE[key] for key in errors)
-        why = "" if ok else "wrong result: " + ", ".join(f"{key} error {errors[key]:.2e} > {CHECK_TOLERANCE[key]:g}"
-                                                         for key in errors if errors[key] > CHECK_TOLERANCE[key])
-        return ok, errors, why
+        return judge(errors)
 
     def time_ms(self, spec: KernelSpec, shape: Shape) -> float:
         """Median ms of one launch on fresh random normal inputs, rotating through enough input
@@ -381,6 +388,19 @@ class TuneResult:
         return len(self.candidates) + len(self.rejected)
 
 
+@dataclass(frozen=True)
+class Trial:
+    """How a tuner builds, checks and times its candidates (the forward's kernels, the backward's modules):
+    `build(candidates)` -> {name: why it failed to build}, `check(c)` -> (correct?, errors, why),
+    `time_ms(c)`, `flops(c)`; `key(c)` its store key; `fields` what each store entry adds."""
+    build: Callable
+    check: Callable
+    time_ms: Callable
+    flops: Callable
+    key: Callable
+    fields: dict = field(default_factory=dict)
+
+
 def tune(space: SpecSpace, shape: Shape, budget: int | None = None, exhaustive: bool = False,
          store: TuneStore | None = None, bench: Workbench | None = None, progress: bool = True,
          fresh: bool = False) -> TuneResult:
@@ -389,9 +409,23 @@ def tune(space: SpecSpace, shape: Shape, budget: int | None = None, exhaustive: 
     bench = bench or Workbench()
     candidates, rejected, budget = plan_candidates(space, shape, bench.limits, bench.arch, budget, exhaustive,
                                                    progress=progress)
+
+    def build(cs):
+        failed = bench.compile([c.spec for c in cs])
+        return {c.name: f"compile: {failed[c.spec]}" for c in cs if c.spec in failed}
+    trial = Trial(build, lambda c: bench.check(c.spec), lambda c: bench.time_ms(c.spec, shape),
+                  lambda c: tune_model.shape_flops(c.spec, shape),
+                  lambda c: entry_key({"config_hash": c.spec.config_hash}, shape.key(), bench.gpu, bench.toolchain))
+    return run_trials(space, shape, candidates, rejected, budget, bench, trial, store, progress, fresh, started)
+
+
+def run_trials(space: SpecSpace, shape: Shape, candidates: list[Candidate], rejected: list, budget: int,
+               bench: Workbench, trial: Trial, store: TuneStore | None, progress: bool, fresh: bool,
+               started: float) -> TuneResult:
+    """Both tuners' GPU half: the pending candidates' stored results (unless `fresh`), then every other
+    one built, checked against float64 and, when correct, timed and stored; a wrong one never wins."""
     todo = [c for c in candidates if c.status == "pending"]
-    keys = {c.name: entry_key({"config_hash": c.spec.config_hash}, shape.key(), bench.gpu, bench.toolchain)
-            for c in todo}
+    keys = {c.name: trial.key(c) for c in todo}
     stored = 0
     if store is not None and not fresh:
         for c in todo:
@@ -402,7 +436,7 @@ def tune(space: SpecSpace, shape: Shape, budget: int | None = None, exhaustive: 
                 c.ms, c.tflops = entry.get("ms"), entry.get("tflops")
                 c.errors, c.reason = entry.get("errors", {}), entry.get("error", "")
     to_time = [c for c in todo if c.status == "pending"]
-    failed = bench.compile([c.spec for c in to_time])
+    failed = trial.build(to_time)
     bar = Progress(len(to_time), enabled=progress)
     best = None
     winner = max((c for c in todo if c.status == "stored" and c.tflops), key=lambda c: c.tflops, default=None)
@@ -410,23 +444,23 @@ def tune(space: SpecSpace, shape: Shape, budget: int | None = None, exhaustive: 
         best = (winner.name, winner.tflops)
     for c in to_time:
         bar.update(f"checking {c.name}", best)
-        if c.spec in failed:
-            c.status, c.reason = "failed", f"compile: {failed[c.spec]}"
+        if c.name in failed:
+            c.status, c.reason = "failed", failed[c.name]
         else:
-            ok, c.errors, why = bench.check(c.spec)
+            ok, c.errors, why = trial.check(c)
             if not ok:
                 c.status, c.reason = "failed", why
             else:
                 bar.update(f"timing {c.name}", best)
-                c.ms = bench.time_ms(c.spec, shape)
-                c.tflops = tune_model.shape_flops(c.spec, shape) / c.ms / 1e9
+                c.ms = trial.time_ms(c)
+                c.tflops = trial.flops(c) / c.ms / 1e9
                 c.status = "timed"
                 if best is None or c.tflops > best[1]:
                     best = (c.name, c.tflops)
         bar.done += 1
         if store is not None:
-            store.put(keys[c.name], {"kernel": c.name, "space": space.name, "shape": shape.key(), "gpu": bench.gpu,
-                                     "valid": c.status == "timed", "ms": c.ms, "tflops": c.tflops,
+            store.put(keys[c.name], {"kernel": c.name, **trial.fields, "space": space.name, "shape": shape.key(),
+                                     "gpu": bench.gpu, "valid": c.status == "timed", "ms": c.ms, "tflops": c.tflops,
                                      "errors": c.errors, "error": c.reason,
                                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
     bar.update("done", best)

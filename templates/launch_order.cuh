@@ -1,4 +1,4 @@
-{#- Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py). -#}
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).

@@ -1,35 +1,35 @@
-{#- combine_warp_states<C>: merge the online-softmax states of warps that processed disjoint key
-    ranges of the same query rows (split-K), through shared memory. Written for FA1's warps along
-    kv; meant for every family that splits a tile's keys across warps (decode too).
-
-    Contract
-      Called by every thread of the block (it contains __syncthreads), after each warp has folded
-      its own keys in with attention.cuh's online_softmax / mma_pv. Each warp holds, for the same
-      ROWS = C::M_TILES * 16 rows, in the m16n8 accumulator layout:
-        row_max[mt][h]  its running max of the raw (unscaled) scores, equal across a quad
-                        (-inf for a row none of its keys is visible to)
-        row_sum[mt][h]  this thread's partial row sum of P = exp(scale (s - row_max)); the quad's
-                        four values add up to the warp's l
-        o[mt][nd][e]    the warp's unnormalised sum of P V (fp32); with QUAD_COLUMNS (decode's FP8
-                        fragments) the O tiles 2c, 2c+1 of a lane hold columns 16c + 4t + 0..3 (t = lane % 4),
-                        in that order, instead of 8nd + 2t + 0..1
-      C needs: WARPS, M_TILES, O_TILES, SCALE_LOG2, COMBINE_ROW_FLOATS (>= O_TILES * 8; a padded
-      row of the fp32 O tile).
-      `scratch` points at COMBINE_BYTES >= 4 * (ROWS * COMBINE_ROW_FLOATS + (WARPS + 2) * ROWS)
-      bytes of shared memory, laid out as float arrays:
-        o_sum[ROWS][COMBINE_ROW_FLOATS]   the combined unnormalised O, scaled to m
-        m_part[WARPS][ROWS]               each warp's row max (used internally)
-        m[ROWS]                           the combined row max (raw scores; -inf: no visible key)
-        l[ROWS]                           the combined row sum of exp(scale (s - m))
-      `rows_valid` (default: every row) limits the O rows combined to the first rows_valid: rows
-      past it (decode's padding of a kv group to a 16-row mma tile) are left unwritten in o_sum.
-      On return (after a __syncthreads) o_sum, m and l hold the combined state of every row; the
-      caller normalises (O = o_sum / l, 0 where l == 0) and stores. The registers are consumed
-      (o and row_sum are rescaled in place). The warps add into o_sum in warp order, so results
-      are deterministic (bitwise identical run to run). Reuse of `scratch` afterwards needs a
-      barrier after the caller has read it.
-    It uses fast_exp2, quad_sum, NEG_INF (common.cuh.j2). -#}
-// Shared-memory combine of split-K warp states; the contract is in templates/combine.cuh.j2.
+// combine_warp_states<C>: merge the online-softmax states of warps that processed disjoint key
+// ranges of the same query rows (split-K), through shared memory. Written for FA1's warps along
+// kv; meant for every family that splits a tile's keys across warps (decode too).
+//
+// Contract
+//   Called by every thread of the block (it contains __syncthreads), after each warp has folded
+//   its own keys in with attention.cuh's online_softmax / mma_pv. Each warp holds, for the same
+//   ROWS = C::M_TILES * 16 rows, in the m16n8 accumulator layout:
+//     row_max[mt][h]  its running max of the raw (unscaled) scores, equal across a quad
+//                     (-inf for a row none of its keys is visible to)
+//     row_sum[mt][h]  this thread's partial row sum of P = exp(scale (s - row_max)); the quad's
+//                     four values add up to the warp's l
+//     o[mt][nd][e]    the warp's unnormalised sum of P V (fp32); with QUAD_COLUMNS (decode's FP8
+//                     fragments) the O tiles 2c, 2c+1 of a lane hold columns 16c + 4t + 0..3 (t = lane % 4),
+//                     in that order, instead of 8nd + 2t + 0..1
+//   C needs: WARPS, M_TILES, O_TILES, SCALE_LOG2, COMBINE_ROW_FLOATS (>= O_TILES * 8; a padded
+//   row of the fp32 O tile).
+//   `scratch` points at COMBINE_BYTES >= 4 * (ROWS * COMBINE_ROW_FLOATS + (WARPS + 2) * ROWS)
+//   bytes of shared memory, laid out as float arrays:
+//     o_sum[ROWS][COMBINE_ROW_FLOATS]   the combined unnormalised O, scaled to m
+//     m_part[WARPS][ROWS]               each warp's row max (used internally)
+//     m[ROWS]                           the combined row max (raw scores; -inf: no visible key)
+//     l[ROWS]                           the combined row sum of exp(scale (s - m))
+//   `rows_valid` (default: every row) limits the O rows combined to the first rows_valid: rows
+//   past it (decode's padding of a kv group to a 16-row mma tile) are left unwritten in o_sum.
+//   On return (after a __syncthreads) o_sum, m and l hold the combined state of every row; the
+//   caller normalises (O = o_sum / l, 0 where l == 0) and stores. The registers are consumed
+//   (o and row_sum are rescaled in place). The warps add into o_sum in warp order, so results
+//   are deterministic (bitwise identical run to run). Reuse of `scratch` afterwards needs a
+//   barrier after the caller has read it.
+// It uses fast_exp2, quad_sum, NEG_INF (common.cuh).
+// Shared-memory combine of split-K warp states; the contract is above.
 template <class C, bool QUAD_COLUMNS = false>
 __device__ __forceinline__ void combine_warp_states(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                                     float (&row_sum)[C::M_TILES][2], float* scratch, int warp, int lane,

@@ -1,5 +1,4 @@
-{#- Reading 16-bit values (TILE_DTYPE, common.cuh.j2) as floats: the backward kernels and the ring merge. -#}
-{% raw %}
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -7,4 +6,3 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
-{% endraw %}

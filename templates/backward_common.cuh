@@ -1,6 +1,4 @@
-{#- Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2). -#}
-{% include "unpack.cuh.j2" %}
-{% raw -%}
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
@@ -50,4 +48,3 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][NT][4], u16* r
                         pack2(acc[mt][nt][2 * h] * scale, acc[mt][nt][2 * h + 1] * scale);
         }
 }
-{% endraw %}

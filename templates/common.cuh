@@ -1,9 +1,7 @@
-{#- Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
-    mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
-    and nvcc both compile the output with no include paths. -#}
-// PTX spelling of the 16-bit input type (asm strings below concatenate it).
-#define TILE_DTYPE "{{ plan.dtype_ptx }}"
-{% raw %}
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -175,4 +173,3 @@ __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
-{% endraw %}

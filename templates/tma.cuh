@@ -1,8 +1,7 @@
-{#- Hopper's asynchronous copy engine (TMA) and the shared-memory barriers it completes on. The
-    tensor maps are encoded on the host (tiledsl/tensor_maps.py) and passed by value as
-    __grid_constant__ kernel parameters; NVRTC has no <cuda.h>, so the map is a plain 128-byte
-    struct here. -#}
-{% raw %}
+// Hopper's asynchronous copy engine (TMA) and the shared-memory barriers it completes on. The
+// tensor maps are encoded on the host (tiledsl/tensor_maps.py) and passed by value as
+// __grid_constant__ kernel parameters; NVRTC has no <cuda.h>, so the map is a plain 128-byte
+// struct here.
 struct __align__(64) TensorMap { unsigned long long words[16]; };
 
 // mbarrier: an arrival count plus a transaction-byte count; a phase completes when both reach
@@ -51,4 +50,3 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
-{% endraw %}

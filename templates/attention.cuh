@@ -1,7 +1,7 @@
-{#- The algorithmic pieces of tile attention as device functions over a config struct C (the
-    constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
-    softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
-    uses these. -#}
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
