@@ -245,39 +245,40 @@ def test_source_spells_the_roles_instructions():
 
 
 def _launch_args(spec, q_len=200, kv_len=333, heads=4, kv_heads=2, monkeypatch=None):
-    """The argument tuples WsBackwardKernel hands each kernel, with the GPU parts stood in for."""
+    """The launches WsBackwardKernel.build_call records, with the GPU parts (views, maps, functions) stood in for."""
     from tiledsl.runtime import backward_ws as runtime
     from tiledsl.runtime.backward import compile_backward
     from tiledsl.runtime.tensors import TensorView
     kernel = compile_backward(spec)
     p = spec.problem
 
-    def tv(name, shape, dtype=p.dtype):
+    def tv(name, shape, dtype=p.dtype, slot=-1):
         strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-        return TensorView(name, 1 << 20, shape, strides, dtype, 0, None)
-    views = {n: tv(n, s) for n, s in (("q", (2, heads, q_len, p.head_dim_qk)), ("k", (2, kv_heads, kv_len, p.head_dim_qk)),
-                                       ("v", (2, kv_heads, kv_len, p.head_dim_v)), ("o", (2, heads, q_len, p.head_dim_v)),
-                                       ("do", (2, heads, q_len, p.head_dim_v)))}
-    views["lse"] = tv("lse", (2, heads, q_len), DType.FP32)
-    calls = []
+        return TensorView(name, 0 if slot >= 0 else 1 << 20, shape, strides, dtype, 0, None, slot)
+    shapes = {"q": (2, heads, q_len, p.head_dim_qk), "k": (2, kv_heads, kv_len, p.head_dim_qk),
+              "v": (2, kv_heads, kv_len, p.head_dim_v), "o": (2, heads, q_len, p.head_dim_v),
+              "lse": (2, heads, q_len), "do": (2, heads, q_len, p.head_dim_v)}
+    views = [tv(n, s, DType.FP32 if n == "lse" else p.dtype, i) for i, (n, s) in enumerate(shapes.items())] + [None]
 
-    class Array:
-        def __init__(self, shape):
-            self.shape = shape
-    monkeypatch.setattr(kernel, "check", lambda *a: (views, None, (2, heads, kv_heads, q_len, kv_len)))
-    monkeypatch.setattr(kernel, "functions", lambda: {r: r for r in kernel.plan.kernel_names})
-    monkeypatch.setattr(runtime, "empty_like", lambda x, like: Array(getattr(x, "shape", ())))
-    monkeypatch.setattr(runtime, "view", lambda x, name: tv(name, x.shape, DType.FP32))
-    monkeypatch.setattr(runtime, "tensor_map", lambda t, rows: ("map", t.name, rows))
-    monkeypatch.setattr(runtime, "fp32_map", lambda t, cols, rows: ("map", t.name, cols, rows))
-    monkeypatch.setattr(runtime, "launcher", lambda *a: lambda fn, grid, threads, smem, args: calls.append(
-        (fn, grid, threads, smem, args)))
-    import tiledsl.runtime.device as device
-    monkeypatch.setattr(device, "caller_stream", lambda x: None)
-    monkeypatch.setattr(device, "allocate", lambda like, shape, dtype, stream, zero=False: Array(shape))
-    monkeypatch.setattr(device, "data_pointer", lambda x: 4096)
-    kernel(*(Array(views[n].shape) for n in ("q", "k", "v", "o", "lse", "do")))
-    return kernel, calls
+    class Builder:   # runtime/launch.CallBuilder's part that build_call uses
+        tensors, name, device_id = (None,) * 7, kernel.name, 0
+
+        def __init__(self):
+            self.launches, self.slots = [], 7
+
+        def allocate(self, name, shape, dtype):
+            self.slots += 1
+            return tv(name, tuple(shape), dtype, self.slots - 1)
+        new_output = allocate
+
+        def launch(self, fn, grid, threads, smem, args, label):
+            self.launches.append((fn, grid, threads, smem, args))
+    monkeypatch.setattr(kernel, "check", lambda b: (views, (2, heads, kv_heads, q_len, kv_len)))
+    monkeypatch.setattr(kernel, "functions", lambda device_id=None: {r: r for r in kernel.plan.kernel_names})
+    monkeypatch.setattr(runtime, "map_arg", lambda t, rows, element="uint16": ("map", t.name, rows, element))
+    builder = Builder()
+    kernel.build_call(builder, validate=False)
+    return kernel, builder.launches
 
 
 @pytest.mark.parametrize("tile_q,tile_kv,head_dim,stages,dq", CONFIGS[:1] + CONFIGS[2:3] + CONFIGS[5:6])
@@ -293,9 +294,11 @@ def test_launch_arguments_match_the_kernel_signatures(tile_q, tile_kv, head_dim,
     assert q_tiles * kernel.plan.pre_rows >= 200 and pairs == 8 and pre_threads == kernel.plan.pre_threads
     _, main_grid, threads, smem, main = calls[1]
     assert main_grid == (-(-333 // tile_kv) * 2 * 2, 1, 1) and threads == 384 and smem == kernel.plan.launch.smem_bytes
-    assert main[0] == ("map", "q", tile_q) and main[1] == ("map", "k", tile_kv) and main[3] == ("map", "do", tile_q)
-    assert main[4] == (("map", "dq_accum", 32, tile_q) if dq != "atomic" else main[0])
-    assert int(main[8]) == (4096 if dq == "ordered" else 0)   # semaphores only for `ordered`
+    assert main[0] == ("map", "q", tile_q, "uint16") and main[1] == ("map", "k", tile_kv, "uint16")
+    assert main[3] == ("map", "do", tile_q, "uint16")
+    assert main[4] == (("map", "dq_accum", tile_q, "float32") if dq != "atomic" else main[0])
+    assert (main[8].slot >= 0) == (dq == "ordered")   # semaphores only for `ordered`
+    assert [a.kind for a in main[5:12]] == ["u64"] * 7 and [a.kind for a in main[12:18]] == ["i32"] * 6
 
 
 def test_dispatch_is_opt_in_and_refuses_clearly():

@@ -42,8 +42,8 @@ def variant_spec(d: int, dq: str, stages: int = 2, mask: str = "causal", dtype: 
 
 
 def variant(*args, **kwargs):
-    from tiledsl.runtime.backward import kernel_for
-    return kernel_for(variant_spec(*args, **kwargs))
+    from tiledsl.dispatch.kernels import BACKWARD, kernel_for
+    return kernel_for(variant_spec(*args, **kwargs), BACKWARD)
 
 
 VARIANTS = [(128, "atomic", 2), (64, "atomic", 2), (256, "tma_reduce", 1), (256, "ordered", 1), (128, "ordered", 2)]

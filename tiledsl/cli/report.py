@@ -83,7 +83,8 @@ def role_and_barrier_lines(graph: ScheduleGraph) -> list[str]:
     for role, info in graph.roles.items():
         who = (f"{info['warpgroups']} warpgroup(s)" if info["warpgroups"]
                else f"{info['threads'] // 32} warp(s) of the producer warpgroup")
-        lines.append(f"  {role:<9} {who}, {info['threads']} threads, setmaxnreg {info['registers']} registers per thread")
+        lines.append(f"  {role:<9} {who}, {info['threads']} threads, setmaxnreg {info['registers']} registers per "
+                     "thread")
     lines.append("barriers (count: arrivals per phase; tx: TMA bytes that must land too):")
     lines.append(f"  {'name':<8} {'kind':<9} {'count':>5} {'tx bytes':>9}   arrive -> wait")
     for b in graph.barriers.values():
@@ -260,7 +261,8 @@ def ws_lines(lay) -> list[str]:
     dq = {"writer_tma": "staged in fp32 shared memory, added by the writer's TMA reduce-add "
                         "(cp.reduce.async.bulk.tensor)",
           "writer_red": "staged in fp32 shared memory, added by the writer's red.global.add.v4",
-          "consumer_red": "added from the consumers' registers (red.global.add.v4): no staging buffer fits"}[lay.dq_path]
+          "consumer_red": "added from the consumers' registers (red.global.add.v4): no staging buffer fits",
+          }[lay.dq_path]
     lines = [f"warp-specialized: consumers split the kv tile by {lay.split}; dQ_i split {lay.dq_split}, {dq}"
              + (f" ({lay.staging} staging buffers)" if lay.staging else ""),
              "launch: one block per (kv tile, batch * kv head), every (batch, kv head)'s first kv tile first (under a "
@@ -268,7 +270,8 @@ def ws_lines(lay) -> list[str]:
              "registers per role (estimate; the peak live set must fit setmaxnreg):"]
     for role, registers in lay.role_registers.items():
         parts = ", ".join(f"{r.name} {r.amount}" for r in registers)
-        lines.append(f"    {role:<9} peak {lay.role_peaks[role]} of setmaxnreg {lay.roles[role]['registers']}   ({parts})")
+        budget = lay.roles[role]["registers"]
+        lines.append(f"    {role:<9} peak {lay.role_peaks[role]} of setmaxnreg {budget}   ({parts})")
     return lines
 
 

@@ -76,6 +76,8 @@ def ws_has_template(spec: KernelSpec) -> str:
     b, p = spec.backward, spec.problem
     if p.dtype not in TEMPLATE_DTYPES:
         return f"the warp-specialized backward computes in fp16 or bf16, not {p.dtype.value}"
+    if p.mods.active:
+        return "the warp-specialized backward has no template for score and mask modifications yet"
     if b.dq not in WS_DQ_MODES:
         return (f"the warp-specialized backward sums dQ as {', '.join(m.value for m in WS_DQ_MODES)}, not "
                 f"`dq accumulate {b.dq.value}`")
