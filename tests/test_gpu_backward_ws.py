@@ -176,6 +176,19 @@ def test_every_head_dim_through_the_switch(d, monkeypatch):
     check(run("bf16", d, q_len=200, kv_len=300, causal=True, poison=True)[0])
 
 
+def test_head_dims_no_backward_serves_are_refused_clearly(monkeypatch):
+    import torch
+    from tiledsl.dispatch import backward
+    from tiledsl.errors import RuntimeInputError
+    monkeypatch.setattr(backward, "BACKWARD_WS", True)
+    q = torch.randn(1, 2, 64, 40, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeInputError, match="multiples of 16"):
+        backward.attention_backward(q, q, q, q, torch.zeros(1, 2, 64, device="cuda"), q)
+    q = torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeInputError, match="head dims"):
+        backward.attention_backward(q, q, q, q, torch.zeros(1, 2, 64, device="cuda"), q, warp_specialized=True)
+
+
 def _subprocess(script: str, tool: list[str], timeout: int):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
