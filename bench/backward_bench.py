@@ -3,6 +3,7 @@ cuDNN backends, measured in the same run; and one training step's attention (for
 against SDPA's default choice.
 
     python bench/backward_bench.py OUT.json [--dims 64 128] [--seqlens 1024 4096 8192 16384] [--rep-ms 100]
+                                   [--warp-specialized]   # tiledsl.attention's backward on the warp-specialized family
 
 Conventions (PEERS.md, FlashAttention papers): bf16, 16k tokens per batch (batch = 16384 / seqlen),
 hidden 2048 (heads = 2048 / d), forward FLOPs 4 b h s^2 d (halved for causal), backward FLOPs
@@ -86,7 +87,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--rep-ms", type=int, default=100, help="timing window per callable and shape (do_bench rep)")
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="turn tiledsl.dispatch.backward.BACKWARD_WS on for this run")
     args = parser.parse_args(argv)
+    if args.warp_specialized:
+        from tiledsl.dispatch import backward
+        backward.BACKWARD_WS = True
     import torch
     started = time.time()
     rows, failed = [], []

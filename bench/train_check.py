@@ -1,6 +1,6 @@
 """Training check: a small GPT trained with tiledsl.attention and with SDPA gives the same loss curve.
 
-    python bench/train_check.py OUT.json [--steps 50]
+    python bench/train_check.py OUT.json [--steps 50] [--warp-specialized]   # the warp-specialized backward
 
 The model: token + position embeddings, 2 pre-norm blocks (LayerNorm, causal self-attention with 8
 heads of 64, LayerNorm, 4x GELU MLP), d_model 512, a final norm and an untied head; fp32 weights
@@ -131,7 +131,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="JSON file to write (tiledsl.tune.bench.record)")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="turn tiledsl.dispatch.backward.BACKWARD_WS on for this run")
     args = parser.parse_args(argv)
+    if args.warp_specialized:
+        from tiledsl.dispatch import backward
+        backward.BACKWARD_WS = True
     from tiledsl.tune.bench import record
     result = run(args.steps)
     for i, losses in enumerate(zip(*result["curves"].values())):

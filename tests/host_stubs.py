@@ -322,7 +322,7 @@ def stub_device(tmp: Path, counts: dict | None = None):
             loaded[name] = fn
         return loaded
 
-    def encode(t, box_rows, address=None):
+    def encode(t, box_rows, address=None, element="uint16"):
         counts["encode"] = counts.get("encode", 0) + 1
         return (t.pointer if address is None else address, box_rows, *t.shape, *t.strides) + (0,) * 6
 

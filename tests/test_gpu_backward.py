@@ -56,7 +56,8 @@ def rel(x, ref):
 
 
 def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=128, causal=False, window=None,
-        kv_lens=None, deterministic=False, from_forward=False, seed=0, mma=None, poison=False):
+        kv_lens=None, deterministic=False, from_forward=False, seed=0, mma=None, poison=False, warp_specialized=None,
+        kernel=None):
     import torch
     from tiledsl.dispatch.backward import attention_backward
     torch.manual_seed(seed)
@@ -77,8 +78,11 @@ def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=1
         blocks = [torch.full_like(x, float("nan")) for x in (q, k, v)]
         del blocks
     torch.cuda.synchronize()
-    out = attention_backward(q, k, v, o, lse, do, causal=causal, window=window, kv_lens=lens,
-                             deterministic=deterministic, mma=mma)
+    if kernel is not None:   # a compiled backward module of its own (tests of schedule variants)
+        out = kernel(q, k, v, o, lse, do, lens)
+    else:
+        out = attention_backward(q, k, v, o, lse, do, causal=causal, window=window, kv_lens=lens,
+                                 deterministic=deterministic, mma=mma, warp_specialized=warp_specialized)
     torch.cuda.synchronize()
     for x, like in zip(out, (q, k, v)):
         assert x.shape == like.shape and x.dtype == like.dtype

@@ -22,7 +22,7 @@ PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "
                 "kv_scale") + MOD_KEYS
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
-BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq")
+BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq", "warpgroups")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ class DqAccumulate(Enum):
     ATOMIC = "atomic"          # fp32 atomics into a workspace, in whatever order blocks finish
     SEPARATE = "separate"      # a second, q-outer pass recomputes dS and sums dQ on chip
     ORDERED = "ordered"        # the workspace adds in kv tile order: deterministic
+    TMA_REDUCE = "tma_reduce"  # warp-specialized: staged in shared memory, added by TMA's reduce-add
 
 
 AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
@@ -208,6 +209,22 @@ class BackwardSchedule:
     stages: int = 2
     mma: Mma = Mma.SYNC
     dq: DqAccumulate = DqAccumulate.ATOMIC   # kv outer only: q outer keeps dQ on chip
+    # Warp specialization (`warpgroups` in the backward block): a TMA producer warpgroup and consumer
+    # warpgroups, the Hopper backward family (layout/backward_ws.py); 0 consumers: not specialized.
+    producer_warpgroups: int = 0
+    producer_regs: int = 0
+    consumer_warpgroups: int = 0
+    consumer_regs: int = 0
+    copy: CopyVia = CopyVia.CP_ASYNC
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.consumer_warpgroups > 0
+
+
+# Backward fields left out of config() (and so of the hash) while they hold these defaults.
+BACKWARD_DEFAULTS = {"producer_warpgroups": 0, "producer_regs": 0, "consumer_warpgroups": 0, "consumer_regs": 0,
+                     "copy": CopyVia.CP_ASYNC}
 
 
 @dataclass(frozen=True)
@@ -254,7 +271,8 @@ class KernelSpec:
         config = {"name": self.name, "kernel": self.kernel_name, "family": self.family.value,
                   "problem": _plain(problem), "schedule": _plain(schedule)}
         if self.backward is not None:   # absent otherwise: forward-only hashes stay as they were
-            config["backward"] = _plain(asdict(self.backward))
+            config["backward"] = _plain({k: v for k, v in asdict(self.backward).items()
+                                         if not (k in BACKWARD_DEFAULTS and v == BACKWARD_DEFAULTS[k])})
         return config
 
     @property
@@ -340,9 +358,13 @@ def kernel_name(spec: KernelSpec) -> str:
 
 
 def backward_name_parts(b: BackwardSchedule) -> list[str]:
-    """The backward schedule's part of a kernel name, e.g. bwd_kvq_q64_kv128_w8_s2_atomic."""
-    parts = ["bwd", "kvq" if b.order is LoopOrder.KV_OUTER else "qkv", f"q{b.tile_q}", f"kv{b.tile_kv}",
-             f"w{b.warps}", f"s{b.stages}"]
+    """The backward schedule's part of a kernel name, e.g. bwd_kvq_q64_kv128_w8_s2_atomic (warp-specialized:
+    bwd_kvq_q64_kv128_p1r24_c2r240_s2tma_tma_reduce)."""
+    parts = ["bwd", "kvq" if b.order is LoopOrder.KV_OUTER else "qkv", f"q{b.tile_q}", f"kv{b.tile_kv}"]
+    if b.warp_specialized:   # wgmma and TMA are the family's only instruction and copy
+        return parts + [f"p{b.producer_warpgroups}r{b.producer_regs}", f"c{b.consumer_warpgroups}r{b.consumer_regs}",
+                        f"s{b.stages}" + ("tma" if b.copy is CopyVia.TMA else ""), b.dq.value]
+    parts += [f"w{b.warps}", f"s{b.stages}"]
     if b.mma is Mma.WGMMA:
         parts.append("wgmma")
     if b.order is LoopOrder.KV_OUTER:

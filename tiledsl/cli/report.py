@@ -41,7 +41,7 @@ def human(n: float, unit: str = "B") -> str:
 def loop_nest(graph: ScheduleGraph) -> list[str]:
     """The schedule as indented pseudo-code, one op or loop per line, each with its DSL source."""
     lines: list[str] = []
-    specialized = graph.family is Family.HOPPER
+    specialized = graph.family is Family.HOPPER or bool(graph.barriers)   # a warp-specialized backward too
 
     def walk(loop: str | None, depth: int) -> None:
         for name in graph.children(loop):
@@ -81,8 +81,10 @@ def role_and_barrier_lines(graph: ScheduleGraph) -> list[str]:
         return []
     lines = ["roles:"]
     for role, info in graph.roles.items():
-        lines.append(f"  {role:<9} {info['warpgroups']} warpgroup(s), {info['threads']} threads, "
-                     f"setmaxnreg {info['registers']} registers per thread")
+        who = (f"{info['warpgroups']} warpgroup(s)" if info["warpgroups"]
+               else f"{info['threads'] // 32} warp(s) of the producer warpgroup")
+        lines.append(f"  {role:<9} {who}, {info['threads']} threads, setmaxnreg {info['registers']} registers per "
+                     "thread")
     lines.append("barriers (count: arrivals per phase; tx: TMA bytes that must land too):")
     lines.append(f"  {'name':<8} {'kind':<9} {'count':>5} {'tx bytes':>9}   arrive -> wait")
     for b in graph.barriers.values():
@@ -246,9 +248,30 @@ def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: 
         return lines + ["", f"backward kernels: none generated ({why})"]
     lay = backward_layout(spec)
     lines += ["", "backward main kernel:"] + ["  " + line for line in layout_budget_lines(lay.main)]
+    if graph.barriers:   # the warp-specialized backward: its roles, barriers and per-role registers
+        lines += ["", *ws_lines(lay), *role_and_barrier_lines(graph)]
     if lay.dq_kernel:
         lines.append(f"  dQ kernel (`dq accumulate separate`): {lay.dq_kernel_smem} B shared memory, "
                      f"{lay.dq_kernel_threads} threads")
+    return lines
+
+
+def ws_lines(lay) -> list[str]:
+    """How the warp-specialized backward shares its kv tile, adds dQ and launches, and each role's registers."""
+    dq = {"writer_tma": "staged in fp32 shared memory, added by the writer's TMA reduce-add "
+                        "(cp.reduce.async.bulk.tensor)",
+          "writer_red": "staged in fp32 shared memory, added by the writer's red.global.add.v4",
+          "consumer_red": "added from the consumers' registers (red.global.add.v4): no staging buffer fits",
+          }[lay.dq_path]
+    lines = [f"warp-specialized: consumers split the kv tile by {lay.split}; dQ_i split {lay.dq_split}, {dq}"
+             + (f" ({lay.staging} staging buffers)" if lay.staging else ""),
+             "launch: one block per (kv tile, batch * kv head), every (batch, kv head)'s first kv tile first (under a "
+             "causal mask the longest: it sees every q tile)",
+             "registers per role (estimate; the peak live set must fit setmaxnreg):"]
+    for role, registers in lay.role_registers.items():
+        parts = ", ".join(f"{r.name} {r.amount}" for r in registers)
+        budget = lay.roles[role]["registers"]
+        lines.append(f"    {role:<9} peak {lay.role_peaks[role]} of setmaxnreg {budget}   ({parts})")
     return lines
 
 

@@ -20,7 +20,7 @@ from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import backward_layout
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature, view
-from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
+from ..spec import BackwardSchedule, CopyVia, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 # (head dim) -> (tile q, tile kv, warps, stages) of the mma.sync kernel, dq atomic: the fastest measured
 # at 4k on the H200 (bench/NOTES.md, "Why the tables hold what they hold"). fp16 has the same shapes.
@@ -46,16 +46,51 @@ BACKWARD_WGMMA_TUNED: dict[int, BackwardSchedule] = {
     128: BackwardSchedule(tile_q=64, tile_kv=128, warps=8, stages=2, mma=Mma.WGMMA)}
 
 
+# The warp-specialized backward (templates/backward_ws.cu.j2: a TMA producer warpgroup, two consumer warpgroups,
+# a dQ writer warp): attention_backward takes it when BACKWARD_WS is on (or warp_specialized=True) on a Hopper
+# GPU for the head dims below. Off until the H200 has validated and timed it (tests/test_gpu_backward_ws.py,
+# bench/backward_ws_bench.py).
+BACKWARD_WS = False
+
+
+def _ws(tile_q: int, tile_kv: int, dq: DqAccumulate, stages: int = 2) -> BackwardSchedule:
+    return BackwardSchedule(tile_q=tile_q, tile_kv=tile_kv, warps=8, stages=stages, mma=Mma.WGMMA, dq=dq,
+                            producer_warpgroups=1, producer_regs=24, consumer_warpgroups=2, consumer_regs=240,
+                            copy=CopyVia.TMA)
+
+
+# (head dim) -> its schedule: d64 and d128 as the wgmma kernel's tiles (each consumer owns 64 keys of 128), dQ
+# staged and added by TMA reduce-add; d256 shares 64 keys between the consumers by head-dim columns, with dQ added
+# from registers (a staging buffer does not fit beside a 2-slot ring).
+BACKWARD_WS_TUNED: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAccumulate.TMA_REDUCE),
+                                                  128: _ws(64, 128, DqAccumulate.TMA_REDUCE),
+                                                  256: _ws(64, 64, DqAccumulate.ATOMIC)}
+# deterministic=True: `dq accumulate ordered` (staged, added in kv tile order); at d256 the staging buffer fits
+# beside a 1-slot ring only.
+BACKWARD_WS_DETERMINISTIC: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAccumulate.ORDERED),
+                                                          128: _ws(64, 128, DqAccumulate.ORDERED),
+                                                          256: _ws(64, 64, DqAccumulate.ORDERED, stages=1)}
+
+
 @functools.lru_cache(maxsize=None)
 def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                   window: tuple[int, int] | None = None, scale: float | None = None,
-                  deterministic: bool = False, mma: Mma = Mma.SYNC) -> KernelSpec:
+                  deterministic: bool = False, mma: Mma = Mma.SYNC, warp_specialized: bool = False) -> KernelSpec:
     """The backward spec for a problem: BACKWARD_TUNED's schedule for the head dim, else the first of
     the fallback tiles that fits (layout.backward_layout); `deterministic` sums dQ on chip
     (`dq accumulate separate`) instead of with atomics. `mma` wgmma: BACKWARD_WGMMA_TUNED's schedule
-    (RuntimeInputError where the wgmma kernel has none). `arch` is for the table's future rows."""
+    (RuntimeInputError where the wgmma kernel has none). `warp_specialized`: BACKWARD_WS_TUNED's schedule
+    (RuntimeInputError where ws_refusal objects). `arch` is for the table's future rows."""
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask, window_left=window[0] if window else 0,
                       window_right=window[1] if window else 0, softmax_scale=scale)
+    if warp_specialized:
+        why = ws_refusal(arch, head_dim, head_dim_v, deterministic)
+        if why:
+            raise RuntimeInputError(f"attention_backward: the warp-specialized backward {why}")
+        b = (BACKWARD_WS_DETERMINISTIC if deterministic else BACKWARD_WS_TUNED)[head_dim]
+        spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
+        backward_layout(spec)
+        return spec
     dq = DqAccumulate.SEPARATE if deterministic else DqAccumulate.ATOMIC
     if mma is Mma.WGMMA:
         why = wgmma_refusal(arch, head_dim, head_dim_v, deterministic)
@@ -91,32 +126,46 @@ def wgmma_refusal(arch: str, head_dim: int, head_dim_v: int | None, deterministi
     return ""
 
 
+def ws_refusal(arch: str, head_dim: int, head_dim_v: int | None, deterministic: bool) -> str:
+    """Why the warp-specialized backward can't take a problem ("" when it can; it has a deterministic schedule
+    for every head dim it serves)."""
+    if not arch.startswith("sm_90"):
+        return f"needs a Hopper GPU (sm_90a), this one is {arch}"
+    if head_dim not in BACKWARD_WS_TUNED or head_dim_v not in (None, head_dim):
+        return (f"is built for head dims {sorted(BACKWARD_WS_TUNED)} (qk = v), not {head_dim}/{head_dim_v or head_dim}"
+                "; the wgmma or mma.sync backward takes the others")
+    return ""
+
+
 # call key -> PreparedCall of the backward's three launches: a warm backward is this lookup and the launches.
 _calls = SignatureCache()
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
-                       validate: bool | None = None):
+                       validate: bool | None = None, warp_specialized: bool | None = None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
     run (dQ summed on chip by a second kernel instead of fp32 atomics). Outputs in q's framework and
     dtype, shaped like q, k, v; launched on the caller's stream. `mma`: "wgmma" or "mma.sync" forces the
     main kernel's instruction (wgmma refuses problems it has no kernel for); None: wgmma when
-    BACKWARD_WGMMA is on and it takes the problem, else mma.sync. `validate`: check kv_lens on the
-    host (runtime/index_checks.py). The first call of a signature picks the spec and prepares the
-    three launches; later ones only launch."""
+    BACKWARD_WGMMA is on and it takes the problem, else mma.sync. `warp_specialized`: True runs the
+    warp-specialized backward (refusing problems it has no kernel for), False never; None: when BACKWARD_WS is on
+    and it takes the problem (`mma` unset). `validate`: check kv_lens on the host (runtime/index_checks.py). The
+    first call of a signature picks the spec and prepares the three launches; later ones only launch."""
     tensors = (q, k, v, o, lse, do, kv_lens)
     window = None if window is None else tuple(window)
-    key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate)
+    key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate, warp_specialized,
+           BACKWARD_WS)
     call = _calls.get(key)
     if call is None:
-        call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate))
+        call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate,
+                                                 warp_specialized))
     return call(*tensors)
 
 
-def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate):
+def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized):
     from ..runtime.device import device_arch
     from .kernels import BACKWARD, kernel_for
     q, v = tensors[0], tensors[2]
@@ -135,15 +184,20 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
     mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
     window = tuple(int(w) for w in window) if window is not None else None
     spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
-                                bool(deterministic), mma)
+                                bool(deterministic), mma, warp_specialized)
     return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
 
 
 def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                          window: tuple[int, int] | None = None, scale: float | None = None, deterministic: bool = False,
-                         mma: str | None = None) -> KernelSpec:
-    """The spec attention_backward runs: `mma` "wgmma" / "mma.sync" forced, or None: wgmma when
-    BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync."""
+                         mma: str | None = None, warp_specialized: bool | None = None) -> KernelSpec:
+    """The spec attention_backward runs: the warp-specialized backward when `warp_specialized` is True (or None
+    with BACKWARD_WS on, `mma` unset and ws_refusal without objection); else `mma` "wgmma" / "mma.sync" forced,
+    or None: wgmma when BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync."""
+    if warp_specialized is None:
+        warp_specialized = BACKWARD_WS and mma is None and not ws_refusal(arch, head_dim, head_dim_v, deterministic)
+    if warp_specialized:
+        return backward_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, deterministic, Mma.WGMMA, True)
     if mma is None:
         chosen = Mma.WGMMA if BACKWARD_WGMMA and not wgmma_refusal(arch, head_dim, head_dim_v,
                                                                    deterministic) else Mma.SYNC

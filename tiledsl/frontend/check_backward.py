@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from ..hw import MMA_ROWS, WGMMA_ROWS
-from ..spec import BACKWARD_KEYS, BackwardSchedule, DqAccumulate, LoopOrder, Mma
+from ..device_limits import H200
+from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
+from ..spec import BACKWARD_KEYS, BackwardSchedule, CopyVia, DqAccumulate, LoopOrder, Mma
 from . import syntax as ast
 
 PREFIX = "backward."
@@ -18,6 +19,7 @@ EXAMPLES = {
     "order": "order kv, q   (kv outer, dK and dV on chip: FA2's; or: q, kv)",
     "tile": "tile q = 64, kv = 128", "warps": "warps 8", "pipeline": "pipeline 2 stages",
     "mma": "mma mma.sync   (or: wgmma)",
+    "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240   (the warp-specialized Hopper backward)",
 }
 _FIELDS = {f.name for f in fields(BackwardSchedule)}
 
@@ -32,12 +34,8 @@ def statement_fields(checker, statement) -> dict:
     if isinstance(statement, ast.Warps) and statement.axis is not None:
         checker.fail("the backward splits warps along its outer loop's tile; `along` is not for it",
                      statement.axis.span, f"write e.g. `{EXAMPLES['warps']}`")
-    if isinstance(statement, ast.Pipeline) and statement.copy is not None:
-        checker.fail("the backward copies with cp.async; `via` is not for it", statement.copy.span,
-                     f"write e.g. `{EXAMPLES['pipeline']}`")
     out = getattr(checker, key)(statement)
     out.pop("warp_axis", None)
-    out.pop("copy", None)
     return out
 
 
@@ -45,7 +43,7 @@ def unknown_statement(checker, key: ast.Word, problem_keys, did_you_mean):
     word = key.text
     if word in problem_keys:
         checker.fail(f"'{word}' is a problem setting; write it before `backward {{`", key.span)
-    if word in ("warpgroups", "overlap", "split"):
+    if word in ("overlap", "split"):
         checker.fail(f"the backward schedule has no '{word}'", key.span,
                      "backward statements: " + ", ".join(BACKWARD_KEYS))
     checker.fail(f"unknown backward statement '{word}'{did_you_mean(word, BACKWARD_KEYS)}", key.span,
@@ -69,6 +67,14 @@ def rule_backward(spec, written: set):
         return ("backward", "a decode kernel (queries = N) has no backward pass",
                 "remove `backward { }`, or `queries` for a prefill kernel with a backward")
     kv_outer = b.order is LoopOrder.KV_OUTER
+    if b.warp_specialized:
+        return _rule_warp_specialized(spec, written)
+    if b.copy is CopyVia.TMA:
+        return ("backward.pipeline", "the backward copies with TMA only when warp-specialized: a producer "
+                "warpgroup issues the copies", f"add `{EXAMPLES['warpgroups']}`, or drop `via tma`")
+    if b.dq is DqAccumulate.TMA_REDUCE:
+        return ("backward.dq", "`dq accumulate tma_reduce` is issued by the warp-specialized backward's dQ writer "
+                "warp", f"add `{EXAMPLES['warpgroups']}`, or `dq accumulate atomic`")
     if not kv_outer and b.dq is not DqAccumulate.ATOMIC:
         return ("backward.dq", f"q outer keeps dQ on chip (and sums dK, dV with atomics); `dq accumulate "
                 f"{b.dq.value}` is for order kv, q", "write `order kv, q`, or remove `dq accumulate`")
@@ -92,10 +98,49 @@ def rule_backward(spec, written: set):
     return None
 
 
+def _rule_warp_specialized(spec, written: set):
+    """The warp-specialized backward's rules between values (its layout, layout/backward_ws.py, checks sizes)."""
+    b = spec.backward
+    if b.order is not LoopOrder.KV_OUTER:
+        return ("backward.order", "the warp-specialized backward is kv outer: each block keeps dK, dV on chip",
+                "write `order kv, q`")
+    if b.mma is not Mma.WGMMA:
+        return ("backward.mma", "the warp-specialized backward runs on wgmma (its consumer warpgroups' MMA)",
+                "remove `mma`, or write `mma wgmma`")
+    if b.copy is not CopyVia.TMA:
+        return ("backward.pipeline", "the warp-specialized backward's producer copies with TMA",
+                "write `pipeline N stages via tma`")
+    if b.warps != 4 * b.consumer_warpgroups:
+        return ("backward.warps", f"warps follow the warpgroups: {b.consumer_warpgroups} consumer warpgroups are "
+                f"{4 * b.consumer_warpgroups} warps (the producer's 4 come on top), got warps {b.warps}",
+                "remove `warps`")
+    if b.dq is DqAccumulate.SEPARATE:
+        return ("backward.dq", "`dq accumulate separate` is the mma.sync backward's q-outer dQ kernel; the "
+                "warp-specialized backward's dQ writer adds dQ_i as atomic, tma_reduce or ordered (deterministic)",
+                "write `dq accumulate ordered` for bit-identical results")
+    total = (b.producer_regs * b.producer_warpgroups + b.consumer_regs * b.consumer_warpgroups) * WARPGROUP_THREADS
+    if total > H200.registers_per_sm:
+        return ("backward.warpgroups", f"warpgroups need ({b.producer_regs} + {b.consumer_warpgroups} x "
+                f"{b.consumer_regs}) x {WARPGROUP_THREADS} = {total} registers > {H200.registers_per_sm} per SM",
+                EXAMPLES["warpgroups"])
+    return None
+
+
 def backward_schedule(values: dict[str, Any]) -> BackwardSchedule:
     """The written values plus defaults: BackwardSchedule's, except that q outer swaps the tiles
-    (its 8 warps split the q tile, 16 rows each)."""
+    (its 8 warps split the q tile, 16 rows each), and written warpgroups make the warp-specialized
+    backward: producer 1 regs 24, consumer 2 with the most registers that fit, TMA copies, wgmma,
+    4 warps per consumer warpgroup."""
     values = dict(values)
+    if "producer_warpgroups" in values or "consumer_warpgroups" in values:
+        producers = values.setdefault("producer_warpgroups", 1)
+        consumers = values.setdefault("consumer_warpgroups", 2)
+        producer_regs = values.setdefault("producer_regs", 24)
+        fit = (H200.registers_per_sm // WARPGROUP_THREADS - producer_regs * producers) // max(consumers, 1) // 8 * 8
+        values.setdefault("consumer_regs", min(256, fit))
+        values.setdefault("copy", CopyVia.TMA)
+        values.setdefault("mma", Mma.WGMMA)
+        values.setdefault("warps", 4 * consumers)
     if values.get("order") is LoopOrder.Q_OUTER:
         values.setdefault("tile_q", BackwardSchedule.tile_kv)
         values.setdefault("tile_kv", BackwardSchedule.tile_q)

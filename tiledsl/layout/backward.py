@@ -23,6 +23,7 @@ from .base import (
     thread_register_limit,
     tile_row_bytes,
 )
+from .backward_ws import BackwardWsLayout, backward_ws_layout, ws_has_template
 
 BACKWARD_PRE_ROWS = 64         # preprocess / convert: q rows per block
 
@@ -62,6 +63,8 @@ def backward_has_template(spec: KernelSpec) -> str:
         return f"the backward template computes in fp16 or bf16, not {p.dtype.value}"
     if b.order is not LoopOrder.KV_OUTER:
         return "the backward template is kv outer (`order kv, q`)"
+    if b.warp_specialized:
+        return ws_has_template(spec)
     if b.mma is Mma.WGMMA and b.dq.value != "atomic":
         return "the wgmma backward sums dQ with fp32 atomics only (`dq accumulate atomic`)"
     if b.dq.value == "ordered":
@@ -69,10 +72,12 @@ def backward_has_template(spec: KernelSpec) -> str:
     return ""
 
 
-def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLayout:
+def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLayout | BackwardWsLayout:
     """Shared memory, registers and warps of the backward kernels (templates/backward.cu.j2); SpecError
     at the backward block's line when they do not fit."""
     b, p = spec.backward, spec.problem
+    if b.warp_specialized:
+        return backward_ws_layout(spec, limits)
     if b.mma is Mma.WGMMA:
         return backward_wgmma_layout(spec, limits)
     d, dv, Br, Bc, S = p.head_dim_qk, p.head_dim_v, b.tile_q, b.tile_kv, b.stages

@@ -17,7 +17,8 @@ from ..schedule.backward import build_backward_graph
 from ..layout.backward import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS,
     backward_has_template, backward_wgmma_dq_stage_row_bytes, backward_wgmma_dv_schedule, backward_layout)
 from ..layout.base import tile_row_bytes
-from .plan import Constant, KernelPlan, Launch, LoopOp, Region, SharedBuffer, make_plan
+from .backward_ws import lower_backward_ws
+from .plan import BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Region, SharedBuffer, make_plan
 from .steps import spec_line, graph_loop_body, smem_constants, softmax_constants, tile_row_constants
 from ..spec import DqAccumulate, Family, KernelSpec, Mma
 
@@ -50,6 +51,7 @@ class BackwardPlan(KernelPlan):
     wgmma_ops: tuple = ()                               # wgmma: the BackwardWgmma wrappers the template declares
     wgmma: dict = field(default_factory=dict)           # wgmma: role (s, dv, dk, dq) -> wrapper name
     dp_wait_note: str = ""                              # wgmma: what is in flight when dS^T starts
+    kernel_class: str = ""                              # "module:Class" that launches it ("": BackwardKernel)
 
     @property
     def loop_bodies(self):
@@ -135,6 +137,8 @@ def lower_backward(spec: KernelSpec, dq_vector: int = BACKWARD_DQ_VECTORS[0], li
     if dq_vector not in BACKWARD_DQ_VECTORS:
         raise ValueError(f"dq_vector must be one of {BACKWARD_DQ_VECTORS}, got {dq_vector}")
     why = backward_has_template(spec)
+    if not why and spec.backward.warp_specialized:
+        return lower_backward_ws(spec, backward_kernel_name(spec), limits, **wgmma_options)
     if not why and spec.backward.mma is Mma.WGMMA:
         return lower_backward_wgmma(spec, dq_vector, limits, **wgmma_options)
     if why:
@@ -222,17 +226,6 @@ _WGMMA_ORDERS = {
     "late": ("mma_qk", "mma_dp", "mask", "recompute_p", "softmax_grad", "mma_dv", "mma_dk", "stage_ds", "mma_dq",
              "accumulate_dq"),
 }
-
-
-@dataclass(frozen=True)
-class BackwardWgmma:
-    """One wgmma wrapper of the backward: m64n{asm.n}k16, A from registers or shared memory, the
-    transpose bits (1 = MN-major) of its shared-memory operands."""
-    name: str
-    asm: WgmmaAsm
-    a_in_registers: bool
-    trans_a: int
-    trans_b: int
 
 
 def _wrappers(br: int, d: int, dv: int, dq_cols: int) -> tuple[tuple[BackwardWgmma, ...], dict]:

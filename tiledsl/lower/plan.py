@@ -143,6 +143,17 @@ KV_WALKS = ("tile", "paged_tile", "slice", "paged_slice")
 
 
 @dataclass(frozen=True)
+class BackwardWgmma:
+    """One wgmma wrapper of a backward kernel: m64n{asm.n}k16 (asm: fa2_wgmma.WgmmaAsm), A from registers or
+    shared memory, the transpose bits (1 = MN-major) of its shared-memory operands."""
+    name: str
+    asm: object
+    a_in_registers: bool
+    trans_a: int
+    trans_b: int
+
+
+@dataclass(frozen=True)
 class Launch:
     threads: int
     smem_bytes: int

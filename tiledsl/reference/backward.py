@@ -153,6 +153,9 @@ class _BackwardExecutor(Executor):
     def mma_dq(self, op, at, env):
         self._grad(op, env, "dQ", self.scale * (env["dS"] @ env["K"]))
 
+    def stage(self, op, at, env):
+        """Registers -> shared memory for another warpgroup or the dQ writer: one NumPy thread keeps the value."""
+
     def accumulate(self, op, at, env):
         ordered = op.variant == "ordered"
         for access in op.hbm:

@@ -6,6 +6,7 @@ launches."""
 from __future__ import annotations
 
 from ..codegen.render import render
+from ..families import resolve
 from ..errors import RuntimeInputError, SpecError
 from ..hw import MAX_GRID_YZ
 from ..layout.backward import BACKWARD_PRE_ROWS
@@ -141,4 +142,6 @@ def compile_backward(spec: KernelSpec) -> BackwardKernel:
     if spec.backward is None:
         raise SpecError(f"{spec.name} has no backward schedule", spec.span, spec.source_text,
                         "add `backward { }` to its spec")
-    return BackwardKernel(spec, lower_backward(spec))
+    plan = lower_backward(spec)
+    cls = resolve(plan.kernel_class) if plan.kernel_class else BackwardKernel   # the warp-specialized module's own
+    return cls(spec, plan)

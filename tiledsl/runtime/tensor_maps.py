@@ -27,19 +27,30 @@ def _driver():
     return driver
 
 
-def encode(t: TensorView, box_rows: int, address: int | None = None) -> tuple[int, ...]:
+# Element types of the maps: 16-bit operands (the bits as uint16), and fp32 accumulators (the warp-specialized
+# backward's TMA reduce-add into dQ_accum, boxes of 32 columns: one 128-byte swizzled row).
+ELEMENTS = {"uint16": ("CU_TENSOR_MAP_DATA_TYPE_UINT16", ELEMENT_BYTES, PANEL_COLUMNS),
+            "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4, 32)}
+# Where a map of an array a prepared call allocates (no address yet: view pointer 0) is encoded; its address
+# word is rewritten per call like any other map's.
+PLACEHOLDER_ADDRESS = 1 << 40
+
+
+def encode(t: TensorView, box_rows: int, address: int | None = None, element: str = "uint16") -> tuple[int, ...]:
     """The 16 words of `t`'s map with boxes of `box_rows` rows (at `address` instead of t.pointer
     when given: the encoder reads no memory, so any 16-byte aligned address encodes)."""
     cu = _driver()
+    data_type, element_bytes, box_columns = ELEMENTS[element]
     batch, heads, rows, columns = t.shape
     dims = [columns, rows, heads, batch]
-    strides = [t.strides[2] * ELEMENT_BYTES, t.strides[1] * ELEMENT_BYTES, t.strides[0] * ELEMENT_BYTES]
+    strides = [t.strides[2] * element_bytes, t.strides[1] * element_bytes, t.strides[0] * element_bytes]
     # A unit-size dimension's stride is never used: any legal value will do.
     strides = [s if s > 0 else STRIDE_ALIGN for s in strides]
+    address = t.pointer if address is None else address
     err, encoded = cu.cuTensorMapEncodeTiled(
-        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, t.pointer if address is None else address,
+        getattr(cu.CUtensorMapDataType, data_type), 4, address or PLACEHOLDER_ADDRESS,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
-        [cu.cuuint32_t(PANEL_COLUMNS), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
+        [cu.cuuint32_t(box_columns), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
         [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
@@ -56,13 +67,14 @@ def encode(t: TensorView, box_rows: int, address: int | None = None) -> tuple[in
 _PROBES = (1 << 21, 1 << 33)
 
 
-def address_field(t: TensorView, box_rows: int, words: tuple) -> tuple[int, int, int] | None:
+def address_field(t: TensorView, box_rows: int, words: tuple, element: str = "uint16") -> tuple[int, int, int] | None:
     """(word, base, shift) such that the map of `t` at any address a has word = base + (a >> shift)
     and every other word as in `words`; None when the encoding does not look like that (the map is
     then encoded again for each new address)."""
     found = None
+    pointer = t.pointer or PLACEHOLDER_ADDRESS
     for delta in _PROBES:
-        other = encode(t, box_rows, t.pointer + delta)
+        other = encode(t, box_rows, pointer + delta, element)
         changed = [i for i, (a, b) in enumerate(zip(words, other)) if a != b]
         if len(changed) != 1:
             return None
@@ -71,24 +83,25 @@ def address_field(t: TensorView, box_rows: int, words: tuple) -> tuple[int, int,
         shifts = [s for s in range(8) if step == delta >> s]
         if not shifts or (found is not None and (found[0], found[2]) != (i, shifts[0])):
             return None
-        found = (i, (words[i] - (t.pointer >> shifts[0])) & ((1 << 64) - 1), shifts[0])
+        found = (i, (words[i] - (pointer >> shifts[0])) & ((1 << 64) - 1), shifts[0])
     return found
 
 
 _fields: dict = {}
 
 
-def map_arg(t: TensorView, box_rows: int):
+def map_arg(t: TensorView, box_rows: int, element: str = "uint16"):
     """The kernel parameter of `t`'s map (runtime/launch.Arg "map"), with the address field found
-    once per layout so that a prepared call only rewrites one word for a new tensor."""
-    words = encode(t, box_rows)
-    layout = (t.shape, t.strides, box_rows, t.device_id)
+    once per layout so that a prepared call only rewrites one word for a new tensor. `element`: a key of
+    ELEMENTS (its box width follows)."""
+    words = encode(t, box_rows, element=element)
+    layout = (t.shape, t.strides, box_rows, t.device_id, element)
     if layout not in _fields:
-        _fields[layout] = address_field(t, box_rows, words)
+        _fields[layout] = address_field(t, box_rows, words, element)
     field = _fields[layout]
     if field is None:
         def reencode(address: int) -> tuple[int, ...]:
-            return encode(t, box_rows, address)
+            return encode(t, box_rows, address, element)
         return Arg("map", MapValue(words, t.pointer, -1, 0, 0, reencode), t.slot)
     word, base, shift = field
     return Arg("map", MapValue(words, t.pointer, word, base, shift), t.slot)

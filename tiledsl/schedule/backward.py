@@ -14,25 +14,40 @@ Per (q tile, kv tile): S = scale Q K^T, the forward's mask, P = exp(S - LSE), dV
 dP = dO V^T, dS = P * (dP - D), dK += scale dS^T Q, dQ += scale dS K. Tiles no query sees are
 skipped as in the forward. GQA: blocks run per query head; dK, dV of a kv head sum its group's.
 
-Ops name the backward's DSL statements as `backward.<key>` for their source tags.
+Ops name the backward's DSL statements as `backward.<key>` for their source tags. A warp-specialized
+backward (`warpgroups` in the block) gives the main kernel's ops roles -- the producer loads, the consumers
+compute -- and adds the roles' barriers and staging ops (schedule/backward_ws.py).
 """
 from __future__ import annotations
 
+from .backward_ws import add_ws_ops, ws_barriers
 from .graph import ScheduleGraph
 from .modify import add_dropout, add_score_mod, add_score_mod_grad, add_sink_grad, mask_key, mask_text
 from .ops import Access, Op, OpKind, Role, Space
+from .passes import emission_order
+from ..errors import SpecError
 from ..layout.backward import backward_wgmma_dv_schedule
+from ..layout.backward_ws import backward_ws_layout, ws_split
 from ..spec import DqAccumulate, KernelSpec, LoopOrder, Mma
 
 ORDER, TILE, PIPE, DQ = "backward.order", "backward.tile", "backward.pipeline", "backward.dq"
+_PRODUCED = (OpKind.LOAD_Q, OpKind.LOAD_DO, OpKind.LOAD_LSE_D, OpKind.LOAD_K, OpKind.LOAD_V)
+# tile_math's ops of the main kernel, by what they compute (the warp-specialized ops link to them)
+_MATH = {"S": "mma_qk", "dP": "mma_dp", "mask": "mask", "P": "recompute_p", "dS": "softmax_grad", "dV": "mma_dv",
+         "dK": "mma_dk", "dQ": "mma_dq", "accumulate": "accumulate_dq"}
 
 
 class _Backward:
     def __init__(self, g: ScheduleGraph):
         self.g, self.b = g, g.spec.backward
+        self.ws = self.b.warp_specialized
 
     def op(self, name: str, kind: OpKind, loops, key: str, text: str, space=Space.REGISTERS, shape=(), deps=(),
            **kw) -> str:
+        if self.ws and loops and loops[0] == "loop_kv":   # the warp-specialized main kernel: who runs it
+            kw.setdefault("role", Role.PRODUCER if kind in _PRODUCED else Role.CONSUMER)
+            if kind in _PRODUCED:
+                kw.setdefault("via", "tma")
         self.g.add(name, Op(kind, space, shape, loops, key=key, text=text, **kw))
         for dep in deps:
             self.g.connect(dep, name)
@@ -134,10 +149,13 @@ class _Backward:
         for t in ("dK", "dV"):
             g.carry("loop_q", out[t], out[t], t)
         if not separate:
-            how = ("atomicAdd, in any order" if b.dq is DqAccumulate.ATOMIC
-                   else "in kv tile order, block j after block j-1: deterministic")
+            how = {DqAccumulate.ATOMIC: "atomicAdd, in any order",
+                   DqAccumulate.TMA_REDUCE: "TMA reduce-add of the staged tile, in any order"}.get(
+                b.dq, "in kv tile order, block j after block j-1: deterministic")
             self.op("accumulate_dq", OpKind.ACCUMULATE, q, DQ, f"dQ_accum[i*Br : (i+1)*Br] += dQ_i   (fp32, {how})",
                     Space.HBM, deps=(out["dQ"],), variant=b.dq.value, hbm=(Access("dQ_accum", "write", "q", "d"),))
+            if self.ws:
+                self.warp_specialized(kv, q, have)
         for t, cols in (("dK", "d"), ("dV", "dv")):
             self.store(f"store_{t.lower()}", kv, t, "kv", cols, f"{t}[j*Bc : (j+1)*Bc] += {t}   (summed over the "
                        "query heads of a GQA group)", deps=(out[t],), key="backward.tile")
@@ -154,6 +172,17 @@ class _Backward:
             loops = self.loop("convert_loop_q", (), "q", DQ, "for i in q tiles (one block each)", kernel="convert_dq")
             self.op("convert_dq", OpKind.CONVERT_GRAD, loops, DQ, "dQ[i*Br : (i+1)*Br] = dQ_accum (fp32 -> dtype)",
                     Space.HBM, hbm=(Access("dQ_accum", "read", "q", "d"), Access("dQ", "write", "q", "d")))
+
+    def warp_specialized(self, kv, q, have) -> None:
+        """The roles' ops and barriers (schedule/backward_ws.py), with the layout's dQ path and counts; a spec
+        the layout refuses keeps its math ops (explain and the float64 reference still take it)."""
+        try:
+            lay = backward_ws_layout(self.g.spec)
+        except SpecError:
+            return
+        add_ws_ops(self, kv, q, have, dict(_MATH), ws_split(self.b.tile_kv), lay.dq_path != "consumer_red")
+        self.g.barriers = ws_barriers(self.g, lay)
+        self.g.roles = dict(lay.roles)
 
     def q_outer(self) -> None:
         g = self.g
@@ -190,5 +219,7 @@ def build_backward_graph(spec: KernelSpec) -> ScheduleGraph:
         builder.q_outer()
     g.facts.add("graph")
     g.sizes.update(Br=spec.backward.tile_q, Bc=spec.backward.tile_kv)
+    if g.barriers:   # warp-specialized: explain walks the roles' ops in the order they are issued
+        g.order = tuple(emission_order(g))
     return g
 

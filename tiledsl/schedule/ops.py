@@ -48,6 +48,7 @@ class OpKind(str, Enum):
     ACCUMULATE = "accumulate"           # add a block's partial into an fp32 HBM workspace (atomic | ordered)
     STORE_GRAD = "store_grad"           # D, dQ, dK or dV -> HBM (dK, dV summed over a GQA group)
     CONVERT_GRAD = "convert_grad"       # fp32 workspace -> the gradient in the output's dtype
+    STAGE = "stage"                     # registers -> shared memory for another role (P^T, dS^T, dQ_i)
 
 
 class Space(str, Enum):
@@ -61,6 +62,7 @@ class Role(str, Enum):
     ALL = "all"              # every warp of the block
     PRODUCER = "producer"    # the load warpgroup of a warp-specialized kernel
     CONSUMER = "consumer"    # the MMA/softmax warpgroups
+    WRITER = "writer"        # the warp that adds staged partial sums to HBM (the warp-specialized backward's dQ)
 
 
 class EdgeKind(str, Enum):

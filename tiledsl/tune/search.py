@@ -96,10 +96,16 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
     lines.append("    }")
     b = spec.backward
     if b is not None:   # every backward setting written out, as the schedule's
+        via = f" via {b.copy.value}" if b.warp_specialized else ""
         lines += ["    backward {", f"        order    {b.order.value}",
                   f"        tile     q = {b.tile_q}, kv = {b.tile_kv}",
-                  f"        warps    {b.warps}", f"        pipeline {b.stages} stage{'s' if b.stages != 1 else ''}",
-                  f"        mma      {b.mma.value}", f"        dq accumulate {b.dq.value}", "    }"]
+                  f"        warps    {b.warps}",
+                  f"        pipeline {b.stages} stage{'s' if b.stages != 1 else ''}{via}",
+                  f"        mma      {b.mma.value}", f"        dq accumulate {b.dq.value}"]
+        if b.warp_specialized:
+            lines.append(f"        warpgroups producer {b.producer_warpgroups} regs {b.producer_regs}, "
+                         f"consumer {b.consumer_warpgroups} regs {b.consumer_regs}")
+        lines.append("    }")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,51 @@
+"""The warp-specialized backward module on the GPU (templates/backward_ws.cu.j2): its preprocess, main and convert
+kernels, prepared once per call signature like every backward module (runtime/backward.py), with Q, dO, K, V
+(and dQ_accum, the TMA reduce-add's target) handed to the main kernel as TMA tensor maps.
+
+Workspaces, from the inputs' framework on the caller's stream: LSE and D in rows padded to whole q tiles (the
+producer's bulk copies read whole tiles; padded rows hold LSE = +inf, D = 0, so they contribute nothing),
+dQ_accum (fp32, like dQ), and under `dq accumulate ordered` one int32 semaphore per (batch, head, q tile)."""
+from __future__ import annotations
+
+from .backward import BackwardKernel
+from .launch import CallBuilder, i32, pointer_arg, strides_args
+from .tensor_maps import map_arg
+
+
+class WsBackwardKernel(BackwardKernel):
+    """`dq, dk, dv = kernel(q, k, v, o, lse, do, kv_lens)`, as BackwardKernel (the same input checks)."""
+
+    def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
+        from .index_checks import add_kv_lens_check
+        (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.check(b)
+        add_kv_lens_check(b, 6, kv_len, validate)
+        p, plan = self.spec.problem, self.plan
+        vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
+        br, bc = plan.launch.tile_q, plan.tile_kv
+        pairs, kv_pairs = batch * heads, batch * kv_heads
+        tiles = -(-q_len // br)
+        q_rows = tiles * br
+        lse_rows = b.allocate("lse_rows", (pairs * q_rows,), "float32")
+        d_rows = b.allocate("d_rows", (pairs * q_rows,), "float32")
+        dq_accum = b.allocate("dq_accum", (batch, heads, q_len, p.head_dim_qk), "float32")
+        semaphores = b.allocate("semaphores", (pairs * tiles,), "int32") if plan.ordered else None
+        fns = self.functions(b.device_id)
+        ptr, st = pointer_arg, strides_args
+        if q_rows and pairs:
+            b.launch(fns["preprocess"], (q_rows // plan.pre_rows, pairs, 1), plan.pre_threads, 0,
+                     (ptr(vo), ptr(vdo), ptr(vlse), ptr(lse_rows), ptr(d_rows), ptr(dq_accum), ptr(semaphores),
+                      i32(q_len), i32(q_rows), i32(heads), *st(vo), *st(vdo)), f"{self.name} preprocess")
+        kv_blocks = -(-kv_len // bc)
+        if kv_blocks and kv_pairs:
+            rows = plan.box_rows
+            k_map, v_map = map_arg(vk, rows["k"]), map_arg(vv, rows["v"])
+            # Without queries no block loads Q or dO (every block stores zero dK, dV): K's map stands in.
+            q_map, do_map = (map_arg(vq, rows["q"]), map_arg(vdo, rows["do"])) if q_len else (k_map, k_map)
+            dq_map = map_arg(dq_accum, rows["dq"], "float32") if plan.dq_path == "writer_tma" and q_len else q_map
+            b.launch(fns["main"], (kv_blocks * kv_pairs, 1, 1), plan.launch.threads, plan.launch.smem_bytes,
+                     (q_map, k_map, v_map, do_map, dq_map, ptr(lse_rows), ptr(d_rows), ptr(dq_accum), ptr(semaphores),
+                      ptr(vdk), ptr(vdv), ptr(lens), i32(q_len), i32(q_rows), i32(kv_len), i32(heads),
+                      i32(heads // kv_heads), i32(kv_pairs), *st(vdk), *st(vdv)), f"{self.name} main")
+        if q_len and pairs:
+            b.launch(fns["convert"], (-(-q_len // plan.pre_rows), pairs, 1), plan.pre_threads, 0,
+                     (ptr(dq_accum), ptr(vdq), i32(q_len), i32(heads), *st(vdq)), f"{self.name} convert")
