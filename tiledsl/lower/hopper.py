@@ -25,7 +25,7 @@ from ..layout.base import Layout
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
-from ..spec import Family, KernelSpec
+from ..spec import Family, KernelSpec, LaunchKind
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Region, make_plan
 from .steps import mma_instruction, smem_constants, softmax_constants, spec_line
@@ -38,6 +38,10 @@ class HopperPlan(KernelPlan):
     loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
     prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
+    # The tile scheduler (`launch`, spec.LaunchKind / ItemOrder values): "dynamic" kernels take items from
+    # a global counter (templates/tile_scheduler.cuh); "" leaves the launch to the runtime's choice.
+    launch_kind: str = ""
+    item_order: str = ""
 
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
@@ -149,6 +153,9 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
     ]
+    if s.launch is LaunchKind.DYNAMIC:
+        consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
+                               "launch dynamic: the producer names each work item to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
@@ -165,6 +172,11 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                           f"onto its full barrier"),
         "consumer": Region(spec_line(spec, "warpgroups"),
                            f"{consumers} consumer warpgroup(s): {s.consumer_regs} registers, 64 query rows each"),
+        "launch": Region(spec_line(spec, "launch"), {
+            "dynamic": "tile scheduler: the producer takes each next work item from a global counter",
+            "persistent": "tile scheduler: one block per resident slot, items at a stride of the grid",
+            "grid": "tile scheduler: one block per work item"}.get(
+            s.launch.value if s.launch else "", "tile scheduler: the runtime's (by mask and length)")),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
@@ -176,5 +188,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
+                     launch_kind=s.launch.value if s.launch else "",
+                     item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 
