@@ -272,3 +272,45 @@ def test_explain_says_how_blocks_take_their_items():
     assert "one pair after another (`order pair_by_pair`)" in dynamic
     long = explain(load_specs(text())[0], batch=1, heads=16, seqlen_q=16384, seqlen_kv=16384)
     assert "tile scheduler: launch grid (the runtime's choice: items of over 16 kv tiles)" in long
+
+
+def test_a_dynamic_launch_gets_its_streams_counter_and_a_captured_launch_a_pair_of_its_own(tmp_path):
+    # the launch path on tests/host_stubs.py's fake torch and cuLaunchKernel: the counter pair is the
+    # kernel's last parameter, looked up per call (a prepared call may run on any stream)
+    import tiledsl
+    from tests.host_stubs import stub_device
+    from tiledsl.runtime import hopper
+    with stub_device(tmp_path) as dev:
+        torch = dev.torch
+        stream, capturing = [0x5000], [False]
+        torch._C._cuda_getCurrentRawStream = lambda index: stream[0]
+        hopper.capturing = lambda like: capturing[0]   # the stub's is always False; it restores the real one
+        torch.cuda.synchronize = lambda device=None: None
+        saved = (dict(hopper._ITEM_COUNTERS), dict(hopper._CAPTURE_POOLS), list(hopper._CAPTURED_COUNTERS))
+        hopper._ITEM_COUNTERS.clear(), hopper._CAPTURE_POOLS.clear()
+        try:
+            kernel = tiledsl.compile(spec_of(LaunchKind.DYNAMIC))
+            q, k, v = (dev.tensor((4, 16, 1000, 128)) for _ in range(3))
+
+            def launch():
+                kernel(q, k, v)
+                name, grid, _, _, on, values = dev.last()
+                assert name == kernel.name and on == stream[0]
+                return grid[0], values[-1]
+            grid, first = launch()
+            assert grid == 132 and launch() == (grid, first)   # 8 q tiles x 64 pairs = 512 items on 132 SMs
+            stream[0] = 0x6000
+            other = launch()[1]
+            assert other != first and launch()[1] == other
+            assert set(hopper._ITEM_COUNTERS) == {(0, 0x5000), (0, 0x6000)}
+            capturing[0] = True
+            pool = hopper._CAPTURE_POOLS[0][0]
+            captured = [launch()[1] for _ in range(3)]
+            assert captured == [pool.data_ptr() + 8 * i for i in range(3)]   # pre-zeroed pairs: no fill in the graph
+            hopper._CAPTURE_POOLS[0][1] = hopper.CAPTURE_POOL_PAIRS
+            beyond = launch()[1]
+            assert beyond not in captured + [first, other] and hopper._CAPTURED_COUNTERS[-1].data_ptr() == beyond
+        finally:
+            hopper._ITEM_COUNTERS.clear(), hopper._CAPTURE_POOLS.clear()
+            hopper._ITEM_COUNTERS.update(saved[0]), hopper._CAPTURE_POOLS.update(saved[1])
+            hopper._CAPTURED_COUNTERS[:] = saved[2]
