@@ -73,7 +73,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -246,6 +249,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -454,7 +461,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 64;   // query rows per block (tile q)
     static constexpr int BC = 32;   // keys per kv tile (tile kv)
@@ -491,6 +498,16 @@ struct C {
     static constexpr float SCALE = 0.0625f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.09016844005556021f;   // scale * log2(e): softmax through exp2
 };
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 q() const { return base + C::Q_OFFSET; }
+    __device__ __forceinline__ u32 k(int stage) const { return base + C::K_OFFSET + stage * C::K_STAGE_BYTES; }
+    __device__ __forceinline__ u32 v(int stage) const { return base + C::V_OFFSET + stage * C::V_STAGE_BYTES; }
+    __device__ __forceinline__ u32 o() const { return base + C::O_OFFSET; }
+};
 static_assert(C::BR == C::WARPS * C::ROWS_PER_WARP && C::ROWS_PER_WARP % 16 == 0, "each warp owns a multiple of 16 query rows");
 static_assert(C::BC % 16 == 0 && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::QK_CHUNKS * 8 <= C::D && C::V_CHUNKS * 8 <= C::DV, "HBM rows fit the (padded) shared-memory rows");
@@ -500,6 +517,7 @@ static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block 
 // One thread block per (query tile, batch * head); each warp owns C::ROWS_PER_WARP query rows
 // (split-Q), so softmax statistics never leave the warp. O stays in registers for the whole
 // kv loop and is divided by the row sum once, at the end.
+// Launch order of one-block-per-query-tile kernels (tiledsl/block_order.py).
 // Launch order (block_order.py): the (batch, head) pairs cut into `order_groups` groups of equal
 // size, one group after another; inside a group the longest query tiles of all its pairs first
 // (under a causal mask later tiles see more keys).
@@ -533,8 +551,8 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic(
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
         i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride, int order_groups) {
     extern __shared__ __align__(128) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 q_tile = smem_base + C::Q_OFFSET, o_tile = smem_base + C::O_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 q_tile = shared.q(), o_tile = shared.o();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warp_row = warp * C::ROWS_PER_WARP;
 
@@ -561,8 +579,8 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic(
     // [backward_ws_d256.tile:10] load the 64 x 256 Q tile (cp.async, zero-filled past the end)
     if constexpr (C::ZERO_PAD) {   // pad columns of Q, the K and V rings (and O's staging, which reuses Q's or its own)
         zero_pad_chunks<C::BR, C::D / 8, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(q_tile);
-        zero_pad_chunks<C::STAGES * C::BC, C::D / 8, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(smem_base + C::K_OFFSET);
-        zero_pad_chunks<C::STAGES * C::BC, C::DV / 8, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(smem_base + C::V_OFFSET);
+        zero_pad_chunks<C::STAGES * C::BC, C::D / 8, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(shared.k(0));
+        zero_pad_chunks<C::STAGES * C::BC, C::DV / 8, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(shared.v(0));
     }
     load_tile_async<C::BR, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(q_tile, q_rows, q_row_stride, q_len - q0);
     cp_async_commit();
@@ -571,11 +589,11 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic(
     for (int s = 0; s < C::STAGES - 1; ++s) {
         if (tile_begin + s < tile_end) {
             load_tile_async<C::BC, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + (s) * C::K_STAGE_BYTES, k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
+                shared.k(s), k_rows + (i64)(tile_begin + s) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
             load_tile_async<C::BC, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + (s) * C::V_STAGE_BYTES, v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
+                shared.v(s), v_rows + (i64)(tile_begin + s) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile_begin + s) * C::BC);
             cp_async_commit();
         }
@@ -601,8 +619,8 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic(
     // [backward_ws_d256.tile:9] q outer (one block per q tile), kv inner
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int stage = (tile - tile_begin) % C::STAGES;
-        const u32 k_tile = smem_base + C::K_OFFSET + stage * C::K_STAGE_BYTES;
-        const u32 v_tile = smem_base + C::V_OFFSET + stage * C::V_STAGE_BYTES;
+        const u32 k_tile = shared.k(stage);
+        const u32 v_tile = shared.v(stage);
         float acc_s[C::M_TILES][C::S_TILES][4];
         // [backward_ws_d256.tile:12] one stage: every warp is done with the buffer before it is refilled
         __syncthreads();
@@ -610,11 +628,11 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic(
         // [backward_ws_d256.tile:12] load K_j, V_j
         if (tile + 0 < tile_end) {
             load_tile_async<C::BC, C::QK_CHUNKS, C::QK_ROW_BYTES, C::QK_SWIZZLE, C::THREADS>(
-                smem_base + C::K_OFFSET + ((stage + 0) % C::STAGES) * C::K_STAGE_BYTES, k_rows + (i64)(tile + 0) * C::BC * k_row_stride,
+                shared.k((stage + 0) % C::STAGES), k_rows + (i64)(tile + 0) * C::BC * k_row_stride,
                 k_row_stride, seq_kv - (tile + 0) * C::BC);
             cp_async_commit();
             load_tile_async<C::BC, C::V_CHUNKS, C::V_ROW_BYTES, C::V_SWIZZLE, C::THREADS>(
-                smem_base + C::V_OFFSET + ((stage + 0) % C::STAGES) * C::V_STAGE_BYTES, v_rows + (i64)(tile + 0) * C::BC * v_row_stride,
+                shared.v((stage + 0) % C::STAGES), v_rows + (i64)(tile + 0) * C::BC * v_row_stride,
                 v_row_stride, seq_kv - (tile + 0) * C::BC);
             cp_async_commit();
         }

@@ -73,7 +73,10 @@
 
 // PTX spelling of the 16-bit input type (asm strings below concatenate it).
 #define TILE_DTYPE "bf16"
-
+// Device helpers shared by every family: integer types, PTX wrappers for cp.async, ldmatrix,
+// mma.sync and conversions, and the shared-memory tile layout. No standard headers, so NVRTC
+// and nvcc both compile the output with no include paths.
+// The kernel defines TILE_DTYPE, the PTX spelling of its 16-bit input type, before this header.
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -246,6 +249,10 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The algorithmic pieces of tile attention as device functions over a config struct C (the
+// constexprs a template renders from its KernelPlan). One piece each: QK^T, mask, online
+// softmax update, PV, epilogue. Every family that keeps a warp's rows in mma accumulators
+// uses these.
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_WINDOW = 2 };
 
 // Accumulator element e of m16n8 tile: row  g + 8*(e/2), column 2*t + e%2 (g = lane/4, t = lane%4).
@@ -454,7 +461,7 @@ __device__ __forceinline__ void store_output(float (&o)[C::M_TILES][C::O_TILES][
     }
 }
 
-// Every size the kernel uses, derived once in Python (tiledsl/lower.py) and named here.
+// Every size the kernel uses, derived once in Python (tiledsl/lower/) and named here.
 struct C {
     static constexpr int BR = 128;   // query rows per q tile (backward tile q)
     static constexpr int BC = 128;   // keys per block (backward tile kv)
@@ -599,7 +606,10 @@ __device__ __forceinline__ void load_tile_panels(u32 tile, const u16* src, i64 r
     }
 }
 
-
+// Hopper's asynchronous copy engine (TMA) and the shared-memory barriers it completes on. The
+// tensor maps are encoded on the host (tiledsl/tensor_maps.py) and passed by value as
+// __grid_constant__ kernel parameters; NVRTC has no <cuda.h>, so the map is a plain 128-byte
+// struct here.
 struct __align__(64) TensorMap { unsigned long long words[16]; };
 
 // mbarrier: an arrival count plus a transaction-byte count; a phase completes when both reach
@@ -648,7 +658,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
-
+// Reading 16-bit values (TILE_DTYPE, common.cuh) as floats: the backward kernels and the ring merge.
 // Two 16-bit values of one register -> two floats.
 __device__ __forceinline__ float2 unpack2(u32 x) {
     float2 r;
@@ -656,6 +666,7 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
+// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));

@@ -77,11 +77,13 @@ def test_records_of_other_code_a_missing_cubin_or_bad_bytes_are_ignored(tmp_path
     assert warm.load("sm_90a", lookup) is None
 
 
-def test_the_fingerprint_follows_the_package_files():
+@pytest.mark.parametrize("changed", ["tiledsl/runtime/warm.py", "templates/hopper.cu.j2", "templates/paged_kv.cuh"])
+def test_the_fingerprint_follows_the_package_files(changed):
+    # a plain header is pasted into kernel sources as much as a template is rendered into them
     before = warm.fingerprint()
     warm.fingerprint.cache_clear()
     assert warm.fingerprint() == before
-    target = ROOT / "tiledsl" / "runtime" / "warm.py"
+    target = ROOT / changed
     stat = target.stat()
     try:
         os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))

@@ -20,7 +20,7 @@ from .mods.model import NO_MODS, Modifications
 MOD_KEYS = ("softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
                 "kv_scale") + MOD_KEYS
-SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant")
+SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant", "launch")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq", "warpgroups")
 
@@ -120,6 +120,19 @@ class Mma(Enum):
     WGMMA = "wgmma"        # Hopper warpgroup-level m64nNk16, operands read from shared memory
 
 
+class LaunchKind(Enum):
+    """How a hopper kernel's blocks take their work items (query tile, batch, head): the DSL's `launch`."""
+    GRID = "grid"               # one block per item; the GPU's block scheduler starts each on the SM that frees first
+    PERSISTENT = "persistent"   # one block per resident slot, block b walking items b, b + grid, b + 2 grid, ...
+    DYNAMIC = "dynamic"         # one block per resident slot, each producer taking its next item from a global counter
+
+
+class ItemOrder(Enum):
+    """The order work items are handed out in (the DSL's `launch ... order`; runtime/block_order.py)."""
+    LONGEST_FIRST = "longest_first"   # pairs in groups sized to the resident slots, each group's longest q tiles first
+    PAIR_BY_PAIR = "pair_by_pair"     # one (batch, head) pair after another (its K and V stay in L2), longest first
+
+
 class DqAccumulate(Enum):
     """How the kv-outer backward sums each kv tile's share of dQ across blocks."""
     ATOMIC = "atomic"          # fp32 atomics into a workspace, in whatever order blocks finish
@@ -192,10 +205,14 @@ class Schedule:
     # (SCHEDULE_DEFAULTS).
     fp8_convert: str | None = None
     min_blocks: int | None = None
+    # The hopper family's tile scheduler (`launch grid | persistent | dynamic [order ...]`); None: the
+    # runtime picks by mask and length (runtime/hopper.py). Both enter config, hash and name only when set.
+    launch: LaunchKind | None = None
+    item_order: ItemOrder | None = None
 
 
 # Schedule fields left out of config() (and so of the hash) while they hold these defaults.
-SCHEDULE_DEFAULTS = {"fp8_convert": None, "min_blocks": None}
+SCHEDULE_DEFAULTS = {"fp8_convert": None, "min_blocks": None, "launch": None, "item_order": None}
 
 
 @dataclass(frozen=True)
@@ -341,6 +358,10 @@ def kernel_name(spec: KernelSpec) -> str:
             parts.append("pingpong")
         if s.intra_overlap:
             parts.append("intra")
+        if s.launch is not None:
+            parts.append(s.launch.value)
+        if s.item_order is not None:
+            parts.append({ItemOrder.LONGEST_FIRST: "lpt", ItemOrder.PAIR_BY_PAIR: "pairs"}[s.item_order])
     else:
         parts.append(f"w{s.warps}{s.warp_axis.value}")
     parts.append(f"s{s.stages}" + ("tma" if s.copy is CopyVia.TMA else ""))

@@ -64,7 +64,9 @@ def _schedule_shown(spec: KernelSpec) -> dict:
         shown.update(stages=s.stages, copy=s.copy.value, mma=Mma.WGMMA.value,
                      producer_warpgroups=s.producer_warpgroups, producer_regs=s.producer_regs,
                      consumer_warpgroups=s.consumer_warpgroups, consumer_regs=s.consumer_regs,
-                     pingpong=_shown(s.pingpong), intra_overlap=_shown(s.intra_overlap))
+                     pingpong=_shown(s.pingpong), intra_overlap=_shown(s.intra_overlap),
+                     launch=s.launch.value if s.launch else "the runtime's (by mask and length)",
+                     item_order=s.item_order.value if s.item_order else "longest_first (by mask)")
     else:
         shown.update(warp_axis=s.warp_axis.value, stages=s.stages, copy=s.copy.value, mma=s.mma.value)
     shown["split_kv"] = s.split_kv

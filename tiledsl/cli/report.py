@@ -182,6 +182,9 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
                 ""]
     if spec.family is Family.FA2 and plan is not None:
         out += [_launch_order_line(spec, graph.layout, batch * heads, -(-nq // s.tile_q), limits), ""]
+    if spec.family is Family.HOPPER and plan is not None:
+        out += [_tile_scheduler_line(spec, batch * heads, -(-nq // s.tile_q), -(-nk // s.tile_kv), limits),
+                _launch_order_line(spec, graph.layout, batch * heads, -(-nq // s.tile_q), limits), ""]
     out += ["loop nest:"] + ["  " + line for line in loop_nest(graph)] + [""]
     if graph.barriers:
         out += role_and_barrier_lines(graph) + [""]
@@ -353,7 +356,30 @@ def blocks_per_sm(spec, plan, limits: DeviceLimits) -> int:
     return decode_blocks_per_sm(plan, limits)
 
 
+def _tile_scheduler_line(spec, pairs: int, q_tiles: int, kv_tiles: int, limits: DeviceLimits) -> str:
+    """How a hopper kernel's blocks take its work items at this shape (`launch`, else the runtime's rule)."""
+    from ..runtime.hopper import PERSISTENT_MASKED_TILES
+    from ..spec import LaunchKind, Mask
+    s, items = spec.schedule, pairs * q_tiles
+    launch = s.launch
+    why = "written in the spec" if launch is not None else "the runtime's choice"
+    if launch is None:
+        walk = spec.problem.mask is Mask.NONE or kv_tiles <= PERSISTENT_MASKED_TILES
+        launch = LaunchKind.PERSISTENT if walk else LaunchKind.GRID
+        why += (": no mask, every item costs the same" if spec.problem.mask is Mask.NONE else
+                f": items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles")
+    how = {LaunchKind.GRID: "one block per item, each started on the SM that frees first",
+           LaunchKind.PERSISTENT: f"one block per SM ({limits.sm_count}), block b walking items b, b + grid, ...",
+           LaunchKind.DYNAMIC: f"one block per SM ({limits.sm_count}), each producer taking its next item from a "
+                               "global counter"}[launch]
+    return f"tile scheduler: launch {launch.value} ({why}): {items} work items; {how}"
+
+
 def _launch_order_line(spec, layout, pairs: int, q_tiles: int, limits: DeviceLimits) -> str:
     """runtime/block_order.py's choice for this shape, with resident blocks from the layout."""
     from ..runtime.block_order import describe
+    from ..spec import ItemOrder
+    if spec.schedule.item_order is ItemOrder.PAIR_BY_PAIR:
+        return (f"launch order: {pairs} (batch, head) pairs x {q_tiles} q tiles, one pair after another "
+                f"(`order pair_by_pair`), longest q tiles first in each")
     return describe(spec.problem.mask, pairs, q_tiles, limits.sm_count * max(layout.resident_blocks, 1))

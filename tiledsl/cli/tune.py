@@ -64,6 +64,8 @@ def short(c: Candidate) -> str:
     s = c.spec.schedule
     if c.spec.family.value == "hopper":   # its warps follow from the warpgroups; the switches tell configs apart
         flags = "".join(f" {flag}" for flag, on in (("pingpong", s.pingpong), ("intra", s.intra_overlap)) if on)
+        flags += f" {s.launch.value}" if s.launch else ""
+        flags += f" {s.item_order.value}" if s.item_order else ""
         return (f"hopper q{s.tile_q} kv{s.tile_kv} c{s.consumer_warpgroups} p{s.producer_regs}/c{s.consumer_regs} "
                 f"s{s.stages}{flags}")
     return (f"{c.spec.family.value} q{s.tile_q} kv{s.tile_kv} w{s.warps} s{s.stages}"

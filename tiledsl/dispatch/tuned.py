@@ -20,7 +20,7 @@ from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
 from ..mods.model import NO_MODS, Modifications
-from ..spec import CopyVia, DType, Family, KernelSpec, Mask, Mma, Problem, Schedule
+from ..spec import CopyVia, DType, Family, ItemOrder, KernelSpec, LaunchKind, Mask, Mma, Problem, Schedule
 from .kernels import add, kernel_for
 
 # The table's entries are the hopper family's fastest schedule per (head dim, mask), measured on the
@@ -31,14 +31,16 @@ from .kernels import add, kernel_for
 #   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra
 # fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
 # both are measured.
-def hopper_schedule(tile_q: int, tile_kv: int, consumers: int, pingpong: bool = False, intra: bool = False) -> Schedule:
+def hopper_schedule(tile_q: int, tile_kv: int, consumers: int, pingpong: bool = False, intra: bool = False,
+                    launch: LaunchKind | None = None, item_order: ItemOrder | None = None) -> Schedule:
     """A hopper schedule as the checker completes one (frontend.rules.schedule_with_defaults): producer 1,
-    the consumers' register split, 2 TMA stages, wgmma, 4 warps a warpgroup."""
+    the consumers' register split, 2 TMA stages, wgmma, 4 warps a warpgroup; `launch` None leaves the
+    tile scheduler to the runtime."""
     producer_regs, consumer_regs = {2: (24, 240), 3: (32, 160)}[consumers]
     return Schedule(tile_q=tile_q, tile_kv=tile_kv, warps=4 * (1 + consumers), stages=2, copy=CopyVia.TMA,
                     mma=Mma.WGMMA, producer_warpgroups=1, producer_regs=producer_regs,
                     consumer_warpgroups=consumers, consumer_regs=consumer_regs, pingpong=pingpong,
-                    intra_overlap=intra)
+                    intra_overlap=intra, launch=launch, item_order=item_order)
 
 
 _SCHEDULES = {(64, "none"): hopper_schedule(192, 128, 3, intra=True),

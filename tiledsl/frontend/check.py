@@ -27,8 +27,10 @@ from ..spec import (
     Axis,
     CopyVia,
     DType,
+    ItemOrder,
     KernelSpec,
     KvScale,
+    LaunchKind,
     LoopOrder,
     Mask,
     Mma,
@@ -353,6 +355,13 @@ class _Checker:
 
     def dequant(self, node: ast.Dequant) -> dict:
         return {"fp8_convert": self.values(node.where, lambda a: self.word(a, "dequant", {c: c for c in FP8_CONVERTS}))}
+
+    def launch(self, node: ast.LaunchStatement) -> dict:
+        out = {"launch": self.values(node.kind, lambda a: self.word(a, "launch", {k.value: k for k in LaunchKind}))}
+        if node.order is not None:
+            out["item_order"] = self.values(node.order, lambda a: self.word(a, "launch order",
+                                                                             {o.value: o for o in ItemOrder}))
+        return out
 
     def split(self, node: ast.Split) -> dict:
         if node.dim.axis.text != "kv":

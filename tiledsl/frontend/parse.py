@@ -171,6 +171,9 @@ class _ToAst(Transformer):
     def dequant(self, meta, children):
         return ast.Dequant(self._key(meta, "dequant"), children[0], self._span(meta))
 
+    def launch(self, meta, children):
+        return ast.LaunchStatement(self._key(meta, "launch"), children[0], children[1], self._span(meta))
+
     def dq(self, meta, children):
         return ast.Dq(self._key(meta, "dq"), children[0], self._span(meta))
 

@@ -9,7 +9,7 @@ from ..errors import SpecError
 from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..families import layout_of
 from ..layout.backward import backward_has_template, backward_layout
-from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
+from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, Problem, Schedule, SeqLayout
 from . import check_backward
 from .words import EXAMPLES
 
@@ -78,6 +78,14 @@ def _rule_family_features(spec: KernelSpec, written: set):
     if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
         return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
                 "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
+    if (s.launch is not None or s.item_order is not None) and fam is not Family.HOPPER:
+        return ("launch", f"`launch` picks the hopper family's tile scheduler; {fam.value} launches one block per "
+                "query tile", "add `warpgroups producer 1, consumer 2`, or remove `launch`")
+    if s.item_order is not None and s.launch is None:
+        return ("launch", "a launch order goes with a launch kind", "write e.g. `launch dynamic order longest_first`")
+    if s.launch is LaunchKind.DYNAMIC and p.seq_layout is SeqLayout.VARLEN:
+        return ("launch", "launch dynamic is built for batched layouts; varlen's work list is walked persistent or "
+                "one block per item", "write `launch persistent` or `launch grid`")
     return None
 
 

@@ -252,6 +252,19 @@ class Dequant:
 
 
 @dataclass(frozen=True)
+class LaunchStatement:
+    """`launch dynamic [order longest_first]`: how a hopper kernel's blocks take their work items."""
+    key: Word
+    kind: Slot
+    order: Slot | None
+    span: Span | None = _span()
+
+    def source(self) -> str:
+        order = f" order {_slot(self.order)}" if self.order is not None else ""
+        return f"launch {_slot(self.kind)}{order}"
+
+
+@dataclass(frozen=True)
 class Warpgroups:
     key: Word
     roles: tuple[Role, ...]
@@ -306,7 +319,8 @@ class UnknownStatement:
         return self.key.text
 
 
-Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, Dequant, Dq, UnknownStatement]
+Statement = Union[Order, Tile, Warps, Pipeline, MmaStatement, Warpgroups, Overlap, Split, Dequant, LaunchStatement, Dq,
+                  UnknownStatement]
 
 
 # ---- blocks -----------------------------------------------------------------------------------

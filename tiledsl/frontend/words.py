@@ -18,6 +18,8 @@ EXAMPLES = {
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",
     "mma": "mma wgmma   (or: mma.sync, the default)",
     "dequant": "dequant fragments   (or: shared, the default; with kv_dtype = e4m3)",
+    "launch": "launch dynamic order longest_first   (launch: grid | persistent | dynamic; order: longest_first | "
+              "pair_by_pair)",
     "schedule": "schedule {", "attention": "attention NAME {",
     "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
     # score and mask modifications (frontend/check_mods.py)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from ..device_limits import DeviceLimits
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, SWIZZLE_ATOM, TMA_BOX_MAX, WARPGROUP_THREADS, WGMMA_ROWS
-from ..spec import KernelSpec
+from ..spec import KernelSpec, LaunchKind
 from .base import Buffer, Layout, Registers, buffers_end, finish, qkv_buffers, require
 
 HOPPER_CONSUMER_OVERHEAD = 16   # a consumer keeps loop state and barrier addresses; the producer computes the copies
+WORK_ITEM_BYTES = 8             # launch dynamic: the shared slot through which the producer names the next item
 
 
 def hopper_barriers(stages: int) -> int:
@@ -49,10 +50,17 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     buffers.append(Buffer("mbarriers", bar_offset, barrier_bytes, MBARRIER_BYTES,
                           formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty x {s.stages})"))
     smem = bar_offset + barrier_bytes
-    # A consumer holds O and S (and, while P V of the previous tile is in flight, its P fragments).
+    if s.launch is LaunchKind.DYNAMIC:
+        # The producer takes each work item from a global counter and hands its index to the
+        # consumers here, published by Q's full barrier.
+        buffers.append(Buffer("work item", smem, WORK_ITEM_BYTES, MBARRIER_BYTES,
+                              formula="one int32 item index (8-byte slot)"))
+        smem += WORK_ITEM_BYTES
+    # A consumer holds O and S, and under intra overlap tile j-1's P fragments while S_j is computed
+    # (P V of j-1 is in flight). Without it P is packed from S after S's last use: S's registers.
+    p_fragments = [Registers("P fragments", s.tile_kv // 4, f"Bc/4 = {s.tile_kv}/4", True)] if s.intra_overlap else []
     registers = [Registers("O accumulator", p.head_dim_v // 2, f"dv/2 = {p.head_dim_v}/2", True),
-                 Registers("S/P accumulator", s.tile_kv // 2, f"Bc/2 = {s.tile_kv}/2", True),
-                 Registers("P fragments", s.tile_kv // 4, f"Bc/4 = {s.tile_kv}/4", True),
+                 Registers("S/P accumulator", s.tile_kv // 2, f"Bc/2 = {s.tile_kv}/2", True), *p_fragments,
                  Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
     entry = limits.registers_per_sm // threads // 8 * 8   # __launch_bounds__(threads, 1) before setmaxnreg
     return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs, launch_registers=entry,

@@ -25,7 +25,7 @@ from ..layout.base import Layout
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
-from ..spec import Family, KernelSpec, SeqLayout
+from ..spec import Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
 from .steps import (INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters, smem_constants,
@@ -39,10 +39,15 @@ class HopperPlan(KernelPlan):
     loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
     prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
+    # The tile scheduler (`launch`, spec.LaunchKind / ItemOrder values): "dynamic" kernels take items from
+    # a global counter (templates/tile_scheduler.cuh); "" leaves the launch to the runtime's choice.
+    launch_kind: str = ""
+    item_order: str = ""
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
 HOPPER_SHARED = KV_SHARED + (O_SHARED, SharedBuffer("barriers", "BAR_OFFSET"))
+DYNAMIC_SHARED = HOPPER_SHARED + (SharedBuffer("work_item", "ITEM_OFFSET"),)   # `launch dynamic`: the item slot
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
@@ -104,10 +109,10 @@ def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i:
     return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
 
 
-def hopper_parameters(varlen: bool) -> tuple[tuple[Parameter, ...], ...]:
+def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
     """hopper.cu.j2's parameters: the TMA maps of Q, K, V (by value), O, LSE and the rest; packed
     sequences (hopper_varlen.cu.j2) read cu_seqlens and the host's work list instead of kv_lens and
-    batched strides."""
+    batched strides; `launch dynamic` takes its work items from a global counter pair."""
     maps = parameters("const __grid_constant__ TensorMap", "q_map", "k_map", "v_map")
     if varlen:
         return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse"),
@@ -116,7 +121,8 @@ def hopper_parameters(varlen: bool) -> tuple[tuple[Parameter, ...], ...]:
                 + parameters("int", "items"))
     return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens"),
             parameters("int", "q_len", "kv_len", "heads", "kv_group") + stride_lines("o")[0],
-            parameters("int", "order_groups", "items"))
+            parameters("int", "order_groups", "items")
+            + (parameters("int* __restrict__", "item_counter") if dynamic else ()))
 
 
 def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str,
@@ -168,6 +174,9 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
     ]
+    if s.launch is LaunchKind.DYNAMIC:
+        consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
+                               "launch dynamic: the producer names each work item to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
@@ -184,6 +193,11 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                           f"onto its full barrier"),
         "consumer": Region(spec_line(spec, "warpgroups"),
                            f"{consumers} consumer warpgroup(s): {s.consumer_regs} registers, 64 query rows each"),
+        "launch": Region(spec_line(spec, "launch"), {
+            "dynamic": "tile scheduler: the producer takes each next work item from a global counter",
+            "persistent": "tile scheduler: one block per resident slot, items at a stride of the grid",
+            "grid": "tile scheduler: one block per work item"}.get(
+            s.launch.value if s.launch else "", "tile scheduler: the runtime's (by mask and length)")),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
@@ -194,7 +208,10 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
-                     pingpong=s.pingpong, o_in_q=o_in_q, shared=HOPPER_SHARED,
-                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN),
+                     pingpong=s.pingpong, o_in_q=o_in_q,
+                     shared=DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
+                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC),
+                     launch_kind=s.launch.value if s.launch else "",
+                     item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 

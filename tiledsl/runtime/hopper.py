@@ -4,14 +4,64 @@ byte strides that are multiples of 16 from a 16-byte aligned address: the checks
 before launch (runtime.Kernel.check_inputs) already refuse anything else, naming the tensor."""
 from __future__ import annotations
 
+from ..errors import LaunchError
+from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
-from .launch import CallBuilder, i32, pointer_arg, strides_args
-from ..spec import Mask
+from .launch import CallBuilder, allocator, i32, pointer_arg, strides_args
+from ..spec import ItemOrder, LaunchKind, Mask
 from .tensor_maps import map_arg
 from .tensors import TensorView
 
 PERSISTENT_MASKED_TILES = 16
+# `launch dynamic`: (device, stream handle) -> the int32 pair [next ticket, producers done] its kernels
+# share. One per stream: launches on a stream run one after another, and each leaves the pair at zero
+# (templates/tile_scheduler.cuh); launches on two streams may overlap, so they never share one.
+_ITEM_COUNTERS: dict[tuple[int, int], object] = {}
+# Launches captured into CUDA graphs each get a pair of their own, so graphs replayed side by side never
+# share one: taken from a per-device pool zeroed by the first eager dynamic launch (no fill node in the
+# graph), or, with no pool or the pool used up, allocated under capture (zero-filled by a node of the
+# graph). Captured pairs are kept for the process's life: their memory is never handed to anything else.
+CAPTURE_POOL_PAIRS = 4096
+_CAPTURE_POOLS: dict[int, list] = {}   # device -> [pool array, pairs handed out]
+_CAPTURED_COUNTERS: list = []
+
+
+def item_counter_provider(like, device_id: int):
+    """A no-argument function that returns the zeroed counter pair (an int32 array of 2, in `like`'s
+    framework) for one dynamic launch on the caller's current stream: the stream's own for eager
+    launches; under CUDA graph capture a pair no other launch uses. Read per call: a prepared call
+    may run on any stream."""
+    stream = stream_reader(like)
+    zeros = allocator(like, (2,), "int32", zero=True)
+
+    def counter():
+        if capturing(like):
+            pool = _CAPTURE_POOLS.get(device_id)
+            if pool is not None and pool[1] < CAPTURE_POOL_PAIRS:
+                pool[1] += 1
+                return pool[0][2 * pool[1] - 2:2 * pool[1]]
+            _CAPTURED_COUNTERS.append(zeros())
+            return _CAPTURED_COUNTERS[-1]
+        key = (device_id, stream())
+        found = _ITEM_COUNTERS.get(key)
+        if found is None:
+            if device_id not in _CAPTURE_POOLS:
+                pool = allocator(like, (2 * CAPTURE_POOL_PAIRS,), "int32", zero=True)()
+                _synchronize(like)   # once per device: graphs replay on other streams, after the fill
+                _CAPTURE_POOLS[device_id] = [pool, 0]
+            found = _ITEM_COUNTERS[key] = zeros()
+        return found
+    return counter
+
+
+def _synchronize(like) -> None:
+    if type(like).__module__.startswith("torch"):
+        import torch
+        torch.cuda.synchronize(like.device)
+    else:
+        from .device import cupy_module
+        cupy_module().cuda.get_current_stream().synchronize()
 
 
 class HopperKernel(Kernel):
@@ -23,11 +73,36 @@ class HopperKernel(Kernel):
     picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same), and
     under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
     block per item for longer masked items, whose costs spread so far that the static walk balances
-    them worse than the GPU's block scheduler."""
+    them worse than the GPU's block scheduler. A spec's `launch` (plan.launch_kind)
+    decides instead of that rule; `persistent` still overrides both (tests, benchmarks), except
+    that a grid kernel's blocks each run their own item only. A dynamic kernel launched one block
+    per item takes no ticket that finds an item."""
     persistent: bool | None = None
 
     def launch_options(self) -> tuple:
         return super().launch_options() + (self.persistent,)
+
+    def launches_persistent(self, shapes: Shapes) -> bool:
+        """Whether this launch is one block per resident slot (else one per work item)."""
+        if self.plan.launch_kind == LaunchKind.GRID.value:
+            if self.persistent:   # its blocks take blockIdx.x only: fewer blocks would leave items undone
+                raise LaunchError(f"{self.name}: a `launch grid` kernel runs one work item per block; persistent "
+                                  "launches need `launch persistent` or `launch dynamic`")
+            return False
+        if self.persistent is not None:
+            return self.persistent
+        if self.plan.launch_kind:
+            return True
+        return (self.spec.problem.mask is Mask.NONE
+                or -(-shapes.kv_len // self.spec.schedule.tile_kv) <= PERSISTENT_MASKED_TILES)
+
+    def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
+        """As Kernel's (longest_first: block_order's groups), with the spec's `launch ... order pair_by_pair`
+        putting each pair in its own group."""
+        pairs = shapes.batch * shapes.heads
+        if self.order_groups is None and self.plan.item_order == ItemOrder.PAIR_BY_PAIR.value:
+            return pairs
+        return super().order_groups_for(shapes, device_id)
 
     def add_launches(self, b: CallBuilder, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
                      lse: TensorView, kv_lens: TensorView | None, shapes: Shapes) -> None:
@@ -41,9 +116,9 @@ class HopperKernel(Kernel):
         args = (map_arg(q, tile_q), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
-        persistent = self.persistent
-        if persistent is None:
-            persistent = self.spec.problem.mask is Mask.NONE or -(-shapes.kv_len // tile_kv) <= PERSISTENT_MASKED_TILES
+        if plan.launch_kind == LaunchKind.DYNAMIC.value:
+            args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
+        persistent = self.launches_persistent(shapes)
         blocks = min(q_tiles * pairs, self.slots(b.device_id)) if persistent else q_tiles * pairs
         b.launch(self.function(b.device_id), (blocks, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
                  self.name)

@@ -342,7 +342,7 @@ class CallBuilder:
     names: tuple
     like: object
     immediate: bool = False
-    allocations: list = field(default_factory=list)   # (name, shape, dtype)
+    allocations: list = field(default_factory=list)   # (name, the no-argument function that makes the array)
     results: list = field(default_factory=list)       # slots (prepared) or arrays (immediate)
     aligned: list = field(default_factory=list)
     launches: list = field(default_factory=list)
@@ -377,8 +377,19 @@ class CallBuilder:
             self.keep.append(array)
             return view(array, name)
         slot = len(self.tensors) + len(self.allocations)
-        self.allocations.append((name, shape, dtype))
+        self.allocations.append((name, allocator(self.like, shape, dtype)))
         return TensorView(name, 0, shape, compact_strides(shape), dtype, self.device_id, None, slot)
+
+    def provide(self, name: str, provider, shape: tuple = (2,), dtype="int32") -> TensorView:
+        """A view of the array `provider()` returns, asked for per call when prepared (now when
+        immediate): scratch the call does not allocate itself, e.g. a counter kept per stream."""
+        if self.immediate:
+            array = provider()
+            self.keep.append(array)
+            return view(array, name)
+        slot = len(self.tensors) + len(self.allocations)
+        self.allocations.append((name, provider))
+        return TensorView(name, 0, tuple(shape), compact_strides(shape), dtype, self.device_id, None, slot)
 
     def new_output(self, name: str, shape: tuple, dtype: DType) -> TensorView:
         """An output the call always allocates (contiguous), returned after the others."""
@@ -428,8 +439,8 @@ class CallBuilder:
             read = _cupy_pointers
         else:
             read = _any_pointers
-        allocations = [allocator(like, shape, dtype) for _, shape, dtype in self.allocations]
-        names = tuple(self.names) + tuple(name for name, _, _ in self.allocations)
+        allocations = [make for _, make in self.allocations]
+        names = tuple(self.names) + tuple(name for name, _ in self.allocations)
         return PreparedCall(self.name, names, self.device_id, read, device.stream_reader(like), tuple(self.aligned),
                             allocations, tuple(self.results), [packed(launch, backend) for launch in self.launches],
                             tuple(self.checks), tuple(self.keep))

@@ -39,14 +39,14 @@ def plan_record(value):
 
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> str:
-    """tiledsl's version, the size and mtime of every file of the package and of the templates it
-    renders (a source checkout's templates/ beside the package), and CuPy's version."""
+    """tiledsl's version, the size and mtime of every file of the package and of the templates and plain
+    headers it renders (a source checkout's templates/ beside the package), and CuPy's version."""
     from ..version import __version__
     package = Path(__file__).resolve().parent.parent   # tiledsl/
-    files = [p for p in package.rglob("*") if p.suffix in (".py", ".lark", ".j2")]
+    files = [p for p in package.rglob("*") if p.suffix in (".py", ".lark", ".j2", ".cuh")]
     beside = package.parent / "templates"
-    if beside.is_dir():
-        files += list(beside.glob("*.j2"))
+    if beside.is_dir():   # templates and the plain headers pasted into kernels
+        files += list(beside.glob("*.j2")) + list(beside.glob("*.cuh"))
     parts = [__version__, _cupy_version()]
     for path in sorted(files):
         st = path.stat()

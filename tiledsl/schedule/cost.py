@@ -18,7 +18,11 @@ the plan's register estimate) and the device limits, and predicts milliseconds f
   x a spill penalty per byte of ptxas spill traffic (local memory inside the loop)
   occupancy: blocks per SM from registers (allocated 8 at a time), shared memory and threads
   waves:    blocks (each with its own number of kv steps: causal skips tiles) assigned in launch
-            order to the earliest free block slot; the predicted time is the last slot's finish
+            order to the earliest free block slot; the predicted time is the last slot's finish.
+            A hopper spec that writes `launch` is modelled as launched: items longest first;
+            `grid` and `dynamic` hand each to the earliest free slot, `persistent` walks a fixed
+            stride; `grid` also pays ITEM_EDGE_STEPS per item (the walks overlap each item's Q load
+            and epilogue with the next item's work)
   HBM:      the traffic model (schedule/traffic.py, no-cache count), divided by an L2 reuse factor; the
             time is the larger of compute and memory.
 
@@ -38,7 +42,7 @@ import numpy as np
 
 from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..hw import WARPGROUP_WARPS, WGMMA_ROWS
-from ..spec import DTYPE_BYTES, Axis, Family, KernelSpec, Mask, Mma
+from ..spec import DTYPE_BYTES, Axis, Family, KernelSpec, LaunchKind, Mask, Mma
 from .masks import tiles_visible
 
 
@@ -156,6 +160,25 @@ def step_cycles(spec: KernelSpec, resources: Resources, resident_blocks: int) ->
     return cycles, terms
 
 
+# An item's Q load, first Q K^T and O store, in kv steps, where nothing of the next item runs under them
+# (one block per item); bench/NOTES.md, the persistent launch and the tile scheduler.
+ITEM_EDGE_STEPS = 1.0
+
+
+def launched_makespan(steps_per_item: np.ndarray, slots: int, launch: LaunchKind) -> tuple[float, float]:
+    """makespan_steps for a hopper kernel's `launch`: items longest first (block_order), to the earliest
+    free slot (grid: plus its edges; dynamic) or at a fixed stride of the slots (persistent)."""
+    ordered = np.sort(steps_per_item)[::-1].astype(float)
+    if launch is LaunchKind.GRID:
+        return makespan_steps(ordered + ITEM_EDGE_STEPS, slots)
+    if launch is LaunchKind.DYNAMIC:
+        return makespan_steps(ordered, slots)
+    total = float(ordered.sum())
+    per_slot = np.bincount(np.arange(len(ordered)) % slots, weights=ordered, minlength=min(slots, len(ordered)))
+    last = float(per_slot.max()) if len(ordered) else 0.0
+    return last, total / (slots * last) if last else 1.0
+
+
 def makespan_steps(steps_per_block: np.ndarray, slots: int) -> tuple[float, float]:
     """(kv steps of the slot that finishes last, wave efficiency) when blocks, in launch order, go
     to the earliest free slot. Equal blocks take the closed form; unequal ones (causal) a heap."""
@@ -206,7 +229,10 @@ def predict(spec: KernelSpec, shape: Shape, resources: Resources, limits: Device
     resident = max(blocks, 1)
     cycles, terms = step_cycles(spec, resources, resident)
     steps = np.tile(per_q_tile, heads)
-    last, efficiency = makespan_steps(steps, limits.sm_count * resident)
+    if spec.family is Family.HOPPER and s.launch is not None:
+        last, efficiency = launched_makespan(steps, limits.sm_count * resident, s.launch)
+    else:
+        last, efficiency = makespan_steps(steps, limits.sm_count * resident)
     # `resident` slots share one SM, so each slot advances one step per resident x cycles.
     compute_s = last * cycles * resident / CLOCK_HZ
     memory_s = hbm_bytes / L2_REUSE / (limits.hbm_bytes_per_s or H200.hbm_bytes_per_s)

@@ -91,6 +91,8 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
     flags = [flag for flag, on in (("pingpong", s.pingpong), ("intra", s.intra_overlap)) if on]
     if flags:
         lines.append(f"        overlap  {', '.join(flags)}")
+    if s.launch is not None:   # unset: the runtime's choice
+        lines.append(f"        launch   {s.launch.value}" + (f" order {s.item_order.value}" if s.item_order else ""))
     if s.split_kv != 1:
         lines.append(f"        split    kv = {s.split_kv}")
     lines.append("    }")
