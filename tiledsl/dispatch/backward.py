@@ -109,7 +109,11 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     host (runtime/index_checks.py). The first call of a signature picks the spec and prepares the
     three launches; later ones only launch."""
     tensors = (q, k, v, o, lse, do, kv_lens)
-    window = None if window is None else tuple(window)
+    if window is not None and type(window) is not tuple:
+        try:
+            window = tuple(window)
+        except TypeError:   # not a pair: _prepare_backward's checks name it
+            pass
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate)
     call = _calls.get(key)
     if call is None:
@@ -120,9 +124,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
 def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate):
     from ..runtime.device import device_arch
     from .kernels import BACKWARD, kernel_for
+    from ..runtime.arguments import mask_arguments, switch
     q, v = tensors[0], tensors[2]
-    if causal and window is not None:
-        raise ValueError("attention_backward: pass causal=True or window=(left, right), not both")
+    mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # before any spec
+    deterministic = switch("attention_backward", "deterministic", deterministic)
     qv, vv = view(q, "q"), view(v, "v")
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"attention_backward: q must be fp16 or bf16, got "
@@ -133,10 +138,7 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
     d, dv = qv.shape[-1], vv.shape[-1]
     if d % 16 or dv % 16:
         raise RuntimeInputError(f"attention_backward: head dims must be multiples of 16, got q {d}, v {dv}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
-    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
-                                bool(deterministic), mma)
+    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, scale, deterministic, mma)
     return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
 
 

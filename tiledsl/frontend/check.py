@@ -22,7 +22,11 @@ from ..spec import (
     COMPUTE_DTYPES,
     KV_DTYPES,
     KV_PAGE_SIZES,
+    MAX_SPLIT_KV,
+    MAX_TILE,
+    MAX_WINDOW,
     PROBLEM_KEYS,
+    SCALE_RANGE,
     SCHEDULE_KEYS,
     Axis,
     CopyVia,
@@ -194,10 +198,18 @@ class _Checker:
             fields.update(self.mask(nodes["mask"].value))
         if "scale" in nodes:
             atom = self.setting_number(nodes["scale"])
-            if not isinstance(atom.value, (int, float)) or not math.isfinite(atom.value) or atom.value <= 0:
+            low, high = SCALE_RANGE
+            try:
+                value = float(atom.value)
+            except OverflowError:   # an integer of more digits than a float holds
+                value = math.inf
+            if not math.isfinite(value) or value <= 0:
                 self.fail(f"scale must be a finite number > 0, got {atom.source()}", atom.span,
                           "leave it out for the default 1/sqrt(head_dim)")
-            fields["softmax_scale"] = float(atom.value)
+            if not low <= value <= high:
+                self.fail(f"scale must lie in {low:g}..{high:g} (the kernel holds it as a float), got "
+                          f"{atom.source()}", atom.span, "leave it out for the default 1/sqrt(head_dim)")
+            fields["softmax_scale"] = value
         if "queries" in nodes:
             fields["queries_per_seq"] = self.integer(self.setting_number(nodes["queries"]), "queries",
                                                      lambda v: 1 <= v <= 16, "an integer in 1..16")
@@ -260,7 +272,8 @@ class _Checker:
             side = self.word(arg.name, "window size", {"left": "left", "right": "right"})
             if side in sizes:
                 self.fail(f"window size '{side}' given twice", arg.name.span, "write left and right once each")
-            sizes[side] = self.integer(arg.value, f"window {side}", lambda v: v >= 0, "an integer >= 0")
+            sizes[side] = self.integer(arg.value, f"window {side}", lambda v: 0 <= v <= MAX_WINDOW,
+                                       f"an integer in 0..{MAX_WINDOW:,} (2^30)")
         return {"mask": mask, "window_left": sizes.get("left", 0), "window_right": sizes.get("right", 0)}
 
     def kv_cache(self, value) -> int | None:
@@ -303,7 +316,8 @@ class _Checker:
             if name in out:
                 self.fail(f"tile {axis.value} given twice", dim.axis.span, EXAMPLES["tile"])
             out[name] = self.values(dim.value, lambda a, d=dim: self.integer(
-                a, f"tile {d.axis.text}", lambda v: v > 0 and v % MMA_ROWS == 0, "a positive multiple of 16"))
+                a, f"tile {d.axis.text}", lambda v: 0 < v <= MAX_TILE and v % MMA_ROWS == 0,
+                f"a positive multiple of {MMA_ROWS} up to {MAX_TILE}"))
         return out
 
     def warps(self, node: ast.Warps) -> dict:
@@ -361,7 +375,8 @@ class _Checker:
         def count(atom):
             if isinstance(atom, ast.Word) and atom.text == AUTO:
                 return AUTO
-            return self.integer(atom, "split kv", lambda v: v >= 1, "an integer >= 1 or auto")
+            return self.integer(atom, "split kv", lambda v: 1 <= v <= MAX_SPLIT_KV,
+                                f"an integer in 1..{MAX_SPLIT_KV} or auto")
         return {"split_kv": self.values(node.dim.value, count)}
 
 
