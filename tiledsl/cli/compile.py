@@ -3,6 +3,7 @@ report and SASS through nvcc (SASS where cuobjdump exists; a note otherwise). A 
 compiles each of its legal configs, after a line saying how many the checker rejected."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from .common import add_spec_arguments, concrete_specs, writable_folder
 from ..errors import CliError, SpecError
 
 EMITS = ("cuda", "ptx", "cubin", "resources", "sass")
+_ADVISED_IN = re.compile(r" in function '\w+'")   # the kernel's name is already at the start of its line
 
 
 def add_arguments(parser) -> None:
@@ -18,14 +20,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("-o", "--output", default="generated", help="output folder (default: generated)")
     parser.add_argument("--skip-unsupported", action="store_true",
                         help="note and skip kernels whose family has no template yet, instead of failing")
-    parser.add_argument("--emit", default="cuda", help=f"comma-separated, from {', '.join(EMITS)} (default: cuda)")
+    parser.add_argument("--emit", action="append", metavar="KINDS",
+                        help=f"comma-separated, from {', '.join(EMITS)}; may be repeated (default: cuda)")
 
 
 def run(args) -> int:
     from ..families import lower, missing_template
     from ..codegen.render import render, write_if_changed
 
-    emits = [e.strip() for e in args.emit.split(",") if e.strip()]
+    emits = list(dict.fromkeys(e.strip() for given in (args.emit or ["cuda"]) for e in given.split(",") if e.strip()))
     unknown = [e for e in emits if e not in EMITS]
     if unknown or not emits:
         raise CliError(f"--emit: unknown {', '.join(unknown) or '(nothing)'}; choose from {', '.join(EMITS)}")
@@ -54,13 +57,14 @@ def run(args) -> int:
         if "cuda" in emits:
             changed = write_if_changed(out / f"{name}.cu", source)
             line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
+        notes: list[str] = []
         try:
-            no_sass = _emit_nvcc(source, name, emits, out, line) or no_sass
+            no_sass = _emit_nvcc(source, name, emits, out, line, notes) or no_sass
         except RuntimeError as err:   # nvcc refused the generated source: a bug, but one line per kernel
             print(f"error: {err}", file=sys.stderr)
             status = 2
             continue
-        print(f"{name}: " + "  ".join(line))
+        print("\n".join([f"{name}: " + "  ".join(line)] + notes))
         if spec.backward is not None:
             status, no_sass = _emit_backward(spec, emits, out, status, no_sass)
     if no_sass:
@@ -84,21 +88,23 @@ def _emit_backward(spec, emits: list[str], out: Path, status: int, no_sass: bool
     except SpecError as err:
         print(err.render(), file=sys.stderr)
         return 2, no_sass
-    source, line = render(plan), []
+    source, line, notes = render(plan), [], []
     if "cuda" in emits:
         changed = write_if_changed(out / f"{name}.cu", source)
         line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
     try:
-        no_sass = _emit_nvcc(source, name, emits, out, line, plan.kernel_names["main"]) or no_sass
+        no_sass = _emit_nvcc(source, name, emits, out, line, notes, plan.kernel_names["main"]) or no_sass
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2, no_sass
-    print(f"{name}: " + "  ".join(line))
+    print("\n".join([f"{name}: " + "  ".join(line)] + notes))
     return status, no_sass
 
 
-def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str], function: str = "") -> bool:
-    """Runs nvcc for the requested outputs; True when SASS was asked for but cuobjdump is absent."""
+def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[str], notes: list[str],
+               function: str = "") -> bool:
+    """Runs nvcc for the requested outputs, adding what it wrote to `line` and ptxas's advisories to
+    `notes`; True when SASS was asked for but cuobjdump is absent."""
     no_sass = False
     if "ptx" in emits:
         nvcc.compile_to(source, name, "ptx", out)
@@ -111,6 +117,8 @@ def _emit_nvcc(source: str, name: str, emits: list[str], out: Path, line: list[s
         if "resources" in emits:
             (out / f"{name}.resources.txt").write_text(report)
             line.append(f"registers {res.registers}, spills {res.spill_stores} B, stack {res.stack_bytes} B")
+            # where ptxas changed the schedule the source asked for (e.g. a wgmma wait it had to add)
+            notes += [f"    ptxas {_ADVISED_IN.sub('', advisory)}" for advisory in res.advisories]
         if "sass" in emits:
             try:
                 (out / f"{name}.sass").write_text(nvcc.sass(cubin))

@@ -57,6 +57,7 @@ class Resources:
     stack_bytes: int = 0             # per thread
     static_shared_bytes: int = 0     # __shared__ declared in the source
     report: str = ""                 # the ptxas text it was read from
+    advisories: tuple[str, ...] = ()  # ptxas's numbered notes, e.g. "C7517 warpgroup.wait is injected ..."
 
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
