@@ -129,9 +129,11 @@ def writable_folder(option: str, folder) -> Path:
 
 
 def gpu_ready(command: str, specs: list[KernelSpec], torch_for: str = "") -> None:
-    """Refuse up front what would fail midway: a kernel whose family has no template (a SpecError
-    at its block), CuPy missing, PyTorch missing where `torch_for` says it is needed."""
+    """Refuse up front, in one line, what would fail midway: a kernel whose family has no template (a
+    SpecError at its block), CuPy missing, no usable GPU (no driver, a driver too old, no device: CuPy
+    imports fine without one), PyTorch missing or blind to the GPU where `torch_for` says it is needed."""
     from ..families import lower
+    from ..runtime.availability import require_gpu
     for spec in specs:
         lower(spec)
     if importlib.util.find_spec("cupy") is None:
@@ -139,3 +141,10 @@ def gpu_ready(command: str, specs: list[KernelSpec], torch_for: str = "") -> Non
                        "pip install 'tiledsl[gpu]'")
     if torch_for and importlib.util.find_spec("torch") is None:
         raise CliError(f"{torch_for} needs PyTorch, which is not installed: pip install 'tiledsl[bench]'")
+    require_gpu(f"tiledsl {command}")
+    if not torch_for:
+        return
+    import torch
+    if not torch.cuda.is_available():   # a CPU-only build, or a driver torch cannot use
+        raise CliError(f"{torch_for} needs PyTorch with CUDA, and this PyTorch sees no GPU "
+                       f"(torch {torch.__version__}: torch.cuda.is_available() is False)")

@@ -161,6 +161,10 @@ def run(args) -> int:
                   f"{len(candidates)} legal; would time {would} (budget {budget}); dry run: nothing timed\n")
             print(table(rows))
         return 0
+    from .common import gpu_ready
+    from ..spec import DType
+    gpu_ready("tune", [], torch_for="" if space.problem.dtype is DType.FP16 else
+              f"tiledsl tune of {space.problem.dtype.value} kernels (CuPy has no bfloat16 inputs)")
     from ..tune.store import TuneStore
     store = TuneStore(args.store)
     result = tune(space, shape, budget=args.budget, exhaustive=args.exhaustive, store=store,

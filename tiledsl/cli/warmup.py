@@ -17,18 +17,16 @@ def add_arguments(parser) -> None:
 
 
 def gpu_arch() -> str:
-    """sm_XY(a) of the current GPU; CliError when CuPy or a GPU is missing (nothing to compile for)."""
+    """sm_XY(a) of the current GPU; a one-line error when CuPy or a usable GPU is missing (nothing to
+    compile for)."""
+    from ..runtime.availability import require_gpu
+    from ..runtime.device import device_arch
     try:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
+        import cupy  # noqa: F401 - only whether it imports
     except ImportError:
         raise CliError("tiledsl warmup compiles for the GPU in hand and needs CuPy, which is not installed: "
                        "pip install 'tiledsl[gpu]'") from None
-    except Exception:   # no driver or no device: CuPy raises its CUDA runtime error
-        count = 0
-    if count == 0:
-        raise CliError("tiledsl warmup compiles kernels for the GPU in hand, and no NVIDIA GPU was found")
-    from ..runtime.device import device_arch
+    require_gpu("tiledsl warmup")
     return device_arch()
 
 
