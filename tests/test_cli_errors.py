@@ -175,9 +175,12 @@ def test_long_lines_are_clipped_around_the_caret(write_spec, capsys):
 def test_compile_of_a_space_compiles_its_legal_configs(tmp_path):
     done = cli("compile", SPACE, "-o", tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "space 'fa2_space_d64': 72 configs, 45 legal, 27 rejected" in done.stdout
-    assert done.stdout.count("    rejected  ") == 27   # each refused config with its reason, as check lists them
+    assert f"space 'fa2_space_d64': 72 configs, 45 legal, 27 rejected (`tiledsl check {SPACE}` says why)" in done.stdout
+    assert f"45 CUDA files in {tmp_path}: 45 updated, 0 unchanged" in done.stdout and len(done.stdout.splitlines()) == 2
     assert len(list(tmp_path.glob("*.cu"))) == 45
+    verbose = cli("compile", SPACE, "-o", tmp_path, "--verbose")
+    assert verbose.stdout.count("    rejected  ") == 27   # each refused config with its reason, as check lists them
+    assert verbose.stdout.count(f"{tmp_path}/fa2_d64_fp16_") == 45 and "(updated)" not in verbose.stdout
 
 
 def test_name_that_matches_nothing(tmp_path):
@@ -231,7 +234,7 @@ def test_emit_ptx_names_only_what_it_wrote(tmp_path):
 # ---- 8. what check and tune print ----------------------------------------------------------------
 
 def test_check_prints_dsl_values_not_python_reprs(capsys):
-    assert main(["check", HOPPER, FA2]) == 0
+    assert main(["check", "--verbose", HOPPER, FA2]) == 0
     out = capsys.readouterr().out
     hopper = out.split(FA2)[0]
     assert "mma=wgmma" in hopper and "mma.sync" not in hopper and "pingpong=on" in hopper

@@ -84,7 +84,7 @@ def decode_texts(draw):
         f"pipeline {draw(STAGES)} stages via cp.async", f"split kv = {split}"], queries=draw(st.integers(1, 16)))
 
 
-def _rules_only(spec):
+def _rules_only(spec, hints=True):
     """rules.validate without the layout: the family-feature rules only."""
     written = {key for key, _ in spec.spans}
     for rule in rules.RULES:

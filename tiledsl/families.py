@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -197,20 +198,37 @@ def lower(spec: KernelSpec, limits: DeviceLimits = H200, graph=None, **overrides
     return resolve(row.lowering)(spec, graph.layout, graph, template_of(spec), **overrides)
 
 
+def _one_kernel(path_or_text, name: str | None) -> KernelSpec:
+    """The one concrete kernel of a path or text (`name` picks an attention block); a search space or
+    several blocks are a RuntimeInputError that says how to pick one."""
+    is_path = resolve("frontend.parse:looks_like_path")(path_or_text)
+    items = resolve("frontend.parse:parse_file" if is_path else "frontend.parse:parse_text")(path_or_text)
+    where = str(path_or_text) if is_path else "the spec text"
+    names = [item.name for item in items]
+    if name is not None:
+        items = [item for item in items if item.name == name]
+        if not items:
+            raise RuntimeInputError(f"{where}: no attention block named {name!r}; its blocks: {', '.join(names)}")
+    if len(items) == 1 and not isinstance(items[0], KernelSpec):   # a search space
+        space = items[0]
+        raise RuntimeInputError(f"{where}: '{space.name}' is a search space of {len(space.expand()[0])} legal "
+                                "kernels, not one kernel; pick one from tiledsl.load_specs(...) or tune it "
+                                f"(`tiledsl tune {where} --seqlen N`)")
+    if len(items) != 1:
+        raise RuntimeInputError(f"{where}: {len(items)} attention blocks ({', '.join(names)}); pass name= to pick one")
+    return items[0]
+
+
 def compile(spec_or_path, name: str | None = None, limits: DeviceLimits = H200, **overrides):  # noqa: A001
     """A Kernel (the family's class) from a KernelSpec, a .tile path or spec text (`name` picks one
     of several); `overrides` go to `lower`."""
     if isinstance(spec_or_path, KernelSpec):
         spec = spec_or_path
+    elif not isinstance(spec_or_path, (str, os.PathLike)):
+        raise TypeError(f"tiledsl.compile takes a KernelSpec, a .tile path or spec text, got "
+                        f"{type(spec_or_path).__name__}")
     else:
-        load_specs = resolve("frontend.parse:load_specs")
-        specs = load_specs(spec_or_path)
-        if name is not None:
-            specs = [s for s in specs if s.name == name]
-        if len(specs) != 1:
-            names = ", ".join(s.name for s in load_specs(spec_or_path))
-            raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
-        spec = specs[0]
+        spec = _one_kernel(spec_or_path, name)
     row = row_for(spec)
     variant = _serving(spec, row)
     return resolve(variant.kernel_class if variant else row.kernel_class)(spec, lower(spec, limits, **overrides))

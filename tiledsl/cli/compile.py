@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from ..codegen import nvcc
@@ -22,6 +23,8 @@ def add_arguments(parser) -> None:
                         help="note and skip kernels whose family has no template yet, instead of failing")
     parser.add_argument("--emit", action="append", metavar="KINDS",
                         help=f"comma-separated, from {', '.join(EMITS)}; may be repeated (default: cuda)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="a line per kernel (and every rejected config of a space) even for many kernels")
 
 
 def run(args) -> int:
@@ -35,13 +38,16 @@ def run(args) -> int:
     if set(emits) - {"cuda"} and nvcc.nvcc_path() is None:
         raise CliError(f"--emit {','.join(emits)} needs nvcc, which is not on PATH (--emit cuda does not)")
     notes: list[str] = []
-    specs = concrete_specs(args.specs, args.name, expand_spaces=True, notes=notes)
+    specs = concrete_specs(args.specs, args.name, expand_spaces=True, notes=notes, verbose=args.verbose)
     for note in notes:
         print(note)
     if not specs:
         raise CliError("no legal kernels to compile in " + ", ".join(args.specs))
     out = writable_folder("-o", args.output)
-    status, no_sass = 0, False
+    # A line per kernel where it says more than where the file went (nvcc's outputs) or when asked;
+    # many CUDA files are a count: the demo's 190 kernels were 190 lines.
+    each = args.verbose or len(specs) == 1 or set(emits) != {"cuda"}
+    status, no_sass, written = 0, False, Counter()
     for spec in specs:
         if args.skip_unsupported and missing_template(spec):
             print(f"{spec.kernel_name}: skipped ({missing_template(spec)})")
@@ -56,6 +62,7 @@ def run(args) -> int:
         line = []
         if "cuda" in emits:
             changed = write_if_changed(out / f"{name}.cu", source)
+            written["updated" if changed else "unchanged"] += 1
             line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
         notes: list[str] = []
         try:
@@ -64,15 +71,20 @@ def run(args) -> int:
             print(f"error: {err}", file=sys.stderr)
             status = 2
             continue
-        print("\n".join([f"{name}: " + "  ".join(line)] + notes))
+        if each:
+            print("\n".join([f"{name}: " + "  ".join(line)] + notes))
         if spec.backward is not None:
-            status, no_sass = _emit_backward(spec, emits, out, status, no_sass)
+            status, no_sass = _emit_backward(spec, emits, out, status, no_sass, written, each)
+    if not each:
+        print(f"{sum(written.values())} CUDA files in {out}: {written['updated']} updated, {written['unchanged']} "
+              "unchanged (--verbose names each)")
     if no_sass:
         print("note: --emit sass: cuobjdump is not on PATH; no SASS written (the other outputs were)", file=sys.stderr)
     return status
 
 
-def _emit_backward(spec, emits: list[str], out: Path, status: int, no_sass: bool) -> tuple[int, bool]:
+def _emit_backward(spec, emits: list[str], out: Path, status: int, no_sass: bool, written: Counter,
+                   each: bool) -> tuple[int, bool]:
     """The backward module of a spec with a `backward { }` block (tiledsl/lower/backward.py), beside its
     forward kernel; a backward the template does not build yet is noted, not an error."""
     from ..layout.backward import backward_has_template
@@ -91,13 +103,15 @@ def _emit_backward(spec, emits: list[str], out: Path, status: int, no_sass: bool
     source, line, notes = render(plan), [], []
     if "cuda" in emits:
         changed = write_if_changed(out / f"{name}.cu", source)
+        written["updated" if changed else "unchanged"] += 1
         line.append(f"{out / (name + '.cu')}" + (" (updated)" if changed else ""))
     try:
         no_sass = _emit_nvcc(source, name, emits, out, line, notes, plan.kernel_names["main"]) or no_sass
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2, no_sass
-    print("\n".join([f"{name}: " + "  ".join(line)] + notes))
+    if each:
+        print("\n".join([f"{name}: " + "  ".join(line)] + notes))
     return status, no_sass
 
 

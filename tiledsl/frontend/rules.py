@@ -4,12 +4,15 @@ the layout the lowering is handed), so `check` refuses what `compile` refuses. A
 depend on the family."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..device_limits import H200
 from ..errors import SpecError
 from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..families import layout_of
 from ..layout.backward import backward_has_template, backward_layout
-from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
+from ..layout.base import GENERIC_SIZE_HINT
+from ..spec import MAX_TILE, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
 from . import check_backward
 from .words import EXAMPLES
 
@@ -145,17 +148,60 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
 
 
 RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, check_backward.rule_backward)
+# Rules whose own hint is a guess at a size: their hint is replaced by schedule edits that check.
+_SIZE_RULES = (_rule_warps_fit,)
+SUGGESTIONS_SHOWN = 2
 
 
-def validate(spec: KernelSpec) -> None:
+def validate(spec: KernelSpec, hints: bool = True) -> None:
     """Raise SpecError for the first rule between values that `spec` breaks, then for what its
-    kernel's layout refuses (shapes and resources: the same function lowering calls)."""
+    kernel's layout refuses (shapes and resources: the same function lowering calls). With `hints`,
+    a refusal over sizes (warps against tiles, shared memory, registers) suggests the nearby schedule
+    edits that pass every check, so a hint never leads to the next error; a search space's expansion
+    asks for none (only the reasons are kept)."""
     written = {key for key, _ in spec.spans}
     for rule in RULES:
         broken = rule(spec, written)
         if broken:
             key, message, hint = broken
+            if hints and rule in _SIZE_RULES:
+                hint = _checked_edits(spec) or hint
             raise SpecError(message, spec.span_of(key), spec.source_text, hint)
-    layout_of(spec)
-    if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
-        backward_layout(spec)
+    try:
+        layout_of(spec)
+        if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
+            backward_layout(spec)
+    except SpecError as err:
+        edits = _checked_edits(spec) if hints and spec.backward is None else ""
+        if not edits:
+            raise
+        kept = err.hint if err.hint and err.hint != GENERIC_SIZE_HINT else ""   # a computed hint stays first
+        raise SpecError(err.message, err.span, err.source_text, f"{kept}; {edits}" if kept else edits) from None
+
+
+def _checked_edits(spec: KernelSpec) -> str:
+    """'e.g. `warps 8` or `tile kv = 32` (each passes every check)' for the first few one-value edits of
+    the schedule that make `spec` legal, nearest first; "" when none does."""
+    s = spec.schedule
+    if spec.family is Family.HOPPER:
+        return ""
+    edits = [(f"warps {w}", {"warps": w}) for w in sorted(WARP_COUNTS, key=lambda w: abs(w - s.warps) + (w < s.warps))
+             if w != s.warps]
+    edits += [(f"pipeline {n} stage{'s' if n > 1 else ''}", {"stages": n}) for n in range(s.stages - 1, 0, -1)]
+    for axis, size in (("q", s.tile_q), ("kv", s.tile_kv)):
+        step = MMA_ROWS * s.warps if s.warp_axis.value == axis else MMA_ROWS   # whole 16-row slices per warp
+        near = (size - size % step, size - size % step + step) if size % step else ()
+        halved = [(size >> k) - (size >> k) % step for k in range(1, 7)]
+        sizes = dict.fromkeys(v for v in (*near, *halved, size * 2) if MMA_ROWS <= v <= MAX_TILE and v % MMA_ROWS == 0
+                              and v != size)
+        edits += [(f"tile {axis} = {v}", {f"tile_{axis}": v}) for v in sizes]
+    passing = []
+    for text, fields in edits:
+        try:
+            validate(dataclasses.replace(spec, schedule=dataclasses.replace(s, **fields)), hints=False)
+        except SpecError:
+            continue
+        passing.append(f"`{text}`")
+        if len(passing) == SUGGESTIONS_SHOWN:
+            break
+    return f"e.g. {' or '.join(passing)} (each passes every check)" if passing else ""
