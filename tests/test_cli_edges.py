@@ -314,3 +314,28 @@ def test_size_hints_suggest_only_edits_that_check(text):
             lines[at + 1] += "".join(f", kv = {m}" for m in re.findall(r"kv = (\d+)", text))
         (spec,) = tiledsl.parse_text("\n".join(lines) + "\n")   # the suggestion checks
         assert spec.kernel_name
+
+
+# ---- make demo: a screen of summaries --------------------------------------------------------------------------
+
+DEMO_MAX_LINES = 60
+
+
+def make_demo(out: Path) -> subprocess.CompletedProcess:
+    """`make demo` with this Python (its install step taken as done) and the CUDA written under `out`."""
+    import shutil
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    return subprocess.run(["make", "-s", "-o", ".setup-system", "demo", "SYSTEM_PYTHON=1", f"PYTHON={sys.executable}",
+                           f"DEMO_OUT={out}", f"DEMO_HTML={out / 'demo.html'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_make_demo_fits_one_screen(tmp_path):
+    done = make_demo(tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = _lines(done.stdout + done.stderr)
+    assert len(lines) < DEMO_MAX_LINES, "\n".join(lines)
+    import re
+    assert re.search(r"^(\d+) of \1 files check", done.stdout, re.M) and "CUDA files in" in done.stdout
+    assert any(line.startswith("on chip: ") for line in lines)
+    assert len(list(tmp_path.glob("*.cu"))) > 150
