@@ -339,3 +339,16 @@ def test_make_demo_fits_one_screen(tmp_path):
     assert re.search(r"^(\d+) of \1 files check", done.stdout, re.M) and "CUDA files in" in done.stdout
     assert any(line.startswith("on chip: ") for line in lines)
     assert len(list(tmp_path.glob("*.cu"))) > 150
+
+
+def test_explain_and_tune_refuse_a_tile_table_past_a_few_seconds(write_spec, capsys):
+    tiny = write_spec("attention t {\n    head_dim = 64\n    mask = causal\n    schedule {\n        tile q = 16, kv = 16\n"
+                      "        warps 1\n    }\n}\n", "tiny.tile")
+    assert main(["explain", str(tiny), "--seqlen", "262144"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "is 268,435,456 tile pairs; the traffic model walks at most 8,388,608" in err
+    assert "sequences of about 46,340" in err
+    space = write_spec("attention s {\n    head_dim = 64\n    schedule {\n        tile q in {16, 64}, kv = 16\n"
+                       "        warps 1\n    }\n}\n", "s.tile")
+    assert main(["tune", str(space), "--seqlen", "262144", "--dry-run"]) == 2
+    assert "tile pairs" in capsys.readouterr().err

@@ -141,10 +141,26 @@ def test_a_space_of_a_million_configs(write_spec):
 
 def test_a_file_of_too_many_blocks(tmp_path):
     path = tmp_path / "many.tile"
-    path.write_text("".join(KERNEL.format(name=f"k{i}", kv=64) for i in range(1001)))
+    path.write_text("".join(KERNEL.format(name=f"k{i}", kv=64) for i in range(101)))
     start = time.monotonic()
-    refused("check", path, expect=f"{path}:6001:1: error: more than 1000 attention blocks")
+    refused("check", path, expect=f"{path}:601:1: error: more than 100 attention blocks")
     assert time.monotonic() - start < 5
+    # blocks count however they are written: several closed on one line, a comment naming none
+    one_line = "# attention attention\n" + " ".join(f"attention k{i} {{\n    head_dim = 64\n}}" for i in range(101))
+    path.write_text(one_line + "\n")
+    refused("check", path, expect=f"{path}:202:3: error: more than 100 attention blocks")
+
+
+def test_configs_count_across_a_file(tmp_path):
+    space = "attention {name} {{\n    head_dim = 64\n    schedule {{\n        tile q in {{{q}}}, kv in {{{kv}}}\n" \
+            "        pipeline in {{1, 2, 3, 4}} stages\n    }}\n}}\n"
+    tiles = ", ".join(str(16 * (i + 1)) for i in range(40))
+    path = tmp_path / "spaces.tile"
+    path.write_text(space.format(name="a", q=tiles, kv=tiles) + space.format(name="b", q=tiles, kv=tiles))
+    start = time.monotonic()
+    refused("check", path, expect=f"{path}:8:11: error: the space 'b' has 6,400 configs (40 tile_q x 40 tile_kv x 4 "
+            "stages) after the file's 6,400 before it; at most 10,000 are accepted in a file")
+    assert time.monotonic() - start < 10
 
 
 def test_a_ten_megabyte_file(tmp_path):

@@ -17,8 +17,10 @@ from pathlib import Path
 from .common import COUNT, MODEL_SEQLEN, check_kv_heads, concrete_specs, read_items
 from ..errors import CliError, SpecError
 from ..frontend.space import SpecSpace
+from ..schedule.traffic import model_too_big, tile_pairs
 
 BEST_SHOWN = 3   # a space's configs ranked by the model in its summary
+RANKING_TILE_PAIRS = 1 << 24   # tile-table cells the ranking of a space's configs may walk, all configs together
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +76,6 @@ def space_lines(space: SpecSpace, args) -> tuple[list[str], list]:
     """(a space's summary lines, the specs to explain: the model's best, or every legal one with --all)."""
     from .check import space_summary
     from ..schedule.cost import Shape
-    from ..tune.search import plan_candidates
     legal, rejected = space.expand()
     lines = space_summary(space, legal, rejected, verbose=False)[:-1]
     if args.all or not legal:
@@ -82,15 +83,43 @@ def space_lines(space: SpecSpace, args) -> tuple[list[str], list]:
     decode = space.problem.queries_per_seq
     nq = decode or args.seqlen or 4096
     nk = args.seqlen_kv or args.seqlen or 4096
-    candidates, _, _ = plan_candidates(space, Shape(args.batch, args.heads, nq, nk), use_nvcc=False)
-    ranked = sorted((c for c in candidates if c.model_rank is not None), key=lambda c: c.model_rank)
-    lines.append(f"    the model's best for batch {args.batch}, heads {args.heads}, seqlen {nq}"
-                 + (f", kv {nk}" if nk != nq else "") + " (register estimates, no ptxas):")
-    lines += [f"      {c.model_rank}. {c.name}: {c.prediction.tflops:.0f} TFLOP/s predicted, {c.prediction.bound}-bound"
-              for c in ranked[:BEST_SHOWN]]
+    # Every config's model walks its own tile table: rank at a shorter sequence when all of them together
+    # would be more than a few seconds' work.
+    scale = 1
+    while sum(tile_pairs(s.schedule.tile_q, s.schedule.tile_kv, nq // scale or 1, nk // scale or 1)
+              for s in legal) > RANKING_TILE_PAIRS:
+        scale *= 2
+    ranked = sorted(((predicted(s, Shape(args.batch, args.heads, max(nq // scale, 1), max(nk // scale, 1))), s)
+                     for s in legal), key=lambda item: (item[0].time_ms, item[1].kernel_name))
+    ranked = [(p, s) for p, s in ranked if p.hopeless is None] or ranked
+    shape = f"seqlen {max(nq // scale, 1)}" + (f", kv {max(nk // scale, 1)}" if nk != nq else "")
+    lines.append(f"    the model's best for batch {args.batch}, heads {args.heads}, {shape}"
+                 + (f" (--seqlen {nq if not decode else nk} scaled down: {len(legal)} configs' tile tables)"
+                    if scale > 1 else "") + " (register estimates, no ptxas):")
+    lines += [f"      {i}. {s.kernel_name}: {p.tflops:.0f} TFLOP/s predicted, {p.bound}-bound"
+              for i, (p, s) in enumerate(ranked[:BEST_SHOWN], 1)]
     lines.append(f"    explained below: the best; --all explains all {len(legal)} legal configs, `tiledsl tune "
                  f"{space.source_file} --seqlen {nq if not decode else nk} --dry-run` ranks them with ptxas")
-    return lines, [c.spec for c in ranked[:1]] or legal[:1]
+    return lines, [ranked[0][1]]
+
+
+def predicted(spec, shape):
+    """The tuner's model on the layout's numbers alone (no lowering, no ptxas): cheap enough for every
+    config of a space."""
+    from ..families import layout_of
+    from ..schedule.cost import Resources, predict
+    lay = layout_of(spec)
+    return predict(spec, shape, Resources(lay.register_estimate, smem_bytes=lay.smem_bytes, threads=lay.threads,
+                                          q_in_registers=lay.q_in_registers))
+
+
+def model_size(spec, args) -> None:
+    """A CliError, before anything is printed, when the shape is more than the models walk in a few seconds."""
+    from .report import explained_shape
+    nq, nk = explained_shape(spec, **{k: v for k, v in _explain_args(spec, args).items() if k.startswith("seqlen")})
+    too_big = model_too_big(spec.schedule.tile_q, spec.schedule.tile_kv, nq, nk)
+    if too_big:
+        raise CliError(f"explain {spec.name}: {too_big}; give a shorter --seqlen")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{path}:")
                 print("\n".join(lines))
             for spec in specs:
+                model_size(spec, args)
                 if not first:
                     print("=" * 100)
                 first = False

@@ -157,6 +157,13 @@ def traffic_lines(graph: ScheduleGraph, t: Traffic, limits: DeviceLimits) -> lis
     return lines
 
 
+def explained_shape(spec: KernelSpec, seqlen_q: int | None, seqlen_kv: int | None) -> tuple[int, int]:
+    """(queries, keys) explain models: seqlen q defaults to the decode kernel's queries per sequence,
+    else 4096; seqlen kv to seqlen q (4096 for decode)."""
+    nq = seqlen_q or spec.problem.queries_per_seq or 4096
+    return nq, seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+
+
 def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | None = None,
             seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200,
             summary: bool = False) -> str:
@@ -165,8 +172,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     sequence, else 4096; seqlen kv to seqlen q (4096 for decode)."""
     graph = run_passes(spec, limits)
     plan, no_plan = lowered(spec, limits, graph)
-    nq = seqlen_q or spec.problem.queries_per_seq or 4096
-    nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+    nq, nk = explained_shape(spec, seqlen_q, seqlen_kv)
     t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan, limits))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",

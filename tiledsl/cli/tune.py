@@ -179,6 +179,12 @@ def run(args) -> int:
     check_options(args)
     space = load_space(args.space, args.causal)
     shape = shape_of(args, space)
+    from ..schedule.traffic import model_too_big
+    from ..errors import CliError
+    for spec in space.expand()[0]:   # the model walks each config's tile table: refuse before any work
+        too_big = model_too_big(spec.schedule.tile_q, spec.schedule.tile_kv, shape.seqlen_q, shape.seqlen_kv)
+        if too_big:
+            raise CliError(f"tune {spec.kernel_name}: {too_big}; give a shorter --seqlen")
     backward = tune_backward.is_backward_space(space)   # choices inside `backward { }`: search the backward module
     plan_candidates = tune_backward.plan_backward_candidates if backward else plan_candidates
     tune = tune_backward.tune_backward if backward else tune

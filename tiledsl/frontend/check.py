@@ -46,7 +46,9 @@ from .rules import WARP_COUNTS
 from .space import SpecSpace
 from .words import EXAMPLES, did_you_mean
 
-MAX_SPACE_CONFIGS = 10_000      # a search space's size limit (each config is checked, then maybe compiled)
+# Configs across a file (a concrete block is one, a space its size): each is checked, then maybe compiled,
+# explained or ranked, so the limit counts every block's, not each space's alone.
+MAX_CONFIGS = 10_000
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -58,6 +60,7 @@ _ORDERS = {("q", "kv"): LoopOrder.Q_OUTER, ("kv", "q"): LoopOrder.KV_OUTER}
 class _Checker:
     def __init__(self, text: str):
         self.text = text
+        self.configs = 0   # configs of the blocks checked so far (MAX_CONFIGS)
 
     def fail(self, message: str, span: Span | None, hint: str = "") -> NoReturn:
         raise SpecError(message, span, self.text, hint)
@@ -149,11 +152,15 @@ class _Checker:
         space = SpecSpace(att.name.text, problem, tuple(fixed.items()), tuple(choices.items()), file, self.text,
                           spans, att.span, "backward" in nodes)
         if not choices:
+            self.configs += 1
             return space.spec({})
-        if space.size > MAX_SPACE_CONFIGS:   # refused before expanding: 10^6 configs took minutes
+        if space.size > MAX_CONFIGS - self.configs:   # refused before expanding: 10^6 configs took minutes
             sizes = " x ".join(f"{len(options)} {name}" for name, options in space.choices)
-            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}); at most "
-                      f"{MAX_SPACE_CONFIGS:,} are accepted", att.name.span, "drop options from the `in {...}` choices")
+            before = f" after the file's {self.configs:,} before it" if self.configs else ""
+            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}){before}; at most "
+                      f"{MAX_CONFIGS:,} are accepted in a file", att.name.span,
+                      "drop options from the `in {...}` choices, or split the file")
+        self.configs += space.size
         legal, rejected = space.expand()
         if not legal:
             self.no_legal_config(space, rejected)
