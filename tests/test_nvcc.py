@@ -84,3 +84,10 @@ def test_an_nvcc_warning_is_an_error(tmp_path):
         nvcc.compile_to(TRUNCATING, "truncating", "cubin", tmp_path)
     with pytest.raises(RuntimeError, match="integer conversion resulted in truncation"):
         nvcc.compile_to(TRUNCATING, "truncating", "ptx", tmp_path)
+
+
+def test_an_unused_variable_is_not_an_error(tmp_path):
+    """The one diagnostic the templates may trigger without changing anything: a variable a variant leaves unused."""
+    source = "__global__ void k(int* out) { const int unused = 0; *out = 1; }\n"
+    _, report = nvcc.compile_to(source, "unused", "cubin", tmp_path)
+    assert "warning" not in report and "error" not in report

@@ -303,7 +303,8 @@ def family_of(problem: Problem, schedule: Schedule) -> Family:
 
 
 def _number(x: float) -> str:
-    return repr(float(x)).replace(".", "p").replace("-", "m")
+    """A float as part of a C identifier: 0.125 -> 0p125, 1e-05 -> 1em05, 1e+30 -> 1e30."""
+    return repr(float(x)).replace(".", "p").replace("-", "m").replace("+", "")
 
 
 def kernel_name(spec: KernelSpec) -> str:

@@ -190,7 +190,7 @@ def _checked_edits(spec: KernelSpec) -> str:
     edits += [(f"pipeline {n} stage{'s' if n > 1 else ''}", {"stages": n}) for n in range(s.stages - 1, 0, -1)]
     for axis, size in (("q", s.tile_q), ("kv", s.tile_kv)):
         step = MMA_ROWS * s.warps if s.warp_axis.value == axis else MMA_ROWS   # whole 16-row slices per warp
-        near = (size - size % step, size - size % step + step) if size % step else ()
+        near = (size - size % step, size - size % step + step) if size % step else (size - MMA_ROWS, size + MMA_ROWS)
         halved = [(size >> k) - (size >> k) % step for k in range(1, 7)]
         sizes = dict.fromkeys(v for v in (*near, *halved, size * 2) if MMA_ROWS <= v <= MAX_TILE and v % MMA_ROWS == 0
                               and v != size)
