@@ -44,12 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the page's step-through sequence length (default: two and a half of the largest tile)")
 
 
-def output_target(option: str, path: str, example: str) -> Path:
+def output_target(option: str, path: str, example: str, make_folders: bool = False) -> Path:
     """--dot's or --html's file, checked before anything is explained: a folder or a path whose folder
-    can't take it fails here, not after pages of output."""
+    can't take it fails here, not after pages of output (`make_folders`: missing folders are made later)."""
     target = Path(path)
     if target.is_dir():
         raise CliError(f"{option} {path}: is a folder; give a file name, e.g. {target / example}")
+    if make_folders:
+        return target
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise CliError(f"{option} {path}: the folder {folder} does not exist")
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     check_kv_heads(args.heads, args.kv_heads)
     target = output_target("--dot", args.dot, "graphs.dot") if args.dot else None
     if args.html:
-        output_target("--html", args.html, "explain.html")
+        output_target("--html", args.html, "explain.html", make_folders=True)   # the page writer makes them
     items = {path: read_items(path) for path in dict.fromkeys(args.specs)}
     concrete_specs(list(items), args.name, items=items)   # two blocks defining one kernel; --name matching none
     graphs, refused, first = [], 0, True
