@@ -94,6 +94,7 @@ ERRORS = [
     ("mask = causl", None, 3, "unknown mask 'causl'; did you mean 'causal'?", "causl"),
     ("mask = causal(left = 2)", None, 3, "mask 'causal' takes no arguments", "causal(left = 2)"),
     ("mask = window", None, 3, "a window mask needs its sizes", "window"),
+    ("dtype = fp32", None, 3, "the fa2 template computes with fp16 or bf16 tensor cores, not fp32", "dtype = fp32"),
     ("mask = window(left = -1)", None, 3, "window left must be an integer in 0..1,073,741,824 (2^30), got -1", "-1"),
     ("mask = window(lft = 3)", None, 3, "unknown window size 'lft'; did you mean 'left'?", "lft"),
     ("mask = window(left = 1, left = 2)", None, 3, "window size 'left' given twice", "left"),

@@ -9,7 +9,7 @@ import dataclasses
 from ..device_limits import H200
 from ..errors import SpecError
 from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
-from ..families import layout_of
+from ..families import feature_refusal, layout_of
 from ..layout.backward import backward_has_template, backward_layout
 from ..layout.base import GENERIC_SIZE_HINT
 from ..spec import MAX_TILE, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, Problem, Schedule, SeqLayout
@@ -41,47 +41,9 @@ def schedule_with_defaults(problem: Problem, written: dict) -> Schedule:
 
 
 def _rule_family_features(spec: KernelSpec, written: set):
-    s, p, fam = spec.schedule, spec.problem, spec.family
-    if fam is Family.HOPPER and p.queries_per_seq is not None:
-        return ("queries", "queries (decode) and warpgroups (hopper) exclude each other: the hopper family has no "
-                "decode path", "remove `warpgroups` for a decode kernel, or `queries` for a hopper kernel")
-    if p.seq_layout is SeqLayout.VARLEN and fam is Family.DECODE:
-        return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
-                "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
-    if p.kv_dtype is not None and fam is not Family.DECODE:
-        return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the decode family; this "
-                f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
-    if s.fp8_convert is not None and p.kv_dtype is None:
-        return ("dequant", "`dequant` says where an FP8 KV cache becomes 16-bit; this kernel reads a "
-                f"{p.dtype.value} cache", "add `kv_dtype = e4m3` (decode), or remove `dequant`")
-    if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
-        return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
-                "write `dtype = bf16` or `dtype = fp16`")
-    if s.split_kv != 1 and fam is not Family.DECODE:
-        return ("split", f"split kv = {s.split_kv} is only for the decode family; this kernel is {fam.value}",
-                "split-KV needs `queries = N` (decode); for prefill remove `split`")
-    if s.order is LoopOrder.KV_OUTER and fam in (Family.HOPPER, Family.DECODE):
-        return ("order", f"the {fam.value} family runs q outer; `order kv, q` is FA1", "write `order q, kv`")
-    if fam is Family.FA2 and s.warp_axis is Axis.KV:
-        return ("warps", "q-outer (FA2) splits warps along q; warps along kv is FA1's split-K: write `order kv, q`",
-                "or write `warps N along q`")
-    if fam is Family.DECODE and s.warp_axis is Axis.Q:
-        return ("warps", "the decode family splits warps along kv: its few query rows can't be shared out",
-                "write `warps N along kv` (the default for decode)")
-    if s.copy is CopyVia.TMA and fam is not Family.HOPPER:
-        return ("pipeline", f"TMA copies need the hopper family; {fam.value} copies with cp.async",
-                "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
-    if s.copy is not CopyVia.TMA and fam is Family.HOPPER:
-        return ("pipeline", f"the hopper family copies with TMA, not {s.copy.value}", "write `via tma`")
-    if s.mma is Mma.WGMMA and fam not in (Family.FA2, Family.HOPPER):
-        return ("mma", f"`mma wgmma` is built for the fa2 and hopper families; this kernel is {fam.value}",
-                "remove `mma` (fa1 and decode use mma.sync)")
-    if s.mma is not Mma.WGMMA and fam is Family.HOPPER:
-        return ("mma", f"the hopper family runs on wgmma, not {s.mma.value}", "remove `mma` or write `mma wgmma`")
-    if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
-        return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
-                "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
-    return None
+    """The settings the spec's family takes: families.FEATURES and the family's rows (the one table
+    lowering reads too)."""
+    return feature_refusal(spec)
 
 
 def _rule_hopper(spec: KernelSpec, written: set):
