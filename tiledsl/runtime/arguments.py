@@ -5,19 +5,32 @@ kernel the checker would refuse; a bad value is a RuntimeInputError naming the f
 from __future__ import annotations
 
 import math
-import numbers
-
-import numpy as np
+import operator
 
 from ..errors import RuntimeInputError
 from ..spec import MAX_WINDOW, SCALE_RANGE, Mask
 
 
+# Plain Python only (no NumPy, no `numbers`): torch.compile traces tiledsl.attention, these checks with it.
 def switch(api: str, name: str, value) -> bool:
     """A True / False argument (a Python or NumPy bool): 1, "yes" or None are refused, not guessed at."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not (value is True or value is False or _numpy_bool(value)):
         raise RuntimeInputError(f"{api}: {name} must be True or False, got {value!r}")
     return bool(value)
+
+
+def _numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def _integer(value) -> int | None:
+    """`value` as an int when it is one (Python or NumPy integers; not a bool, a float or a str), else None."""
+    if value is True or value is False or _numpy_bool(value):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def window_sizes(api: str, window) -> tuple[int, int] | None:
@@ -29,10 +42,13 @@ def window_sizes(api: str, window) -> tuple[int, int] | None:
     except (TypeError, ValueError):
         raise RuntimeInputError(f"{api}: window must be (left, right), two integers in 0..{MAX_WINDOW:,}, got "
                                 f"{window!r}") from None
+    sizes = []
     for side, size in (("left", left), ("right", right)):
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or not 0 <= int(size) <= MAX_WINDOW:
+        value = _integer(size)
+        if value is None or not 0 <= value <= MAX_WINDOW:
             raise RuntimeInputError(f"{api}: window {side} must be an integer in 0..{MAX_WINDOW:,}, got {size!r}")
-    return int(left), int(right)
+        sizes.append(value)
+    return sizes[0], sizes[1]
 
 
 def softmax_scale(api: str, scale) -> float | None:
