@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import backward_layout
+from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature, view
 from ..spec import BackwardSchedule, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
@@ -108,12 +109,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     BACKWARD_WGMMA is on and it takes the problem, else mma.sync. `validate`: check kv_lens on the
     host (runtime/index_checks.py). The first call of a signature picks the spec and prepares the
     three launches; later ones only launch."""
+    mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
+    causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     tensors = (q, k, v, o, lse, do, kv_lens)
-    if window is not None and type(window) is not tuple:
-        try:
-            window = tuple(window)
-        except TypeError:   # not a pair: _prepare_backward's checks name it
-            pass
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate)
     call = _calls.get(key)
     if call is None:
@@ -124,10 +122,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
 def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate):
     from ..runtime.device import device_arch
     from .kernels import BACKWARD, kernel_for
-    from ..runtime.arguments import mask_arguments, switch
     q, v = tensors[0], tensors[2]
-    mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # before any spec
-    deterministic = switch("attention_backward", "deterministic", deterministic)
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)   # checked by the caller
     qv, vv = view(q, "q"), view(v, "v")
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"attention_backward: q must be fp16 or bf16, got "

@@ -61,7 +61,9 @@ def caller_stream(x):
 
 
 def current_device() -> int:
-    """The calling thread's current CUDA device (both torch and CuPy launch there)."""
+    """The calling thread's current CUDA device (both torch and CuPy launch there); a one-line error on a
+    machine where no kernel can run (a kernel's first call asks here before loading its module)."""
+    require_gpu("running a kernel")
     return cupy_module().cuda.runtime.getDevice()
 
 

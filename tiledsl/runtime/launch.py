@@ -351,8 +351,6 @@ class CallBuilder:
     device_id: int = field(init=False)
 
     def __post_init__(self):
-        from .availability import require_gpu
-        require_gpu(self.name)   # a call's slow path, before any CUDA call: one line without a usable GPU
         self.device_id = view(self.like, "q").device_id
 
     def view(self, index: int) -> TensorView | None:
