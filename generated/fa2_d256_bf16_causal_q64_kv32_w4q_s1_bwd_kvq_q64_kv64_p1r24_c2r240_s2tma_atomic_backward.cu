@@ -534,6 +534,22 @@ struct C {
     static constexpr float SCALE = 0.0625f;   // softmax scale
     static constexpr float SCALE_LOG2 = 0.09016844005556021f;   // scale * log2(e): softmax through exp2
 };
+
+// Shared memory buffer by buffer (the layout's offsets above): each accessor is the buffer's 32-bit
+// shared address from the block's base; a ring's takes the stage.
+struct Shared {
+    u32 base;
+    __device__ __forceinline__ u32 k() const { return base + C::K_OFFSET; }
+    __device__ __forceinline__ u32 v() const { return base + C::V_OFFSET; }
+    __device__ __forceinline__ u32 q(int stage) const { return base + C::Q_OFFSET + stage * C::Q_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_o(int stage) const { return base + C::DO_OFFSET + stage * C::DO_STAGE_BYTES; }
+    __device__ __forceinline__ u32 lse(int stage) const { return base + C::LSE_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 d_rows(int stage) const { return base + C::DROW_OFFSET + stage * C::ROW_STAGE_BYTES; }
+    __device__ __forceinline__ u32 p_t(int stage) const { return base + C::P_OFFSET + stage * C::DS_BUFFER_BYTES; }
+    __device__ __forceinline__ u32 ds_t(int stage) const { return base + C::DS_OFFSET + stage * C::DS_BUFFER_BYTES; }
+    __device__ __forceinline__ u32 barriers() const { return base + C::BAR_OFFSET; }
+    __device__ __forceinline__ u32 dq_staging(int stage) const { return base + C::STAGE_OFFSET + stage * C::STAGE_BYTES; }
+};
 static_assert(C::THREADS == 384 && C::CONSUMER_THREADS == 256, "a producer and two consumer warpgroups");
 static_assert(C::BR % 64 == 0 && C::D % 64 == 0 && C::DV % 64 == 0, "wgmma and TMA panels are 64 columns wide");
 static_assert(C::K_OFFSET % 1024 == 0 && C::V_OFFSET % 1024 == 0 && C::Q_OFFSET % 1024 == 0 && C::DO_OFFSET % 1024 == 0
@@ -991,9 +1007,9 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic_
         i64 dk_batch_stride, i64 dk_head_stride, i64 dk_row_stride,
         i64 dv_batch_stride, i64 dv_head_stride, i64 dv_row_stride) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    const u32 smem_base = shared_address(smem);
-    const u32 bars = smem_base + C::BAR_OFFSET;
-    const u32 k_tile = smem_base + C::K_OFFSET, v_tile = smem_base + C::V_OFFSET;
+    const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
+    const u32 bars = shared.barriers();
+    const u32 k_tile = shared.k(), v_tile = shared.v();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warpgroup = warp / 4;
     const int pair = blockIdx.x % pairs, kv_block = blockIdx.x / pairs;   // every pair's kv tile 0 first
     const int kv_heads = heads / kv_group, batch = pair / kv_heads, kv_head = pair % kv_heads;
@@ -1045,7 +1061,7 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic_
                 tma_load_4d(v_tile + p * C::K_PANEL_BYTES, v_map, p * 64, k0, kv_head, batch, bar_at(bars, C::KV_FULL_BAR));
     // [backward_ws_d256.tile:18] Q_i, dO_i (TMA boxes), LSE_i, D_i (bulk) through a 2-slot ring: wait for the slot's q_empty, then copy onto its q_full
             for (int s = 0; s < steps; ++s) {
-                const int slot = s % C::STAGES, round = s / C::STAGES;
+                const int slot = (s) % C::STAGES, round = (s) / C::STAGES;
                 const int head = kv_head * kv_group + s / tiles, q0 = (tile_begin + s % tiles) * C::BR;
                 const u32 full = bar_at(bars, C::Q_FULL_BAR + slot);
                 const i64 rows = ((i64)batch * heads + head) * q_rows + q0;
@@ -1053,14 +1069,14 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic_
                 mbarrier_arrive_expect_tx(full, C::Q_TX_BYTES);
 #pragma unroll
                 for (int p = 0; p < C::D / 64; ++p)
-                    tma_load_4d(smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES + p * C::Q_PANEL_BYTES, q_map, p * 64, q0,
+                    tma_load_4d(shared.q(slot) + p * C::Q_PANEL_BYTES, q_map, p * 64, q0,
                                 head, batch, full);
 #pragma unroll
                 for (int p = 0; p < C::DV / 64; ++p)
-                    tma_load_4d(smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES + p * C::Q_PANEL_BYTES, do_map, p * 64, q0,
+                    tma_load_4d(shared.d_o(slot) + p * C::Q_PANEL_BYTES, do_map, p * 64, q0,
                                 head, batch, full);
-                bulk_load(smem_base + C::LSE_OFFSET + slot * C::ROW_STAGE_BYTES, lse_rows + rows, C::ROW_STAGE_BYTES, full);
-                bulk_load(smem_base + C::DROW_OFFSET + slot * C::ROW_STAGE_BYTES, d_rows + rows, C::ROW_STAGE_BYTES, full);
+                bulk_load(shared.lse(slot), lse_rows + rows, C::ROW_STAGE_BYTES, full);
+                bulk_load(shared.d_rows(slot), d_rows + rows, C::ROW_STAGE_BYTES, full);
             }
         }
     } else {   // one branch per role: ptxas then allocates each role's registers to its setmaxnreg
@@ -1093,15 +1109,12 @@ fa2_d256_bf16_causal_q64_kv32_w4q_s1_bwd_kvq_q64_kv64_p1r24_c2r240_s2tma_atomic_
 
     // [backward_ws_d256.tile:15] for each query head of the GQA group, for each visible q tile (serial)
     for (int s = 0; s < steps; ++s) {
-        const int slot = s % C::STAGES;
-        const u32 phase = (s / C::STAGES) & 1;
+        const int slot = (s) % C::STAGES;
+        const u32 phase = ((s) / C::STAGES) & 1;
         const int head = kv_head * kv_group + s / tiles, q0 = (tile_begin + s % tiles) * C::BR;
-        const u32 q_tile = smem_base + C::Q_OFFSET + slot * C::Q_STAGE_BYTES;
-        const u32 do_tile = smem_base + C::DO_OFFSET + slot * C::DO_STAGE_BYTES;
-        const u32 lse_tile = smem_base + C::LSE_OFFSET + slot * C::ROW_STAGE_BYTES;
-        const u32 drow_tile = smem_base + C::DROW_OFFSET + slot * C::ROW_STAGE_BYTES;
-        const u32 ds_tile = smem_base + C::DS_OFFSET + (s & 1) * C::DS_BUFFER_BYTES;
-        const u32 p_tile = smem_base + C::P_OFFSET + (s & 1) * C::DS_BUFFER_BYTES;
+        const u32 q_tile = shared.q(slot), do_tile = shared.d_o(slot);
+        const u32 lse_tile = shared.lse(slot), drow_tile = shared.d_rows(slot);
+        const u32 ds_tile = shared.ds_t(s & 1), p_tile = shared.p_t(s & 1);   // two buffers each: step parity
         // K_j's and V_j's addresses pass through an empty asm every step, so that their wgmma descriptors are
         // computed where they are used instead of hoisted out of the loop and held in registers across it
         u32 k_rows = k_tile, v_rows = v_tile;

@@ -282,7 +282,7 @@ def stub_device(tmp: Path, counts: dict | None = None):
     driver = types.ModuleType("cupy.cuda.driver")
     driver.launchKernel = device.launch_kernel
     cuda.driver = driver
-    cuda.runtime = types.SimpleNamespace(getDevice=lambda: 0, deviceSynchronize=lambda: None)
+    cuda.runtime = types.SimpleNamespace(getDevice=lambda: 0, deviceSynchronize=lambda: None, getDeviceCount=lambda: 1)
     cuda.Device = lambda device_id=0: contextlib.nullcontext()
     cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
     cupy.cuda = cuda

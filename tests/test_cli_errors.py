@@ -130,21 +130,37 @@ def test_shape_options_out_of_range(args, expect):
 def test_a_space_of_a_million_configs(write_spec):
     options = lambda n: ", ".join(str(16 * (i + 1)) for i in range(n))  # noqa: E731
     path = write_spec("attention big {\n    head_dim = 64\n    schedule {\n"
-                      f"        tile q in {{{options(100)}}}, kv in {{{options(80)}}}\n"
+                      f"        tile q in {{{options(64)}}}, kv in {{{options(64)}}}\n"
                       "        pipeline in {1, 2, 3, 4} stages\n        warps in {1, 2, 4, 8, 16} along q\n"
                       "        mma in {mma.sync, wgmma}\n        split kv in {1, 2, 4, 8, 16, 32, 64, 128}\n"
                       "    }\n}\n", "big.tile")
     start = time.monotonic()
-    done = refused("check", path, expect="the space 'big' has 2,560,000 configs")
+    done = refused("check", path, expect="the space 'big' has 1,310,720 configs")
     assert time.monotonic() - start < 5 and len(done.stdout) + len(done.stderr) < 2000
 
 
 def test_a_file_of_too_many_blocks(tmp_path):
     path = tmp_path / "many.tile"
-    path.write_text("".join(KERNEL.format(name=f"k{i}", kv=64) for i in range(1001)))
+    path.write_text("".join(KERNEL.format(name=f"k{i}", kv=64) for i in range(101)))
     start = time.monotonic()
-    refused("check", path, expect=f"{path}:6001:1: error: more than 1000 attention blocks")
+    refused("check", path, expect=f"{path}:601:1: error: more than 100 attention blocks")
     assert time.monotonic() - start < 5
+    # blocks count however they are written: several closed on one line, a comment naming none
+    one_line = "# attention attention\n" + " ".join(f"attention k{i} {{\n    head_dim = 64\n}}" for i in range(101))
+    path.write_text(one_line + "\n")
+    refused("check", path, expect=f"{path}:202:3: error: more than 100 attention blocks")
+
+
+def test_configs_count_across_a_file(tmp_path):
+    space = "attention {name} {{\n    head_dim = 64\n    schedule {{\n        tile q in {{{q}}}, kv in {{{kv}}}\n" \
+            "        pipeline in {{1, 2, 3, 4}} stages\n    }}\n}}\n"
+    tiles = ", ".join(str(16 * (i + 1)) for i in range(40))
+    path = tmp_path / "spaces.tile"
+    path.write_text(space.format(name="a", q=tiles, kv=tiles) + space.format(name="b", q=tiles, kv=tiles))
+    start = time.monotonic()
+    refused("check", path, expect=f"{path}:8:11: error: the space 'b' has 6,400 configs (40 tile_q x 40 tile_kv x 4 "
+            "stages) after the file's 6,400 before it; at most 10,000 are accepted in a file")
+    assert time.monotonic() - start < 10
 
 
 def test_a_ten_megabyte_file(tmp_path):
@@ -175,9 +191,12 @@ def test_long_lines_are_clipped_around_the_caret(write_spec, capsys):
 def test_compile_of_a_space_compiles_its_legal_configs(tmp_path):
     done = cli("compile", SPACE, "-o", tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "space 'fa2_space_d64': 72 configs, 45 legal, 27 rejected" in done.stdout
-    assert done.stdout.count("    rejected  ") == 27   # each refused config with its reason, as check lists them
+    assert f"space 'fa2_space_d64': 72 configs, 45 legal, 27 rejected (`tiledsl check {SPACE}` says why)" in done.stdout
+    assert f"45 CUDA files in {tmp_path}: 45 updated, 0 unchanged" in done.stdout and len(done.stdout.splitlines()) == 2
     assert len(list(tmp_path.glob("*.cu"))) == 45
+    verbose = cli("compile", SPACE, "-o", tmp_path, "--verbose")
+    assert verbose.stdout.count("    rejected  ") == 27   # each refused config with its reason, as check lists them
+    assert verbose.stdout.count(f"{tmp_path}/fa2_d64_fp16_") == 45 and "(updated)" not in verbose.stdout
 
 
 def test_name_that_matches_nothing(tmp_path):
@@ -231,7 +250,7 @@ def test_emit_ptx_names_only_what_it_wrote(tmp_path):
 # ---- 8. what check and tune print ----------------------------------------------------------------
 
 def test_check_prints_dsl_values_not_python_reprs(capsys):
-    assert main(["check", HOPPER, FA2]) == 0
+    assert main(["check", "--verbose", HOPPER, FA2]) == 0
     out = capsys.readouterr().out
     hopper = out.split(FA2)[0]
     assert "mma=wgmma" in hopper and "mma.sync" not in hopper and "pingpong=on" in hopper

@@ -160,8 +160,14 @@ def test_cli_prints_every_spec_and_writes_dot(write_spec, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fa2_d64: fa2_d64_bf16" in out and "fa1_d64: fa1_d64_bf16" in out
     assert "batch 2 x heads 8, seqlen q 2048, kv 2048" in out
-    text = dot.read_text()
-    assert text.count("digraph ") == 2 and text.count("{") == text.count("}")
+    assert not dot.exists()   # two graphs: one digraph per file (`dot -Tpng` reads one), named by kernel
+    files = sorted(tmp_path.glob("g.*.dot"))
+    assert [f.name for f in files] == sorted(f"g.{n}.dot" for n in ("fa1_d64_bf16_q64_kv128_w4q_s2",
+                                                                    "fa2_d64_bf16_q128_kv64_w8q_s2")), files
+    for f in files:
+        text = f.read_text()
+        assert text.count("digraph ") == 1 and text.count("{") == text.count("}")
+    text = (tmp_path / "g.fa2_d64_bf16_q128_kv64_w8q_s2.dot").read_text()
     assert 'subgraph "cluster_loop_kv"' in text and '"load_q" -> "mma_qk"' in text
 
 
@@ -194,4 +200,4 @@ def test_cli_explains_the_legal_configs_of_a_space_and_reports_the_refused(write
     captured = capsys.readouterr()
     assert "fa2_d64: fa2_d128_bf16_q128_kv64_w4q_s2" in captured.out   # the block is still named fa2_d64
     assert "space 'fa2_d64': 2 configs, 1 legal, 1 rejected" in captured.out
-    assert "rejected  tile_kv=128: registers: ~296 per thread" in captured.out
+    assert "rejected: 1 x registers: ~296 per thread" in captured.out

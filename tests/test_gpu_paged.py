@@ -138,6 +138,19 @@ def test_decode_sweep_paged(torch, d, queries, group):
     check(run_paged_kernel(torch, sweep_spec(d, queries, 16), *inputs))
 
 
+# A block of one warp reads a paged cache through the per-warp walk too (it used to take fa2's block-wide
+# walk, whose helpers decode's template lacks); two warps for comparison. Several splits, causal queries.
+@pytest.mark.parametrize("warps, tile_kv, stages, page", [(1, 64, 2, 16), (1, 16, 1, 1), (1, 128, 2, 64),
+                                                          (1, 32, 2, 256), (2, 64, 1, 16)])
+def test_paged_decode_of_one_or_two_warps(torch, warps, tile_kv, stages, page):
+    rng = np.random.default_rng(warps * 1000 + tile_kv + page)
+    problem = Problem(64, 64, DType.BF16, Mask.CAUSAL, queries_per_seq=4, kv_page_size=page)
+    spec = KernelSpec(f"few_warps_w{warps}", problem, Schedule(tile_q=16, tile_kv=tile_kv, warps=warps,
+                                                               warp_axis=Axis.KV, stages=stages, split_kv=3))
+    inputs = paged_inputs(torch, rng, DType.BF16, 3, 4, 8, 2, 64, page, [700, 5, page + 1])
+    check(run_paged_kernel(torch, spec, *inputs))
+
+
 # ---- item 4: the paged kernel through the serving API's spec -----------------------------------
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.FP16])

@@ -59,3 +59,14 @@ def test_readme_plan_run_example_runs_and_its_last_layer_matches_the_reference()
     ref, _ = paged_attention(ns["q"].float(), ns["k_caches"][-1].float(), ns["v_caches"][-1].float(),
                              ns["block_table"], ns["kv_lens"])
     assert relative_error(ns["out"], ref) < TOLERANCE_O
+
+
+def test_make_demo_runs_benches_and_fits_one_screen(tmp_path):
+    """On the GPU the demo also runs, validates and times the default spec: still under one screen."""
+    from .test_cli_edges import DEMO_MAX_LINES, make_demo
+    done = make_demo(tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) < DEMO_MAX_LINES, "\n".join(lines)
+    assert any(line.endswith(" ok") and "O rel. error" in line for line in lines), "\n".join(lines)
+    assert any("TFLOP/s" in line for line in lines) and "skipping run and bench" not in done.stdout

@@ -30,13 +30,22 @@ TILES = st.sampled_from([16, 32, 48, 64, 64, 96, 128, 128, 192, 256])
 WARPS = st.sampled_from([1, 2, 4, 8, 16])
 STAGES = st.integers(1, 4)
 MASKS = st.sampled_from(["none", "causal", "window(left = 64, right = 0)"])
-DTYPES = st.sampled_from(["bf16", "fp16"])
+DTYPES = st.sampled_from(["bf16", "fp16", "bf16", "fp16", "fp32"])   # fp32: no template computes in it
+# The settings every family meets (check must refuse for a family exactly what its lowering refuses): a
+# paged cache, packed sequences, an FP8 cache, its conversion path, a warp axis, a copy, an MMA instruction.
+SERVING = st.sampled_from([[], [], [], ["kv_cache = paged(page = 16)"], ["kv_cache = paged(page = 1)"],
+                           ["kv_cache = paged(page = 64)"], ["layout = varlen"]])
+FP8 = st.sampled_from([[], [], [], ["kv_dtype = e4m3"], ["kv_dtype = e4m3", "kv_scale = per_tensor"]])
+OTHER_STATEMENTS = st.sampled_from([[], [], [], [], ["warps 4 along kv"], ["warps 4 along q"], ["mma wgmma"],
+                                    ["mma mma.sync"], ["pipeline 2 stages via tma"], ["split kv = 4"],
+                                    ["overlap intra"], ["dequant fragments"]])
 
 
-def _text(head_dim, head_dim_v, dtype, mask, schedule: list[str], queries=None) -> str:
+def _text(head_dim, head_dim_v, dtype, mask, schedule: list[str], queries=None, extra=()) -> str:
     lines = [f"head_dim = {head_dim}", f"head_dim_v = {head_dim_v}", f"dtype = {dtype}", f"mask = {mask}"]
     if queries is not None:
         lines.append(f"queries = {queries}")
+    lines += list(extra)
     return ("attention k {\n" + "".join(f"    {line}\n" for line in lines) + "    schedule {\n"
             + "".join(f"        {line}\n" for line in schedule) + "    }\n}\n")
 
@@ -59,9 +68,16 @@ def fa2_texts(draw, mma):
     if mma != "wgmma":
         tile_q = draw(TILES)
         warps = _warps_for(draw, tile_q)
-    return _text(d, dv, draw(DTYPES), draw(MASKS), [
+    return _text(d, dv, draw(DTYPES), draw(MASKS), _with(draw, [
         "order q, kv", f"tile q = {tile_q}, kv = {draw(TILES)}", f"warps {warps} along q",
-        f"pipeline {draw(STAGES)} stages via cp.async", f"mma {mma}"])
+        f"pipeline {draw(STAGES)} stages via cp.async", f"mma {mma}"]), extra=draw(SERVING) + draw(FP8))
+
+
+def _with(draw, schedule: list[str]) -> list[str]:
+    """`schedule` with one statement of another family's in place of its own sometimes."""
+    other = draw(OTHER_STATEMENTS)
+    keys = {line.split()[0] for line in other}
+    return [line for line in schedule if line.split()[0] not in keys] + other
 
 
 @st.composite
@@ -69,25 +85,45 @@ def fa1_texts(draw):
     d = draw(LIKELY_DIMS)
     tile_q, tile_kv, axis = draw(TILES), draw(TILES), draw(st.sampled_from(["q", "kv"]))
     warps = _warps_for(draw, tile_q if axis == "q" else tile_kv)
-    return _text(d, draw(st.one_of(st.just(d), st.just(d), HEAD_DIMS)), draw(DTYPES), draw(MASKS), [
+    return _text(d, draw(st.one_of(st.just(d), st.just(d), HEAD_DIMS)), draw(DTYPES), draw(MASKS), _with(draw, [
         "order kv, q", f"tile q = {tile_q}, kv = {tile_kv}", f"warps {warps} along {axis}",
-        f"pipeline {draw(STAGES)} stages via cp.async"])
+        f"pipeline {draw(STAGES)} stages via cp.async"]), extra=draw(SERVING) + draw(FP8))
 
 
 @st.composite
 def decode_texts(draw):
     d = draw(LIKELY_DIMS)
     split, tile_kv = draw(st.sampled_from(["1", "4", "auto"])), draw(TILES)
+    fp8 = draw(FP8)
+    convert = [f"dequant {draw(st.sampled_from(['shared', 'fragments']))}"] if fp8 and draw(st.booleans()) else []
     return _text(d, draw(st.one_of(st.just(d), st.just(d), HEAD_DIMS)), draw(DTYPES),
-                 draw(st.sampled_from(["none", "causal"])), [
+                 draw(st.sampled_from(["none", "causal"])), _with(draw, [
         f"tile q = {draw(st.sampled_from([16, 16, 32]))}, kv = {tile_kv}", f"warps {_warps_for(draw, tile_kv)} along kv",
-        f"pipeline {draw(STAGES)} stages via cp.async", f"split kv = {split}"], queries=draw(st.integers(1, 16)))
+        f"pipeline {draw(STAGES)} stages via cp.async", f"split kv = {split}"] + convert),
+        queries=draw(st.integers(1, 16)), extra=draw(SERVING) + fp8)
 
 
-def _rules_only(spec):
-    """rules.validate without the layout: the family-feature rules only."""
+@st.composite
+def hopper_texts(draw):
+    consumers = draw(st.sampled_from([1, 2, 3]))
+    d = draw(st.sampled_from([64, 128, 256, 96]))
+    dv = draw(st.sampled_from([d, d, 64]))
+    overlap = draw(st.sampled_from([[], ["overlap intra"], ["overlap pingpong"], ["overlap pingpong, intra"]]))
+    return _text(d, dv, draw(DTYPES), draw(MASKS), _with(draw, [
+        f"tile q = {draw(st.sampled_from([64 * consumers, 64 * consumers, 128]))}, "
+        f"kv = {draw(st.sampled_from([64, 80, 128, 176, 256]))}",
+        f"warpgroups producer 1, consumer {consumers}", f"pipeline {draw(st.sampled_from([2, 3, 4]))} stages"]
+        + overlap), extra=draw(SERVING) + draw(FP8))
+
+
+def _rules_only(spec, hints=True):
+    """rules.validate without the layout and without the family's features (families.feature_refusal): the
+    rules between written values only, so that every setting a family does not take reaches lowering,
+    which must refuse it as check does."""
     written = {key for key, _ in spec.spans}
     for rule in rules.RULES:
+        if rule is rules._rule_family_features:
+            continue
         broken = rule(spec, written)
         if broken:
             raise SpecError(broken[1])
@@ -146,6 +182,12 @@ def test_fa1_check_accepts_exactly_what_lowers(text):
 @PROPERTY
 @given(decode_texts())
 def test_decode_check_accepts_exactly_what_lowers(text):
+    _same_answer(text)
+
+
+@PROPERTY
+@given(hopper_texts())
+def test_hopper_check_accepts_exactly_what_lowers(text):
     _same_answer(text)
 
 

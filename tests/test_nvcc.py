@@ -72,3 +72,22 @@ def test_search_space_members_compile(start):
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         reports = list(pool.map(lambda p: nvcc.resources(render(p), p.kernel_name), plans))
     assert all(r.registers > 0 for r in reports), [p.kernel_name for p, r in zip(plans, reports) if r.registers <= 0]
+
+
+TRUNCATING = "static constexpr int TRUNCATED = 4294967296u;\n__global__ void k(int* out) { *out = TRUNCATED; }\n"
+
+
+def test_an_nvcc_warning_is_an_error(tmp_path):
+    """A warning means nvcc changed what the source says (here: a constant truncated to 0): every
+    compile of a generated kernel, the bundled ones above included, fails on it."""
+    with pytest.raises(RuntimeError, match="integer conversion resulted in truncation"):
+        nvcc.compile_to(TRUNCATING, "truncating", "cubin", tmp_path)
+    with pytest.raises(RuntimeError, match="integer conversion resulted in truncation"):
+        nvcc.compile_to(TRUNCATING, "truncating", "ptx", tmp_path)
+
+
+def test_an_unused_variable_is_not_an_error(tmp_path):
+    """The one diagnostic the templates may trigger without changing anything: a variable a variant leaves unused."""
+    source = "__global__ void k(int* out) { const int unused = 0; *out = 1; }\n"
+    _, report = nvcc.compile_to(source, "unused", "cubin", tmp_path)
+    assert "warning" not in report and "error" not in report

@@ -69,3 +69,56 @@ def test_tuner_gets_ptxas_numbers_from_nvcc_resources(tmp_path, monkeypatch):
     assert tune.ptxas_report(spec, "sm_90a") == (200, 8, 4)
     assert tune.ptxas_report(spec, "sm_90a") == (200, 8, 4)   # the second answer comes from the cache
     assert calls == [(spec.kernel_name, "sm_90a")]
+
+
+ADVISED = """ptxas info    : (C7517) warpgroup.wait is injected in around line 3966 by compiler to allow use of registers \
+defined by GMMA in function 'kern_b'
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kern_b' for 'sm_90a'
+ptxas info    : Function properties for kern_b
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+ptxas info    : Compiling entry function 'kern_c' for 'sm_90a'
+ptxas info    : Function properties for kern_c
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers
+"""
+
+
+def test_advisories_are_read_for_the_function_they_name():
+    found = parse_ptxas(ADVISED)
+    (advisory,) = found["kern_b"].advisories
+    assert advisory.startswith("C7517 warpgroup.wait is injected in around line 3966")
+    assert found["kern_c"].advisories == () and found["kern_b"].registers == 168
+
+
+def test_resources_line_shows_ptxas_advisories(tmp_path, monkeypatch, capsys):
+    spec_name = "hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma"
+
+    def fake_compile_to(source, name, kind, out_dir, arch=nvcc.DEFAULT_ARCH):
+        target = Path(out_dir) / f"{name}.{kind}"
+        target.write_bytes(b"")
+        return target, ADVISED.replace("kern_b", name)
+    monkeypatch.setattr(nvcc, "compile_to", fake_compile_to)
+    assert main(["compile", str(ROOT / "specs" / "hopper_d128.tile"), "-o", str(tmp_path), "--emit", "resources"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{spec_name}: registers 168, spills 0 B")
+    assert out[1] == ("    ptxas C7517 warpgroup.wait is injected in around line 3966 by compiler to allow use of "
+                      "registers defined by GMMA")
+
+
+def test_emit_may_be_repeated_and_keeps_every_kind(tmp_path, monkeypatch, capsys):
+    kinds = []
+
+    def fake_compile_to(source, name, kind, out_dir, arch=nvcc.DEFAULT_ARCH):
+        kinds.append(kind)
+        target = Path(out_dir) / f"{name}.{kind}"
+        target.write_bytes(b"")
+        return target, CAPTURED
+    monkeypatch.setattr(nvcc, "compile_to", fake_compile_to)
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: "nvcc")
+    assert main(["compile", str(ROOT / "specs" / "fa2_d64.tile"), "-o", str(tmp_path), "--emit", "ptx",
+                 "--emit", "cubin"]) == 0
+    out = capsys.readouterr().out
+    assert kinds == ["ptx", "cubin"] and "ptx: " in out and "cubin: " in out
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".cubin", ".ptx"]

@@ -85,3 +85,17 @@ def test_only_plain_headers_are_pasted_verbatim():
     from tiledsl.codegen.render import header
     with pytest.raises(ValueError, match="only plain .cuh headers"):
         header("fa2.cu.j2")
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_a_paged_decode_of_one_warp_walks_the_table_per_warp(page):
+    """One warp is a block, but decode walks a block table only per warp slice (load_paged_slice):
+    the block-wide walk (load_paged_tile) is fa2's, and a one-warp paged decode used to ask for it."""
+    from tiledsl.spec import Axis, Schedule
+    spec = replace(paged(page), schedule=Schedule(tile_q=16, tile_kv=64, warps=1, warp_axis=Axis.KV, stages=2))
+    (checked,) = load_specs(f"attention k {{\n    head_dim = 128\n    queries = 1\n"
+                            f"    kv_cache = paged(page = {page})\n    schedule {{\n        warps 1\n    }}\n}}\n")
+    assert checked.schedule.warps == 1
+    for one_warp in (spec, checked):
+        source = render(lower(one_warp))
+        assert "load_paged_tile<" not in source and source.count("load_paged_slice<") == 4

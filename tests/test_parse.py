@@ -93,7 +93,6 @@ def test_defaults_are_spec_defaults():
     ("head_dim_v = 32", "", lambda s: (s.problem.head_dim_qk, s.problem.head_dim_v) == (64, 32)),
     ("dtype = fp16", "", lambda s: s.problem.dtype is DType.FP16),
     ("dtype = bf16", "", lambda s: s.problem.dtype is DType.BF16),
-    ("dtype = fp32", "", lambda s: s.problem.dtype is DType.FP32),
     ("mask = none", "", lambda s: s.problem.mask is Mask.NONE),
     ("mask = causal", "", lambda s: s.problem.mask is Mask.CAUSAL),
     ("mask = window(left = 256, right = 0)", "",

@@ -3,6 +3,7 @@ spans, config/hash/name only when set, the families' refusal, the page_lookup op
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 
@@ -10,6 +11,7 @@ from tiledsl import parse_text
 from tiledsl.cli.main import main
 from tiledsl.errors import SpecError
 from tiledsl.families import lower, missing_template
+from tiledsl.frontend import space
 from tiledsl.schedule.ops import OpKind
 from tiledsl.schedule.passes import run_passes
 from tiledsl.reference.forward import naive_attention, reference_attention
@@ -30,7 +32,7 @@ def test_paged_and_varlen_settings_reach_the_spec_and_name():
     paged = one(DECODE % "    kv_cache = paged(page = 16)\n")
     assert paged.problem.kv_page_size == 16 and paged.family is Family.DECODE
     assert "_paged16_" in paged.kernel_name and paged.config()["problem"]["kv_page_size"] == 16
-    varlen = one(PREFILL % "    layout = varlen\n")
+    varlen = one(PREFILL % "    layout = varlen\n    schedule {\n        warpgroups producer 1, consumer 2\n    }\n")
     assert varlen.problem.seq_layout is SeqLayout.VARLEN and "_varlen_" in varlen.kernel_name
     assert varlen.config()["problem"]["seq_layout"] == "varlen"
 
@@ -79,16 +81,21 @@ def test_varlen_decode_is_refused_at_layout(error_parts):
     ("kv_cache = paged(page = 64)\n    schedule {\n        order kv, q\n        warps 4 along kv\n    }", "fa1", "paged KV"),
     ("kv_cache = paged(page = 16)\n    schedule {\n        warpgroups producer 1, consumer 2\n    }", "hopper", "paged KV"),
 ])
-def test_every_family_refuses_serving_layouts_at_lowering(setting, family, what, error_parts):
-    spec = one(PREFILL % f"    {setting}\n")
+def test_every_family_refuses_serving_layouts_at_check_and_lowering(setting, family, what, error_parts):
+    """Check refuses what no template reads (families.feature_refusal), and so does lowering, alike."""
+    text = PREFILL % f"    {setting}\n"
     with pytest.raises(SpecError) as info:
-        lower(spec)
+        one(text)
     err = error_parts(info.value.render())
     assert err["message"] == f"{what} has no CUDA template yet for the {family} family" and err["line"] == 3
-    assert missing_template(spec) == err["message"]
+    with mock.patch.object(space, "validate", lambda spec, hints=True: None):   # the spec as written
+        spec = one(text)
+    with pytest.raises(SpecError) as lowered:
+        lower(spec)
+    assert lowered.value.render() == info.value.render() and missing_template(spec) == err["message"]
 
 
-def test_decode_and_fa2_build_paged_and_fa2_wgmma_paged_is_skipped(write_spec, tmp_path, capsys):
+def test_decode_and_fa2_build_paged_and_fa2_wgmma_paged_is_refused(write_spec, tmp_path, capsys):
     path = write_spec(DECODE % "    kv_cache = paged(page = 16)\n")
     assert lower(one(path.read_text())).kv_pages in ("rows", "pages", "slice") and missing_template(one(path.read_text())) == ""
     assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 0
@@ -97,9 +104,11 @@ def test_decode_and_fa2_build_paged_and_fa2_wgmma_paged_is_skipped(write_spec, t
     assert main(["compile", str(prefill), "-o", str(tmp_path / "out")]) == 0
     assert "block_table" in (tmp_path / "out" / f"{one(prefill.read_text()).kernel_name}.cu").read_text()
     wgmma = write_spec(PREFILL % "    kv_cache = paged(page = 16)\n    schedule {\n        warps 8\n        mma wgmma\n    }\n")
-    assert main(["compile", str(wgmma), "-o", str(tmp_path / "out"), "--skip-unsupported"]) == 0
-    assert "skipped (paged KV on wgmma (mma.sync reads it) has no CUDA template yet for the fa2 family)" in \
-        capsys.readouterr().out
+    capsys.readouterr()
+    for command in (["check"], ["compile", "-o", str(tmp_path / "out")]):   # refused alike, at the setting
+        assert main([*command[:1], str(wgmma), *command[1:]]) == 2
+        assert "paged KV on wgmma (mma.sync reads it) has no CUDA template yet for the fa2 family" in \
+            capsys.readouterr().err
 
 
 def test_page_lookup_feeds_both_loads_only_when_paged():

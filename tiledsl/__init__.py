@@ -31,7 +31,8 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (and the module's dunders), not the imports this file uses itself."""
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
 
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",

@@ -7,6 +7,9 @@ that autograd (whose op runs tuned.forward) and tuned do not import each other.
 """
 from __future__ import annotations
 
+from .runtime.arguments import mask_arguments, switch
+from .spec import Mask
+
 
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
@@ -41,9 +44,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
     tiledsl/mods/trace.py) and `aux` (their aux tensors by name). They have no CUDA kernels yet: such a
     call checks its aux tensors, then raises RuntimeInputError naming what is missing."""
-    if causal and window is not None:
-        raise ValueError("attention: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
+    mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
+    causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
+    deterministic = switch("attention", "deterministic", deterministic)
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and score_mod is None and mask_mod is None and aux is None):
         from .dispatch.modified import modifications
@@ -85,13 +88,12 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
     from .dispatch.modified import KEYWORDS, modifications as build
     from .dispatch.tuned import tuned_spec
     from .errors import RuntimeInputError
-    from .spec import DType, Mask
+    from .spec import DType
     from .tune.search import spec_to_dsl
     unknown = sorted(set(modifications) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"spec_for: unknown keyword(s) {', '.join(unknown)}; modifications: {', '.join(KEYWORDS)}")
-    if causal and window is not None:
-        raise ValueError("spec_for: pass causal=True or window=(left, right), not both")
+    mask, window, scale = mask_arguments("spec_for", causal, window, scale)
     dtypes = {"float16": DType.FP16, "bfloat16": DType.BF16, "half": DType.FP16}
     dtype = next((d for text, d in dtypes.items() if str(getattr(q, "dtype", "")).endswith(text)), None)
     if dtype is None or len(q.shape) != 4 or len(v.shape) != 4:
@@ -104,7 +106,5 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
         except Exception:   # no GPU (or no CuPy) here: Hopper's table
             arch = "sm_90a"
     mods, _ = build("spec_for", **modifications)
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], tuple(window) if window else None,
-                         None if scale is None else float(scale), q.shape[2], mods)
+    spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], window, scale, q.shape[2], mods)
     return spec_to_dsl(spec, name or spec.name)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,7 +31,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .spec import MOD_KEYS, Family, KernelSpec, Mma, SeqLayout
+from .spec import KV_DTYPES, MOD_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
 
@@ -52,9 +53,32 @@ class Row:
     template: str                       # under templates/
     kernel_class: str                   # "module:Class" that launches the compiled kernel
     serving: tuple[Serving, ...] = ()
+    dtypes: tuple[DType, ...] = TEMPLATE_DTYPES   # what its tensor cores compute in (`dtype =`)
 
     def variant(self, kind: str) -> Serving | None:
         return next((v for v in self.serving if v.kind == kind), None)
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a family's kernels take, setting by setting, beside its rows (the MMA instructions, dtypes
+    and serving layouts are the rows'). `feature_refusal` reads both for check, for `lower` and so for
+    every template: a config one of them takes, the others take too."""
+    orders: tuple[LoopOrder, ...]
+    warp_axes: tuple[Axis, ...]         # () : the warps follow from the warpgroups
+    copies: tuple[CopyVia, ...]
+    warpgroups: bool                    # producer / consumer warpgroups, and their overlap
+    queries: bool                       # `queries = N`: a few queries per sequence
+    split_kv: bool                      # `split kv = N | auto`
+    kv_dtypes: tuple[DType, ...] = ()   # K/V storage besides the dtype (an FP8 cache)
+
+
+FEATURES = {
+    Family.FA1: Features((LoopOrder.KV_OUTER,), (Axis.Q, Axis.KV), (CopyVia.CP_ASYNC,), False, False, False),
+    Family.FA2: Features((LoopOrder.Q_OUTER,), (Axis.Q,), (CopyVia.CP_ASYNC,), False, False, False),
+    Family.DECODE: Features((LoopOrder.Q_OUTER,), (Axis.KV,), (CopyVia.CP_ASYNC,), False, True, True, KV_DTYPES),
+    Family.HOPPER: Features((LoopOrder.Q_OUTER,), (), (CopyVia.TMA,), True, False, False),
+}
 
 
 FAMILIES = (
@@ -113,6 +137,76 @@ def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     return (written[0] if written else "mask"), "score and mask modifications (" + ", ".join(mods.config()) + ")"
 
 
+def _names(families) -> str:
+    names = [f.value for f in dict.fromkeys(families)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def feature_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
+    """(setting key, why, hint) for the first setting `spec`'s family does not take (FEATURES and the
+    family's rows: MMA instructions, dtypes, serving layouts), or None. Check refuses it at the key's
+    line and `lower` refuses it too, so the two answer alike for every family and setting."""
+    s, p, fam = spec.schedule, spec.problem, spec.family
+    f = FEATURES[fam]
+    rows = [row for row in FAMILIES if row.family is fam]
+    if not rows:   # a family without a template: row_for names it
+        return None
+    mmas = tuple(row.mma for row in rows)
+    if p.queries_per_seq is not None and not f.queries:   # warpgroups name the family before queries do
+        return ("queries", f"queries (decode) and warpgroups ({fam.value}) exclude each other: the {fam.value} family "
+                "has no decode path", "remove `warpgroups` for a decode kernel, or `queries` for a hopper kernel")
+    if p.seq_layout is SeqLayout.VARLEN and f.queries:
+        return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
+                "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
+    if p.kv_dtype is not None and p.kv_dtype not in f.kv_dtypes:
+        takers = _names(g for g, feat in FEATURES.items() if p.kv_dtype in feat.kv_dtypes)
+        return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the {takers} family; this "
+                f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
+    if s.fp8_convert is not None and p.kv_dtype is None:
+        return ("dequant", "`dequant` says where an FP8 KV cache becomes 16-bit; this kernel reads a "
+                f"{p.dtype.value} cache", "add `kv_dtype = e4m3` (decode), or remove `dequant`")
+    if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
+        return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
+                "write `dtype = bf16` or `dtype = fp16`")
+    if s.split_kv != 1 and not f.split_kv:
+        takers = _names(g for g, feat in FEATURES.items() if feat.split_kv)
+        return ("split", f"split kv = {s.split_kv} is only for the {takers} family; this kernel is {fam.value}",
+                "split-KV needs `queries = N` (decode); for prefill remove `split`")
+    if s.order not in f.orders:
+        return ("order", f"the {fam.value} family runs q outer; `order kv, q` is FA1", "write `order q, kv`")
+    if f.warp_axes and s.warp_axis not in f.warp_axes:
+        if fam is Family.FA2:
+            return ("warps", "q-outer (FA2) splits warps along q; warps along kv is FA1's split-K: write "
+                    "`order kv, q`", "or write `warps N along q`")
+        return ("warps", f"the {fam.value} family splits warps along {f.warp_axes[0].value}: its few query rows can't "
+                "be shared out", f"write `warps N along {f.warp_axes[0].value}` (the default for {fam.value})")
+    if s.copy not in f.copies:
+        if s.copy is CopyVia.TMA:
+            takers = _names(g for g, feat in FEATURES.items() if CopyVia.TMA in feat.copies)
+            return ("pipeline", f"TMA copies need the {takers} family; {fam.value} copies with cp.async",
+                    "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
+        return ("pipeline", f"the {fam.value} family copies with TMA, not {s.copy.value}", "write `via tma`")
+    if s.mma not in mmas:
+        if len(mmas) == 1 and mmas[0] is Mma.WGMMA:
+            return ("mma", f"the {fam.value} family runs on wgmma, not {s.mma.value}",
+                    "remove `mma` or write `mma wgmma`")
+        takers = _names(row.family for row in FAMILIES if row.mma is s.mma)
+        return ("mma", f"`mma {s.mma.value}` is built for the {takers} families; this kernel is {fam.value}",
+                f"remove `mma` ({fam.value} uses {' or '.join(m.value for m in mmas)})")
+    if (s.pingpong or s.intra_overlap) and not f.warpgroups:
+        return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
+                "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
+    row = next(r for r in rows if r.mma is s.mma)
+    if p.dtype not in row.dtypes:
+        return ("dtype", f"the {fam.value} template computes with {' or '.join(d.value for d in row.dtypes)} tensor "
+                f"cores, not {p.dtype.value}", f"dtype = {' or '.join(d.value for d in row.dtypes)}")
+    refusal = _serving_refusal(spec)
+    if refusal:
+        return (refusal[0], missing_template(spec), f"remove `{refusal[0]}`, or use a family whose template reads it "
+                "(the README's family table)")
+    return None
+
+
 def missing_template(spec: KernelSpec) -> str:
     """Why no template builds `spec` ("" when one does): what `compile --skip-unsupported` skips."""
     if spec.family not in WITH_TEMPLATE:
@@ -126,13 +220,15 @@ def missing_template(spec: KernelSpec) -> str:
 
 def row_for(spec: KernelSpec) -> Row:
     """The spec's row; a family (or MMA variant) without a template is a SpecError naming it, and
-    so is a serving layout (paged KV, varlen) that the family's template can't read yet: the
-    checker, explain and the float64 reference take those, the kernels come later."""
-    refusal = _serving_refusal(spec)
-    if refusal:
-        raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text,
-                        "`tiledsl explain` and tiledsl.reference.serving take it; "
-                        f"remove `{refusal[0]}` to build a kernel")
+    so is any setting the family does not take (feature_refusal: a dtype, a serving layout such as
+    paged KV or varlen, ... that its template can't read), at that setting's line; score and mask
+    modifications parse, check and explain (the float64 reference runs them), but no template spells them
+    yet: refused here."""
+    if spec.family in WITH_TEMPLATE:
+        refusal = feature_refusal(spec)
+        if refusal:
+            key, message, hint = refusal
+            raise SpecError(message, spec.span_of(key), spec.source_text, hint)
     refusal = _mods_refusal(spec)
     if refusal:
         raise SpecError(missing_template(spec), spec.span_of(refusal[0]), spec.source_text,
@@ -173,7 +269,7 @@ def layout_of(spec: KernelSpec, limits: DeviceLimits = H200, **overrides) -> Lay
     stages / tile_kv, fa2's min_blocks_per_sm / q_in_registers, fa1's pass_rows)."""
     loop_order_rules(spec)
     row = next((r for r in FAMILIES if r.family is spec.family and r.mma is spec.schedule.mma), None)
-    if row is None or spec.problem.dtype not in TEMPLATE_DTYPES:
+    if row is None or spec.problem.dtype not in row.dtypes:
         return graph_model_layout(spec, limits)
     return row.layout(spec, limits, **overrides)
 
@@ -184,10 +280,7 @@ def lower(spec: KernelSpec, limits: DeviceLimits = H200, graph=None, **overrides
     row's lowering with (spec, layout, graph, template) and the other overrides (decode's
     prefetch_first, hopper's empty_arrivals). `graph`: one the caller has built already for `spec`
     on `limits` (explain, the tuner), reused as it is."""
-    row = row_for(spec)
-    if spec.problem.dtype not in TEMPLATE_DTYPES:
-        raise SpecError(f"the {spec.family.value} template computes with fp16 or bf16 tensor cores, not "
-                        f"{spec.problem.dtype.value}", spec.span_of("dtype"), spec.source_text, "dtype = bf16 or fp16")
+    row = row_for(spec)   # every setting the family takes, its dtype and serving layouts among them
     for_layout = {key: overrides.pop(key) for key in list(overrides) if key in layout_parameters(row)}
     if graph is None:
         layout = layout_of(spec, limits, **for_layout)
@@ -197,20 +290,37 @@ def lower(spec: KernelSpec, limits: DeviceLimits = H200, graph=None, **overrides
     return resolve(row.lowering)(spec, graph.layout, graph, template_of(spec), **overrides)
 
 
+def _one_kernel(path_or_text, name: str | None) -> KernelSpec:
+    """The one concrete kernel of a path or text (`name` picks an attention block); a search space or
+    several blocks are a RuntimeInputError that says how to pick one."""
+    is_path = resolve("frontend.parse:looks_like_path")(path_or_text)
+    items = resolve("frontend.parse:parse_file" if is_path else "frontend.parse:parse_text")(path_or_text)
+    where = str(path_or_text) if is_path else "the spec text"
+    names = [item.name for item in items]
+    if name is not None:
+        items = [item for item in items if item.name == name]
+        if not items:
+            raise RuntimeInputError(f"{where}: no attention block named {name!r}; its blocks: {', '.join(names)}")
+    if len(items) == 1 and not isinstance(items[0], KernelSpec):   # a search space
+        space = items[0]
+        raise RuntimeInputError(f"{where}: '{space.name}' is a search space of {len(space.expand()[0])} legal "
+                                "kernels, not one kernel; pick one from tiledsl.load_specs(...) or tune it "
+                                f"(`tiledsl tune {where} --seqlen N`)")
+    if len(items) != 1:
+        raise RuntimeInputError(f"{where}: {len(items)} attention blocks ({', '.join(names)}); pass name= to pick one")
+    return items[0]
+
+
 def compile(spec_or_path, name: str | None = None, limits: DeviceLimits = H200, **overrides):  # noqa: A001
     """A Kernel (the family's class) from a KernelSpec, a .tile path or spec text (`name` picks one
     of several); `overrides` go to `lower`."""
     if isinstance(spec_or_path, KernelSpec):
         spec = spec_or_path
+    elif not isinstance(spec_or_path, (str, os.PathLike)):
+        raise TypeError(f"tiledsl.compile takes a KernelSpec, a .tile path or spec text, got "
+                        f"{type(spec_or_path).__name__}")
     else:
-        load_specs = resolve("frontend.parse:load_specs")
-        specs = load_specs(spec_or_path)
-        if name is not None:
-            specs = [s for s in specs if s.name == name]
-        if len(specs) != 1:
-            names = ", ".join(s.name for s in load_specs(spec_or_path))
-            raise RuntimeInputError(f"{spec_or_path}: expected one kernel, found {len(specs)} ({names}); pass name=")
-        spec = specs[0]
+        spec = _one_kernel(spec_or_path, name)
     row = row_for(spec)
     variant = _serving(spec, row)
     return resolve(variant.kernel_class if variant else row.kernel_class)(spec, lower(spec, limits, **overrides))

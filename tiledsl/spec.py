@@ -142,6 +142,20 @@ class DqAccumulate(Enum):
 
 
 AUTO = "auto"   # the value of split_kv when the runtime picks the number of splits
+
+# Bounds of the values a kernel holds as C constants and no resource rule bounds. The checker refuses a
+# value outside them at its spec line, and the Python API before it builds a spec (runtime/arguments.py).
+# Window sizes are C ints added to int key positions (q0 + rows + diag + right): 2^30 leaves room for
+# sequences of up to 2^30 tokens, and a window wider than every sequence is the same as no window.
+MAX_WINDOW = 1 << 30
+# split kv = N: the grid's x extent and a workspace of N partial rows per query row; more splits than a
+# wave of blocks only adds partials to merge, and the traffic model walks every split.
+MAX_SPLIT_KV = 1024
+# Tile sizes: no kernel fits a tile past this in shared memory or registers (the layout refuses those
+# anyway); the bound keeps every product of sizes the layout forms far inside the C types.
+MAX_TILE = 1024
+# The softmax scale: SCALE and SCALE * log2(e) are float constants; this range keeps both normal floats.
+SCALE_RANGE = (1e-30, 1e30)
 DECODE_MAX_QUERIES = 16   # tiledsl.attention: q_len up to this runs the decode family (one 16-row MMA tile of queries)
 
 
@@ -324,7 +338,8 @@ def family_of(problem: Problem, schedule: Schedule) -> Family:
 
 
 def _number(x: float) -> str:
-    return repr(float(x)).replace(".", "p").replace("-", "m")
+    """A float as part of a C identifier: 0.125 -> 0p125, 1e-05 -> 1em05, 1e+30 -> 1e30."""
+    return repr(float(x)).replace(".", "p").replace("-", "m").replace("+", "")
 
 
 def kernel_name(spec: KernelSpec) -> str:

@@ -6,16 +6,21 @@ from __future__ import annotations
 import json
 import sys
 
-from ..tune.bench import attention_flops, prefill_shape, random_inputs, record, sdpa_peers, time_ms
-from .common import SEQLEN, add_spec_arguments, concrete_specs, gpu_ready
+from ..tune.bench import prefill_shape, random_inputs, record, sdpa_peers, time_ms
+from .common import SEQLEN, concrete_specs, gpu_ready
+from ..errors import CliError
 from ..spec import DType, Mask
 
 DEFAULT_SEQLENS = (1024, 4096, 8192, 16384)
 
 
 def add_arguments(parser) -> None:
-    add_spec_arguments(parser)
-    parser.add_argument("--seqlen", type=SEQLEN, nargs="+", default=list(DEFAULT_SEQLENS))
+    parser.add_argument("specs", nargs="*", metavar="SPEC", help=".tile file(s)")
+    parser.add_argument("--name", help="only the kernels of the attention block with this name")
+    # `--seqlen 1024 4096 SPEC` must not read SPEC as a length: the values are taken as strings and the
+    # ones after the last integer go back to the specs (split_seqlens).
+    parser.add_argument("--seqlen", nargs="+", metavar="N", default=None,
+                        help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQLENS))})")
     parser.add_argument("--against", choices=["sdpa", "none"], default="sdpa", help="peers timed in the same run")
     parser.add_argument("--record", metavar="JSON", help="write the run to this JSON file (bench/results/...)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -29,7 +34,8 @@ def bench_spec(spec, seqlen: int, against: str) -> dict:
     q, k, v = random_inputs(p, batch, heads, seqlen, seqlen)
     ms = time_ms(lambda: kernel(q, k, v))
     causal = p.mask is Mask.CAUSAL
-    flops = attention_flops(batch, heads, seqlen, seqlen, p.head_dim_qk, causal)
+    from ..schedule.cost import Shape, shape_flops
+    flops = shape_flops(spec, Shape(batch, heads, seqlen, seqlen))   # a window counts the pairs it shows
     peers = {}
     if against == "sdpa" and p.mask in (Mask.NONE, Mask.CAUSAL):
         peers = {name: (flops / t / 1e9 if isinstance(t, float) else None)
@@ -39,7 +45,30 @@ def bench_spec(spec, seqlen: int, against: str) -> dict:
             "tflops": flops / ms / 1e9, "peers": peers}
 
 
+def split_seqlens(args) -> None:
+    """args.seqlen's integers, checked against SEQLEN's range; anything after them (a spec path that
+    followed the lengths) joins args.specs. A missing SPEC is argparse's one-line error."""
+    import argparse
+    values, seqlens = list(args.seqlen or ()), []
+    while values:
+        try:
+            int(values[0])
+        except ValueError:
+            break
+        try:
+            seqlens.append(SEQLEN(values.pop(0)))
+        except argparse.ArgumentTypeError as err:
+            raise CliError(f"argument --seqlen: {err}") from None
+    if args.seqlen is not None and not seqlens:
+        raise CliError(f"argument --seqlen: expected at least one length, got {args.seqlen[0]!r}")
+    args.specs = list(args.specs) + values
+    args.seqlen = seqlens or list(DEFAULT_SEQLENS)
+    if not args.specs:
+        raise CliError("tiledsl bench: the following arguments are required: SPEC (see tiledsl bench --help)")
+
+
 def run(args) -> int:
+    split_seqlens(args)
     specs = concrete_specs(args.specs, args.name)
     gpu_ready("bench", specs, torch_for="bench --against sdpa" if args.against == "sdpa" else
               "" if all(s.problem.dtype is DType.FP16 for s in specs) else "bf16/fp32 inputs (CuPy has no bfloat16)")

@@ -1,25 +1,33 @@
-"""`tiledsl check SPEC... [--json]`: parse and check spec files and print what they define.
+"""`tiledsl check SPEC... [--json] [--verbose]`: parse and check spec files and print what they define.
 
-A kernel prints its generated name, family and full config; a search space prints its size, how
-many configs are legal, each legal kernel and each rejection with its reason. The first spec
-error stops the command (cli/main.py prints it and exits 2).
+Readable by default: one file prints each kernel's generated name and family with its full config, and
+each search space as a summary (size, legal count, a few legal kernels, the rejections grouped by
+reason); several files print one line per file and a total. `--verbose` prints every file in full,
+every legal kernel and every rejection of a space. Every file is checked: a bad one prints its error
+on stderr and the others are still reported; the exit status is 2 when any file failed. `--json`
+prints one JSON list with an entry per kernel, space and failed file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections import Counter
 from enum import Enum
 
 from ..frontend.space import SpecSpace
 from .common import concrete_specs, read_items
-from ..spec import Family, KernelSpec, LoopOrder, Mask, Mma, SeqLayout
+from ..spec import BackwardSchedule, Family, KernelSpec, LoopOrder, Mask, Mma, SeqLayout
 
-MAX_REJECTIONS_SHOWN = 50   # a big space's rejections go to --json; the text stays readable
+LEGAL_SHOWN = 3          # a space's legal kernels named in the summary (--verbose: all)
+REASONS_SHOWN = 5        # a space's rejection reasons in the summary, most frequent first (--verbose: every config)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("specs", nargs="+", metavar="SPEC", help="spec files (.tile)")
-    parser.add_argument("--json", action="store_true", help="print one JSON list of every kernel and space")
+    parser.add_argument("--json", action="store_true", help="print one JSON list of every kernel, space and error")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every file in full: each kernel's config, each legal kernel and rejection of a space")
 
 
 def _plain(value):
@@ -52,6 +60,8 @@ def _problem_shown(spec: KernelSpec) -> dict:
         shown["kv_page_size"] = p.kv_page_size
     if p.seq_layout is not SeqLayout.BATCHED:
         shown["seq_layout"] = p.seq_layout.value
+    if p.kv_dtype is not None:
+        shown.update(kv_dtype=p.kv_dtype.value, kv_scale=p.kv_scale.value)
     return shown
 
 
@@ -70,6 +80,17 @@ def _schedule_shown(spec: KernelSpec) -> dict:
     else:
         shown.update(warp_axis=s.warp_axis.value, stages=s.stages, copy=s.copy.value, mma=s.mma.value)
     shown["split_kv"] = s.split_kv
+    if spec.problem.kv_fp8:
+        from ..layout.decode import fp8_convert_of
+        shown["dequant"] = fp8_convert_of(spec)
+    return shown
+
+
+def _backward_shown(b: BackwardSchedule) -> dict:
+    shown = {"order": b.order.value, "tile_q": b.tile_q, "tile_kv": b.tile_kv, "warps": b.warps, "stages": b.stages,
+             "mma": b.mma.value}
+    if b.order is LoopOrder.KV_OUTER:
+        shown["dq"] = b.dq.value
     return shown
 
 
@@ -99,36 +120,84 @@ def _print_kernel(spec: KernelSpec, indent: str = "") -> None:
         if aux:
             print(f"{indent}    aux:      {aux}")
     print(f"{indent}    schedule: {_config_text(_schedule_shown(spec))}")
+    if spec.backward is not None:
+        print(f"{indent}    backward: {_config_text(_backward_shown(spec.backward))}")
 
 
 def _mod_shown(value) -> str:
     return f"({value[0]}, {value[1]})" if isinstance(value, list) else str(value)
 
 
-def _print_space(space: SpecSpace) -> None:
-    legal, rejected = space.expand()
-    print(f"  space '{space.name}': {space.size} configs, {len(legal)} legal, {len(rejected)} rejected")
-    print("      choices: " + "; ".join(f"{name} in {{{', '.join(_shown(o) for o in options)}}}"
-                                     for name, options in space.choices))
-    for spec in legal:
-        print(f"      legal     {spec.kernel_name}")
-    for config, reason in rejected[:MAX_REJECTIONS_SHOWN]:
-        print(f"      rejected  {' '.join(f'{k}={_shown(v)}' for k, v in config.items())}: {reason}")
-    if len(rejected) > MAX_REJECTIONS_SHOWN:
-        print(f"      ... and {len(rejected) - MAX_REJECTIONS_SHOWN} more rejected (--json lists every one)")
+def space_summary(space: SpecSpace, legal: list, rejected: list, verbose: bool) -> list[str]:
+    """A space's lines: its counts and choices, then a few legal kernels and the rejections grouped by
+    reason (most frequent first), or with `verbose` every legal kernel and every rejected config."""
+    lines = [f"space '{space.name}': {space.size} configs, {len(legal)} legal, {len(rejected)} rejected",
+             "    choices: " + "; ".join(f"{name} in {{{', '.join(_shown(o) for o in options)}}}"
+                                        for name, options in space.choices)]
+    if verbose:
+        lines += [f"    legal     {spec.kernel_name}" for spec in legal]
+        lines += [f"    rejected  {' '.join(f'{k}={_shown(v)}' for k, v in config.items())}: {reason}"
+                  for config, reason in rejected]
+        return lines
+    shown = ", ".join(spec.kernel_name for spec in legal[:LEGAL_SHOWN])
+    more = f" and {len(legal) - LEGAL_SHOWN} more" if len(legal) > LEGAL_SHOWN else ""
+    if legal:
+        lines.append(f"    legal:    {shown}{more}")
+    reasons = Counter(reason for _, reason in rejected).most_common()
+    for reason, count in reasons[:REASONS_SHOWN]:
+        lines.append(f"    rejected: {count} x {reason}")
+    if len(reasons) > REASONS_SHOWN:
+        lines.append(f"    rejected: {sum(c for _, c in reasons[REASONS_SHOWN:])} more, for "
+                     f"{len(reasons) - REASONS_SHOWN} other reasons")
+    lines.append("    (--verbose lists every legal kernel and rejected config; `tiledsl tune --dry-run` ranks them)")
+    return lines
+
+
+def _one_line(items: list) -> str:
+    """A file's contents in one line: its kernels' names, its spaces' counts."""
+    parts = []
+    for item in items:
+        if isinstance(item, SpecSpace):
+            legal, rejected = item.expand()
+            parts.append(f"space '{item.name}' ({item.size} configs, {len(legal)} legal)")
+        else:
+            parts.append(f"{item.kernel_name} ({item.family.value})")
+    return ", ".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = []
+    from .main import error_text
+    results, failed, kernels, spaces = [], 0, 0, 0
+    detailed = args.verbose or len(args.specs) == 1
     for path in args.specs:
-        items = read_items(path)
-        concrete_specs([path], items={path: items})   # two blocks defining one kernel: an error here too
+        try:
+            items = read_items(path)
+            concrete_specs([path], items={path: items})   # two blocks defining one kernel: an error here too
+        except Exception as err:   # each file's own error; the others are still checked
+            text = error_text(err)
+            if text is None:
+                raise
+            failed += 1
+            print(text, file=sys.stderr)
+            results.append({"type": "error", "file": str(path), "error": text})
+            continue
+        kernels += sum(not isinstance(i, SpecSpace) for i in items)
+        spaces += sum(isinstance(i, SpecSpace) for i in items)
         if args.json:
             results += [_space_json(i) if isinstance(i, SpecSpace) else _kernel_json(i) for i in items]
-            continue
-        print(f"{path}: {len(items)} attention block{'s' if len(items) != 1 else ''}")
-        for item in items:
-            _print_space(item) if isinstance(item, SpecSpace) else _print_kernel(item, "  ")
+        elif detailed:
+            print(f"{path}: {len(items)} attention block{'s' if len(items) != 1 else ''}")
+            for item in items:
+                if isinstance(item, SpecSpace):
+                    print("\n".join("  " + line for line in space_summary(item, *item.expand(), args.verbose)))
+                else:
+                    _print_kernel(item, "  ")
+        else:
+            print(f"{path}: {_one_line(items)}")
     if args.json:
         print(json.dumps(results, indent=2))
-    return 0
+    elif len(args.specs) > 1:
+        print(f"{len(args.specs) - failed} of {len(args.specs)} files check: {kernels} kernels, {spaces} spaces"
+              + ("" if args.verbose else "  (--verbose: each file in full)"))
+    return 2 if failed else 0
+

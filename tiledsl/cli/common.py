@@ -51,14 +51,16 @@ def read_items(path) -> list[KernelSpec | SpecSpace]:
     return items
 
 
-def concrete_specs(paths, name: str | None = None, expand_spaces: bool = False,
-                   notes: list[str] | None = None, items: dict | None = None) -> list[KernelSpec]:
-    """The concrete kernels of the given files, in file order; search spaces are expanded only
-    when asked (a space is a set of kernels for `tiledsl tune`, not one kernel), and their
-    rejections are appended to `notes`. Two blocks that define the same kernel are a SpecError at
+def concrete_specs(paths, name: str | None = None, expand_spaces: bool = False, notes: list[str] | None = None,
+                   items: dict | None = None, verbose: bool = False) -> list[KernelSpec]:
+    """The concrete kernels of the given files, in file order (a file named twice is read once);
+    search spaces are expanded only when asked (a space is a set of kernels for `tiledsl tune`, not
+    one kernel), and a line of counts per space is appended to `notes` (with `verbose`, every
+    rejected config and its reason too). Two blocks that define the same kernel are a SpecError at
     the second; --name that matches no block is an error listing the names there are. `items`:
     files already parsed, by path."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    paths = list({os.path.realpath(p): p for p in reversed(paths)}.values())[::-1]   # first mention kept
     specs: list[KernelSpec] = []
     seen: dict[str, KernelSpec] = {}   # concrete blocks by kernel name
     emitted: set[str] = set()
@@ -73,10 +75,12 @@ def concrete_specs(paths, name: str | None = None, expand_spaces: bool = False,
                     legal, rejected = item.expand()
                     if notes is not None:
                         notes.append(f"space '{item.name}': {item.size} configs, {len(legal)} legal, {len(rejected)} "
-                                     f"rejected")
-                        notes += ["    rejected  "
-                                  + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items())
-                                  + f": {reason}" for config, reason in rejected]
+                                     f"rejected" + ("" if verbose or not rejected else
+                                                    f" (`tiledsl check {path}` says why)"))
+                        if verbose:
+                            notes += ["    rejected  "
+                                      + " ".join(f"{k}={getattr(v, 'value', v)}" for k, v in config.items())
+                                      + f": {reason}" for config, reason in rejected]
                     # a config of a space that repeats another block's is the same kernel: once is enough
                     specs.extend(spec for spec in legal if spec.kernel_name not in emitted)
                     emitted.update(spec.kernel_name for spec in legal)
@@ -114,6 +118,8 @@ def check_kv_heads(heads: int | None, kv_heads: int | None) -> None:
 
 def writable_folder(option: str, folder) -> Path:
     """Create the output folder `folder` given by `option`; a one-line error when it can't be."""
+    if not str(folder).strip():   # Path("") is the current folder: an empty option is a mistake, not a choice
+        raise CliError(f"{option} '': give a folder name (e.g. {option} out/generated)")
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -129,9 +135,11 @@ def writable_folder(option: str, folder) -> Path:
 
 
 def gpu_ready(command: str, specs: list[KernelSpec], torch_for: str = "") -> None:
-    """Refuse up front what would fail midway: a kernel whose family has no template (a SpecError
-    at its block), CuPy missing, PyTorch missing where `torch_for` says it is needed."""
+    """Refuse up front, in one line, what would fail midway: a kernel whose family has no template (a
+    SpecError at its block), CuPy missing, no usable GPU (no driver, a driver too old, no device: CuPy
+    imports fine without one), PyTorch missing or blind to the GPU where `torch_for` says it is needed."""
     from ..families import lower
+    from ..runtime.availability import require_gpu
     for spec in specs:
         lower(spec)
     if importlib.util.find_spec("cupy") is None:
@@ -139,3 +147,10 @@ def gpu_ready(command: str, specs: list[KernelSpec], torch_for: str = "") -> Non
                        "pip install 'tiledsl[gpu]'")
     if torch_for and importlib.util.find_spec("torch") is None:
         raise CliError(f"{torch_for} needs PyTorch, which is not installed: pip install 'tiledsl[bench]'")
+    require_gpu(f"tiledsl {command}")
+    if not torch_for:
+        return
+    import torch
+    if not torch.cuda.is_available():   # a CPU-only build, or a driver torch cannot use
+        raise CliError(f"{torch_for} needs PyTorch with CUDA, and this PyTorch sees no GPU "
+                       f"(torch {torch.__version__}: torch.cuda.is_available() is False)")

@@ -38,7 +38,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `tiledsl` parser; `parser.subcommands` maps each subcommand to its own parser."""
     parser = _Parser(prog="tiledsl", description="A tile DSL compiler for attention kernels.")
+    parser.subcommands = {}
     parser.add_argument("--version", action="version", version=f"tiledsl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -50,29 +52,24 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue   # a subcommand not built yet
         p = sub.add_parser(name, help=help_text, description=help_text)
+        parser.subcommands[name] = p
         module.add_arguments(p)
         p.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # name the subcommand whose options they are not (the top parser would say "tiledsl")
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args) or 0
-    except SpecError as err:
-        print(err.render(), file=sys.stderr)
-        return 2
-    except (RuntimeInputError, LaunchError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except CliError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except BrokenPipeError:   # `tiledsl check ... | head`: the reader left; stop quietly
         sys.stdout = None
         return 1
-    except OSError as err:   # a spec path, -o, --dot, --record: name the path and what went wrong
-        print(f"error: {err.filename or ''}: {_os_reason(err)}", file=sys.stderr)
+    except (SpecError, RuntimeInputError, LaunchError, CliError, OSError) as err:
+        print(error_text(err), file=sys.stderr)
         return 2
     except ModuleNotFoundError as err:
         top = (err.name or "").split(".")[0]
@@ -85,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def error_text(err: BaseException) -> str | None:
+    """The message an expected failure prints (a SpecError's file:line:col screen, one `error: ...`
+    line for the others, an OSError naming its path), or None for an unexpected one (a bug: let it
+    raise)."""
+    if isinstance(err, SpecError):
+        return err.render()
+    if isinstance(err, (RuntimeInputError, LaunchError, CliError)):
+        return f"error: {err}"
+    if isinstance(err, OSError):   # a spec path, -o, --dot, --record: name the path and what went wrong
+        return f"error: {err.filename or ''}: {_os_reason(err)}"
+    return None
 
 
 def _os_reason(err: OSError) -> str:

@@ -159,15 +159,22 @@ def traffic_lines(graph: ScheduleGraph, t: Traffic, limits: DeviceLimits) -> lis
     return lines
 
 
+def explained_shape(spec: KernelSpec, seqlen_q: int | None, seqlen_kv: int | None) -> tuple[int, int]:
+    """(queries, keys) explain models: seqlen q defaults to the decode kernel's queries per sequence,
+    else 4096; seqlen kv to seqlen q (4096 for decode)."""
+    nq = seqlen_q or spec.problem.queries_per_seq or 4096
+    return nq, seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+
+
 def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | None = None,
-            seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200) -> str:
-    """The full explanation of `spec` for one problem shape (SpecError when it is illegal).
-    seqlen q defaults to the decode kernel's queries per sequence, else 4096; seqlen kv to
-    seqlen q (4096 for decode)."""
+            seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200,
+            summary: bool = False) -> str:
+    """The full explanation of `spec` for one problem shape (SpecError when it is illegal), or with
+    `summary` its headline numbers in a few lines. seqlen q defaults to the decode kernel's queries per
+    sequence, else 4096; seqlen kv to seqlen q (4096 for decode)."""
     graph = run_passes(spec, limits)
     plan, no_plan = lowered(spec, limits, graph)
-    nq = seqlen_q or spec.problem.queries_per_seq or 4096
-    nk = seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
+    nq, nk = explained_shape(spec, seqlen_q, seqlen_kv)
     t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan, limits))
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
@@ -175,6 +182,8 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
            f"{p.mask.value}, "
            f"tiles Br={s.tile_q} Bc={s.tile_kv}, {graph.op('mma_qk').mma} tensor cores, "
            f"target {limits.name} ({limits.arch})", ""]
+    if summary:
+        return "\n".join(out[:2] + summary_lines(graph, plan, no_plan, t, limits)) + "\n"
     if t.splits is not None:
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})"
@@ -223,6 +232,26 @@ def modification_lines(spec: KernelSpec, batch: int, heads: int, nq: int, nk: in
     if runtime:
         lines.append(f"    decided per tile at run time from the aux data (partial above): {', '.join(runtime)}")
     return lines
+
+
+def summary_lines(graph: ScheduleGraph, plan, no_plan: str | None, t: Traffic, limits: DeviceLimits) -> list[str]:
+    """The explanation's headline numbers: the on-chip budget, the generated kernel, the traffic."""
+    lay = graph.layout
+    share = 100 * lay.smem_bytes / lay.smem_limit
+    lines = [f"on chip: {lay.smem_bytes} B shared memory of {lay.smem_limit} ({share:.0f}%),"
+             f" ~{lay.register_estimate} registers per thread estimated (limit {lay.register_limit}), "
+             f"{lay.resident_blocks} block(s) per SM (limited by {lay.limit_reason})",
+             (f"kernel: {plan.template}, {plan.launch.threads} threads" if plan is not None
+              else f"kernel: none ({no_plan})"),
+             f"HBM: {human(t.bytes)} ({t.ratio:.2f}x less than standard attention's {human(t.standard_bytes)}); "
+             f"{human(t.flops, 'FLOP')} useful"]
+    if limits.hbm_bytes_per_s and limits.dense_flops_per_s:
+        memory_s, compute_s = t.bytes / limits.hbm_bytes_per_s, t.flops_executed / limits.dense_flops_per_s
+        lines[-1] += f"; lower bounds {memory_s * 1e6:.1f} us memory, {compute_s * 1e6:.1f} us compute"
+    if t.splits is not None:
+        lines.append(f"split kv = {graph.spec.schedule.split_kv}: {t.splits} splits for this shape")
+    return lines + ["(without --summary: the loop nest, the graph's ops, every buffer and register, the generated "
+                    "kernel's steps, the traffic per tensor)"]
 
 
 def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int = 4096,

@@ -9,26 +9,26 @@ import sys
 import time
 
 from ..errors import CliError
+from .common import bounded_int
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), help="only these dtypes (default: all)")
-    parser.add_argument("--head-dim", nargs="+", type=int, metavar="D", help="only these head dims (default: all)")
+    parser.add_argument("--head-dim", nargs="+", type=bounded_int(8, 256), metavar="D",
+                        help="only these head dims (default: all)")
 
 
 def gpu_arch() -> str:
-    """sm_XY(a) of the current GPU; CliError when CuPy or a GPU is missing (nothing to compile for)."""
+    """sm_XY(a) of the current GPU; a one-line error when CuPy or a usable GPU is missing (nothing to
+    compile for)."""
+    from ..runtime.availability import require_gpu
+    from ..runtime.device import device_arch
     try:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
+        import cupy  # noqa: F401 - only whether it imports
     except ImportError:
         raise CliError("tiledsl warmup compiles for the GPU in hand and needs CuPy, which is not installed: "
                        "pip install 'tiledsl[gpu]'") from None
-    except Exception:   # no driver or no device: CuPy raises its CUDA runtime error
-        count = 0
-    if count == 0:
-        raise CliError("tiledsl warmup compiles kernels for the GPU in hand, and no NVIDIA GPU was found")
-    from ..runtime.device import device_arch
+    require_gpu("tiledsl warmup")
     return device_arch()
 
 
@@ -61,10 +61,21 @@ def _progress(items: list, label) -> object:
     return tqdm(items, desc="tiledsl warmup", unit="kernel", file=sys.stderr)
 
 
+def check_head_dims(head_dims: list[int] | None) -> None:
+    """--head-dim values the tuned table has for some GPU, checked before the GPU is asked for."""
+    from ..dispatch.tuned import TUNED
+    known = sorted({d for (_, _, d, _) in TUNED})
+    unknown = sorted(set(head_dims or ()) - set(known))
+    if unknown:
+        raise CliError(f"--head-dim {', '.join(map(str, unknown))}: not in the tuned table (it has "
+                       f"{', '.join(map(str, known))}); `tiledsl.attention` picks a schedule for others at first call")
+
+
 def run(args) -> int:
     from ..runtime.compile import cache_dir
     from ..spec import DType, Mask
     from ..dispatch.tuned import resolve
+    check_head_dims(args.head_dim)
     arch = gpu_arch()
     todo = entries(arch, args.dtype, args.head_dim)
     start = time.perf_counter()

@@ -16,6 +16,11 @@ from pathlib import Path
 
 DEFAULT_ARCH = "sm_90a"
 TIMEOUT_S = 300
+# A warning means nvcc changed what the source says (a constant truncated, a conversion narrowed): an error
+# here. Two diagnostics say only that a generated variable goes unused in some configs (a variant's index the
+# template declares for every config), which changes nothing: those stay quiet. 177: declared but never
+# referenced; 550: set but never used.
+WARNING_FLAGS = ("-Werror", "all-warnings", "-diag-suppress", "177,550")
 
 
 def arch_flags(arch: str = DEFAULT_ARCH) -> tuple[str, ...]:
@@ -50,7 +55,7 @@ def compile_to(source: str, name: str, kind: str, out_dir: Path, arch: str = DEF
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / f"{name}.cu"
         cu.write_text(source)
-        flags = ["-Xptxas", "-v"] if kind == "cubin" else []
+        flags = [*WARNING_FLAGS] + (["-Xptxas", "-v"] if kind == "cubin" else [])
         try:
             result = subprocess.run([nvcc, *arch_flags(arch), f"--{kind}", *flags, "-o", str(target), str(cu)],
                                     capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -68,14 +73,23 @@ _FRAME = re.compile(r"(?P<stack>\d+) bytes stack frame, (?P<stores>\d+) bytes sp
                     r"spill loads")
 _REGISTERS = re.compile(r"Used (?P<registers>\d+) registers")
 _SMEM = re.compile(r"(?P<smem>\d+) bytes smem")
+# ptxas's numbered advisories ("ptxas info : (C7517) warpgroup.wait is injected ... in function 'x'"),
+# printed before the function's own lines: they say where ptxas changed what the source asked for.
+_ADVISORY = re.compile(r"ptxas (?:info|warning)\s*: \((?P<code>C\d+)\) (?P<text>.*)")
+_ADVISED_FUNCTION = re.compile(r"in function '(?P<name>[A-Za-z_]\w*)'")
 
 
 def parse_ptxas(report: str) -> dict[str, Resources]:
     """{function: Resources} from `nvcc -Xptxas -v` output; functions without a register line
     (nothing compiled) are left out."""
     found: dict[str, dict] = {}
+    advised: dict[str | None, list[str]] = {}   # function -> advisories; None: the report names none
     current = None
     for line in report.splitlines():
+        if advisory := _ADVISORY.search(line):
+            named = _ADVISED_FUNCTION.search(advisory["text"])
+            advised.setdefault(named["name"] if named else None, []).append(f"{advisory['code']} {advisory['text']}")
+            continue
         function = _FUNCTION.search(line)
         if function:
             current = found.setdefault(function.group("name"), {})
@@ -89,8 +103,9 @@ def parse_ptxas(report: str) -> dict[str, Resources]:
             current["registers"] = int(registers["registers"])
             if smem := _SMEM.search(line):
                 current["static_shared_bytes"] = int(smem["smem"])
-    return {name: Resources(source="ptxas", report=report, **fields) for name, fields in found.items()
-            if fields.get("registers")}
+    return {name: Resources(source="ptxas", report=report,
+                            advisories=tuple(advised.get(name, []) + advised.get(None, [])), **fields)
+            for name, fields in found.items() if fields.get("registers")}
 
 
 def resources(source: str, name: str, arch: str = DEFAULT_ARCH) -> Resources:

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import backward_layout
+from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature, view
 from ..spec import BackwardSchedule, CopyVia, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
@@ -154,8 +155,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     warp-specialized backward (refusing problems it has no kernel for), False never; None: when BACKWARD_WS is on
     and it takes the problem (`mma` unset). `validate`: check kv_lens on the host (runtime/index_checks.py). The
     first call of a signature picks the spec and prepares the three launches; later ones only launch."""
+    mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
+    causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     tensors = (q, k, v, o, lse, do, kv_lens)
-    window = None if window is None else tuple(window)
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate, warp_specialized,
            BACKWARD_WS)
     call = _calls.get(key)
@@ -169,8 +171,7 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
     from ..runtime.device import device_arch
     from .kernels import BACKWARD, kernel_for
     q, v = tensors[0], tensors[2]
-    if causal and window is not None:
-        raise ValueError("attention_backward: pass causal=True or window=(left, right), not both")
+    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)   # checked by the caller
     qv, vv = view(q, "q"), view(v, "v")
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"attention_backward: q must be fp16 or bf16, got "
@@ -181,10 +182,8 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
     d, dv = qv.shape[-1], vv.shape[-1]
     if d % 16 or dv % 16:
         raise RuntimeInputError(f"attention_backward: head dims must be multiples of 16, got q {d}, v {dv}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
-    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, None if scale is None else float(scale),
-                                bool(deterministic), mma, warp_specialized)
+    spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, scale, deterministic, mma,
+                                warp_specialized)
     return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
 
 

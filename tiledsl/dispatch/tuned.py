@@ -181,10 +181,10 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
     from .modified import check_launch
+    from ..runtime.arguments import mask_arguments
+    mask, window, scale = mask_arguments("attention", causal, window, scale)
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
     batch, heads, q_len, d = qv.shape
     check_launch(mods, aux, batch, heads, q_len, kv.shape[2], ragged=kv_lens is not None)
     spec, _ = tuned_spec(device_arch(), qv.dtype, d, mask, vv.shape[-1], window,
@@ -207,7 +207,10 @@ def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None
     prepares the launch; later ones only launch (runtime/launch.py)."""
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
     if window is not None and type(window) is not tuple:
-        window = tuple(window)
+        try:
+            window = tuple(window)
+        except TypeError:   # not a pair: _prepare_forward's checks name it
+            pass
     key = (signature(q), signature(k), signature(v), signature(kv_lens), signature(ks), signature(vs),
            number_or_none(k_scale), number_or_none(v_scale), causal, window, scale, validate)
     hit = _calls.get(key)
@@ -221,23 +224,19 @@ def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None
 
 def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate):
     """(PreparedCall, takes scales) of forward()'s first call of a signature."""
+    from ..runtime.arguments import mask_arguments
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
+    mask, window, scale = mask_arguments("attention", causal, window, scale)   # a signature's first call only
     qv, vv = view(q, "q"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
-    if causal and window is not None:
-        raise ValueError("attention: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = window_ints(window)
     kv8 = view(k, "k")
     if DType.E4M3 in (kv8.dtype, vv.dtype) or k_scale is not None or v_scale is not None:
         kernel = _fp8_kernel(qv, kv8, vv, mask, window, scale, k_scale, v_scale)
         tensors = (q, k, v, kv_lens, None, None, tensor_or_none(k_scale), tensor_or_none(v_scale))
         return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
     arch = device_arch()
-    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
-                            None if scale is None else float(scale), qv.shape[2])
+    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale, qv.shape[2])
     if not found and kernel.spec.family is not Family.DECODE:
         _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
     return kernel.prepare_call((q, k, v, kv_lens, None, None), validate=validate), False

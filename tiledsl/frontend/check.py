@@ -22,7 +22,11 @@ from ..spec import (
     COMPUTE_DTYPES,
     KV_DTYPES,
     KV_PAGE_SIZES,
+    MAX_SPLIT_KV,
+    MAX_TILE,
+    MAX_WINDOW,
     PROBLEM_KEYS,
+    SCALE_RANGE,
     SCHEDULE_KEYS,
     Axis,
     CopyVia,
@@ -44,7 +48,9 @@ from .rules import WARP_COUNTS
 from .space import SpecSpace
 from .words import EXAMPLES, did_you_mean
 
-MAX_SPACE_CONFIGS = 10_000      # a search space's size limit (each config is checked, then maybe compiled)
+# Configs across a file (a concrete block is one, a space its size): each is checked, then maybe compiled,
+# explained or ranked, so the limit counts every block's, not each space's alone.
+MAX_CONFIGS = 10_000
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -56,6 +62,7 @@ _ORDERS = {("q", "kv"): LoopOrder.Q_OUTER, ("kv", "q"): LoopOrder.KV_OUTER}
 class _Checker:
     def __init__(self, text: str):
         self.text = text
+        self.configs = 0   # configs of the blocks checked so far (MAX_CONFIGS)
 
     def fail(self, message: str, span: Span | None, hint: str = "") -> NoReturn:
         raise SpecError(message, span, self.text, hint)
@@ -147,11 +154,15 @@ class _Checker:
         space = SpecSpace(att.name.text, problem, tuple(fixed.items()), tuple(choices.items()), file, self.text,
                           spans, att.span, "backward" in nodes)
         if not choices:
+            self.configs += 1
             return space.spec({})
-        if space.size > MAX_SPACE_CONFIGS:   # refused before expanding: 10^6 configs took minutes
+        if space.size > MAX_CONFIGS - self.configs:   # refused before expanding: 10^6 configs took minutes
             sizes = " x ".join(f"{len(options)} {name}" for name, options in space.choices)
-            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}); at most "
-                      f"{MAX_SPACE_CONFIGS:,} are accepted", att.name.span, "drop options from the `in {...}` choices")
+            before = f" after the file's {self.configs:,} before it" if self.configs else ""
+            self.fail(f"the space '{att.name.text}' has {space.size:,} configs ({sizes}){before}; at most "
+                      f"{MAX_CONFIGS:,} are accepted in a file", att.name.span,
+                      "drop options from the `in {...}` choices, or split the file")
+        self.configs += space.size
         legal, rejected = space.expand()
         if not legal:
             self.no_legal_config(space, rejected)
@@ -196,10 +207,18 @@ class _Checker:
             fields.update(self.mask(nodes["mask"].value))
         if "scale" in nodes:
             atom = self.setting_number(nodes["scale"])
-            if not isinstance(atom.value, (int, float)) or not math.isfinite(atom.value) or atom.value <= 0:
+            low, high = SCALE_RANGE
+            try:
+                value = float(atom.value)
+            except OverflowError:   # an integer of more digits than a float holds
+                value = math.inf
+            if not math.isfinite(value) or value <= 0:
                 self.fail(f"scale must be a finite number > 0, got {atom.source()}", atom.span,
                           "leave it out for the default 1/sqrt(head_dim)")
-            fields["softmax_scale"] = float(atom.value)
+            if not low <= value <= high:
+                self.fail(f"scale must lie in {low:g}..{high:g} (the kernel holds it as a float), got "
+                          f"{atom.source()}", atom.span, "leave it out for the default 1/sqrt(head_dim)")
+            fields["softmax_scale"] = value
         if "queries" in nodes:
             fields["queries_per_seq"] = self.integer(self.setting_number(nodes["queries"]), "queries",
                                                      lambda v: 1 <= v <= 16, "an integer in 1..16")
@@ -262,7 +281,8 @@ class _Checker:
             side = self.word(arg.name, "window size", {"left": "left", "right": "right"})
             if side in sizes:
                 self.fail(f"window size '{side}' given twice", arg.name.span, "write left and right once each")
-            sizes[side] = self.integer(arg.value, f"window {side}", lambda v: v >= 0, "an integer >= 0")
+            sizes[side] = self.integer(arg.value, f"window {side}", lambda v: 0 <= v <= MAX_WINDOW,
+                                       f"an integer in 0..{MAX_WINDOW:,} (2^30)")
         return {"mask": mask, "window_left": sizes.get("left", 0), "window_right": sizes.get("right", 0)}
 
     def kv_cache(self, value) -> int | None:
@@ -305,7 +325,8 @@ class _Checker:
             if name in out:
                 self.fail(f"tile {axis.value} given twice", dim.axis.span, EXAMPLES["tile"])
             out[name] = self.values(dim.value, lambda a, d=dim: self.integer(
-                a, f"tile {d.axis.text}", lambda v: v > 0 and v % MMA_ROWS == 0, "a positive multiple of 16"))
+                a, f"tile {d.axis.text}", lambda v: 0 < v <= MAX_TILE and v % MMA_ROWS == 0,
+                f"a positive multiple of {MMA_ROWS} up to {MAX_TILE}"))
         return out
 
     def warps(self, node: ast.Warps) -> dict:
@@ -370,7 +391,8 @@ class _Checker:
         def count(atom):
             if isinstance(atom, ast.Word) and atom.text == AUTO:
                 return AUTO
-            return self.integer(atom, "split kv", lambda v: v >= 1, "an integer >= 1 or auto")
+            return self.integer(atom, "split kv", lambda v: 1 <= v <= MAX_SPLIT_KV,
+                                f"an integer in 1..{MAX_SPLIT_KV} or auto")
         return {"split_kv": self.values(node.dim.value, count)}
 
 

@@ -280,6 +280,13 @@ def _context_hint(text: str, line: int, prev: tuple[str, Span] | None, expected:
     first = words[0] if words else ""
     if at_end:
         return None, "a '}' is missing: close every `{` with `}`" if "RBRACE" in expected else "", None
+    if "ATTENTION" in expected and lines[line - 1].strip().startswith("}"):
+        return None, "this '}' closes no block: remove it (each `attention NAME {` is closed by one '}')", None
+    if first in ("schedule", "backward") and words[1:2] == [] and not {"ORDER", "TILE"} <= expected:
+        # `schedule {` inside a schedule block parses as an unknown statement until its `{`
+        return (f"`{first} {{` is not a statement: blocks do not nest inside a schedule or backward block",
+                "close the enclosing block with '}' first; an attention block holds one `schedule { }` and one "
+                "`backward { }` beside its settings", None)
     if prev is not None and prev[0] == first and expected == {"EQUAL"}:
         # A word that started a setting in an attention block but wasn't followed by '='.
         if first in SCHEDULE_KEYS:
@@ -325,6 +332,9 @@ def _syntax_error(err: UnexpectedInput, text: str, file: str) -> SpecError:
     if message is None:
         after = f" after {_clip(prev[0])}" if prev is not None else ""
         message = f"expected {_expected_words(expected)}{after}, found {found}"
+        if "ATTENTION" in expected and tok.type == "NAME":   # a misspelt `attention` where a block must start
+            message += did_you_mean(str(tok), ("attention",))
+            hint = hint or "a spec file holds blocks `attention NAME { ... }` (and comments)"
     return SpecError(message, span, text, hint)
 
 
@@ -342,9 +352,9 @@ def parse_ast(text: str, filename: str = "<string>") -> ast.Module:
 # Bounds on what one spec may hold, checked before parsing so that a huge input is refused in
 # well under a second instead of taking minutes and gigabytes (bundled specs are under 1 KiB).
 MAX_SPEC_BYTES = 1 << 20
-MAX_BLOCKS = 1000
+MAX_BLOCKS = 100          # blocks however they are written (several on one line count too): explain prints each
 MAX_TOKEN = 128
-_BLOCK_START = re.compile(r"^[\t ]*attention\b", re.M)
+_BLOCK_START = re.compile(r"(?<![\w.])attention(?![\w.])")
 _LONG_TOKEN = re.compile(r"[^\s#{}(),=]{%d,}" % (MAX_TOKEN + 1))
 
 
@@ -352,21 +362,32 @@ def _check_bounds(text: str, filename: str) -> None:
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError(f"the spec is {len(text):,} characters; at most {MAX_SPEC_BYTES:,} are accepted",
                         Span(filename, 1, 1, 1, 2), hint="split it into several files")
-    for i, match in enumerate(_BLOCK_START.finditer(text)):
-        if i == MAX_BLOCKS:
-            line = text.count("\n", 0, match.start()) + 1
-            raise SpecError(f"more than {MAX_BLOCKS} attention blocks in one spec",
-                            Span(filename, line, 1, line, 10), text, "split it into several files")
+    starts = 0
+    for line_no, line in enumerate(text.split("\n"), 1):
+        for match in _BLOCK_START.finditer(line.split("#", 1)[0]):   # comments may say "attention"
+            starts += 1
+            if starts > MAX_BLOCKS:
+                raise SpecError(f"more than {MAX_BLOCKS} attention blocks in one spec",
+                                Span(filename, line_no, match.start() + 1, line_no, match.end() + 1), text,
+                                "split it into several files")
     for line_no, line in enumerate(text.split("\n"), 1):
         code = line.split("#", 1)[0]   # comments may be long
         match = _LONG_TOKEN.search(code)
         if match:
             raise SpecError(f"a token of {len(match.group()):,} characters; at most {MAX_TOKEN} are accepted",
-                            Span(filename, line_no, match.start() + 1, line_no, match.end() + 1), text)
+                            Span(filename, line_no, match.start() + 1, line_no, match.end() + 1), text,
+                            f"names and numbers are at most {MAX_TOKEN} characters (a kernel name becomes file "
+                            "names and CUDA symbols); shorten it")
 
 
 def parse_text(text: str, filename: str = "<string>") -> list[KernelSpec | SpecSpace]:
-    """One KernelSpec per attention block, or a SpecSpace for a block with `in {...}` choices."""
+    """One KernelSpec per attention block, or a SpecSpace for a block with `in {...}` choices. `text`
+    is a str; UTF-8 bytes are decoded as parse_file decodes a file."""
+    if isinstance(text, (bytes, bytearray)):
+        return _parse_bytes(bytes(text), filename)
+    if not isinstance(text, str):
+        raise TypeError(f"parse_text takes the spec's text (a str, or UTF-8 bytes), got {type(text).__name__}; "
+                        "for a file use parse_file(path)")
     text = text.removeprefix("\ufeff")   # a UTF-8 byte order mark, as some editors write
     _check_bounds(text, filename)
     return check_module(parse_ast(text, filename), text)
@@ -380,6 +401,11 @@ def parse_file(path: str | os.PathLike) -> list[KernelSpec | SpecSpace]:
     if len(data) > 4 * MAX_SPEC_BYTES:
         raise SpecError(f"the file is over {4 * MAX_SPEC_BYTES:,} bytes; at most {MAX_SPEC_BYTES:,} characters "
                         "are accepted", Span(str(path), 1, 1, 1, 2), hint="split it into several files")
+    return _parse_bytes(data, str(path))
+
+
+def _parse_bytes(data: bytes, filename: str) -> list[KernelSpec | SpecSpace]:
+    """parse_text of UTF-8 bytes; bytes that are not UTF-8 are a SpecError at the first bad byte."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -387,20 +413,28 @@ def parse_file(path: str | os.PathLike) -> list[KernelSpec | SpecSpace]:
         line_start = data.rfind(b"\n", 0, err.start) + 1
         column = len(data[line_start:err.start].decode("utf-8", "replace")) + 1
         raise SpecError(f"the file is not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start}",
-                        Span(str(path), line, column, line, column + 1), data.decode("utf-8", "replace"),
+                        Span(filename, line, column, line, column + 1), data.decode("utf-8", "replace"),
                         "save the file as UTF-8") from None
-    return parse_text(text, str(path))
+    return parse_text(text, filename)
 
 
-def _looks_like_path(path_or_text) -> bool:
-    return isinstance(path_or_text, os.PathLike) or ("{" not in path_or_text and "\n" not in path_or_text)
+def looks_like_path(path_or_text) -> bool:
+    """A path, not spec text: a PathLike, or a str with no brace or new line that is a file or does not
+    start like spec text (`attention k` is text with its `{` missing, not a file name)."""
+    if isinstance(path_or_text, os.PathLike):
+        return True
+    if "{" in path_or_text or "\n" in path_or_text:
+        return False
+    return os.path.exists(path_or_text) or not path_or_text.lstrip().startswith(("attention ", "#"))
 
 
 def load_specs(path_or_text: str | os.PathLike) -> list[KernelSpec]:
     """Concrete kernels from a file path or spec text: spaces become their legal configs."""
+    if not isinstance(path_or_text, (str, os.PathLike)):
+        raise TypeError(f"load_specs takes a .tile path or spec text, got {type(path_or_text).__name__}")
     if isinstance(path_or_text, str) and not path_or_text.strip():
         raise SpecError("load_specs got an empty string", hint="pass a .tile path or spec text")
-    if _looks_like_path(path_or_text):
+    if looks_like_path(path_or_text):
         items = parse_file(path_or_text)
     else:
         items = parse_text(path_or_text)
@@ -414,7 +448,7 @@ def load_spec(path_or_text: str | os.PathLike) -> KernelSpec:
     """The one concrete kernel in a file or text; more than one (or a space) is a SpecError."""
     specs = load_specs(path_or_text)
     if len(specs) != 1:
-        where = str(path_or_text) if _looks_like_path(path_or_text) else "the spec text"
+        where = str(path_or_text) if looks_like_path(path_or_text) else "the spec text"
         raise SpecError(f"{where} holds {len(specs)} kernels; expected exactly one",
                         hint="pick one with load_specs(...)[i], or keep one attention block per file")
     return specs[0]

@@ -4,12 +4,16 @@ the layout the lowering is handed), so `check` refuses what `compile` refuses. A
 depend on the family."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..device_limits import H200
 from ..errors import SpecError
 from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
-from ..families import layout_of
+from ..families import feature_refusal, layout_of
 from ..layout.backward import backward_has_template, backward_layout
-from ..spec import Axis, CopyVia, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, Problem, Schedule, SeqLayout
+from ..layout.base import GENERIC_SIZE_HINT
+from ..spec import (MAX_TILE, Axis, CopyVia, Family, KernelSpec, LaunchKind, Mma, Problem,
+                    Schedule, SeqLayout)
 from . import check_backward
 from .words import EXAMPLES
 
@@ -38,46 +42,12 @@ def schedule_with_defaults(problem: Problem, written: dict) -> Schedule:
 
 
 def _rule_family_features(spec: KernelSpec, written: set):
+    """The settings the spec's family takes: families.FEATURES and the family's rows (the one table
+    lowering reads too)."""
+    broken = feature_refusal(spec)
+    if broken:
+        return broken
     s, p, fam = spec.schedule, spec.problem, spec.family
-    if fam is Family.HOPPER and p.queries_per_seq is not None:
-        return ("queries", "queries (decode) and warpgroups (hopper) exclude each other: the hopper family has no "
-                "decode path", "remove `warpgroups` for a decode kernel, or `queries` for a hopper kernel")
-    if p.seq_layout is SeqLayout.VARLEN and fam is Family.DECODE:
-        return ("layout", "layout = varlen packs sequences of any length; `queries = N` (decode) fixes every "
-                "sequence's queries", "remove `queries` for varlen prefill, or `layout` for decode")
-    if p.kv_dtype is not None and fam is not Family.DECODE:
-        return ("kv_dtype", f"kv_dtype = {p.kv_dtype.value} (an FP8 KV cache) is only for the decode family; this "
-                f"kernel is {fam.value}", "add `queries = N` (decode), or remove `kv_dtype`")
-    if s.fp8_convert is not None and p.kv_dtype is None:
-        return ("dequant", "`dequant` says where an FP8 KV cache becomes 16-bit; this kernel reads a "
-                f"{p.dtype.value} cache", "add `kv_dtype = e4m3` (decode), or remove `dequant`")
-    if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
-        return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
-                "write `dtype = bf16` or `dtype = fp16`")
-    if s.split_kv != 1 and fam is not Family.DECODE:
-        return ("split", f"split kv = {s.split_kv} is only for the decode family; this kernel is {fam.value}",
-                "split-KV needs `queries = N` (decode); for prefill remove `split`")
-    if s.order is LoopOrder.KV_OUTER and fam in (Family.HOPPER, Family.DECODE):
-        return ("order", f"the {fam.value} family runs q outer; `order kv, q` is FA1", "write `order q, kv`")
-    if fam is Family.FA2 and s.warp_axis is Axis.KV:
-        return ("warps", "q-outer (FA2) splits warps along q; warps along kv is FA1's split-K: write `order kv, q`",
-                "or write `warps N along q`")
-    if fam is Family.DECODE and s.warp_axis is Axis.Q:
-        return ("warps", "the decode family splits warps along kv: its few query rows can't be shared out",
-                "write `warps N along kv` (the default for decode)")
-    if s.copy is CopyVia.TMA and fam is not Family.HOPPER:
-        return ("pipeline", f"TMA copies need the hopper family; {fam.value} copies with cp.async",
-                "write `via cp.async`, or add `warpgroups producer 1, consumer 2` for a Hopper kernel")
-    if s.copy is not CopyVia.TMA and fam is Family.HOPPER:
-        return ("pipeline", f"the hopper family copies with TMA, not {s.copy.value}", "write `via tma`")
-    if s.mma is Mma.WGMMA and fam not in (Family.FA2, Family.HOPPER):
-        return ("mma", f"`mma wgmma` is built for the fa2 and hopper families; this kernel is {fam.value}",
-                "remove `mma` (fa1 and decode use mma.sync)")
-    if s.mma is not Mma.WGMMA and fam is Family.HOPPER:
-        return ("mma", f"the hopper family runs on wgmma, not {s.mma.value}", "remove `mma` or write `mma wgmma`")
-    if (s.pingpong or s.intra_overlap) and fam is not Family.HOPPER:
-        return ("overlap", f"overlap needs warp specialization (the hopper family); {fam.value} has no warpgroups",
-                "add `warpgroups producer 1, consumer 2`, or remove `overlap`")
     if (s.launch is not None or s.item_order is not None) and fam is not Family.HOPPER:
         return ("launch", f"`launch` picks the hopper family's tile scheduler; {fam.value} launches one block per "
                 "query tile", "add `warpgroups producer 1, consumer 2`, or remove `launch`")
@@ -153,17 +123,60 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
 
 
 RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, check_backward.rule_backward)
+# Rules whose own hint is a guess at a size: their hint is replaced by schedule edits that check.
+_SIZE_RULES = (_rule_warps_fit,)
+SUGGESTIONS_SHOWN = 2
 
 
-def validate(spec: KernelSpec) -> None:
+def validate(spec: KernelSpec, hints: bool = True) -> None:
     """Raise SpecError for the first rule between values that `spec` breaks, then for what its
-    kernel's layout refuses (shapes and resources: the same function lowering calls)."""
+    kernel's layout refuses (shapes and resources: the same function lowering calls). With `hints`,
+    a refusal over sizes (warps against tiles, shared memory, registers) suggests the nearby schedule
+    edits that pass every check, so a hint never leads to the next error; a search space's expansion
+    asks for none (only the reasons are kept)."""
     written = {key for key, _ in spec.spans}
     for rule in RULES:
         broken = rule(spec, written)
         if broken:
             key, message, hint = broken
+            if hints and rule in _SIZE_RULES:
+                hint = _checked_edits(spec) or hint
             raise SpecError(message, spec.span_of(key), spec.source_text, hint)
-    layout_of(spec)
-    if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
-        backward_layout(spec)
+    try:
+        layout_of(spec)
+        if spec.backward is not None and not backward_has_template(spec):   # what the backward template can't fit
+            backward_layout(spec)
+    except SpecError as err:
+        edits = _checked_edits(spec) if hints and spec.backward is None else ""
+        if not edits:
+            raise
+        kept = err.hint if err.hint and err.hint != GENERIC_SIZE_HINT else ""   # a computed hint stays first
+        raise SpecError(err.message, err.span, err.source_text, f"{kept}; {edits}" if kept else edits) from None
+
+
+def _checked_edits(spec: KernelSpec) -> str:
+    """'e.g. `warps 8` or `tile kv = 32` (each passes every check)' for the first few one-value edits of
+    the schedule that make `spec` legal, nearest first; "" when none does."""
+    s = spec.schedule
+    if spec.family is Family.HOPPER:
+        return ""
+    edits = [(f"warps {w}", {"warps": w}) for w in sorted(WARP_COUNTS, key=lambda w: abs(w - s.warps) + (w < s.warps))
+             if w != s.warps]
+    edits += [(f"pipeline {n} stage{'s' if n > 1 else ''}", {"stages": n}) for n in range(s.stages - 1, 0, -1)]
+    for axis, size in (("q", s.tile_q), ("kv", s.tile_kv)):
+        step = MMA_ROWS * s.warps if s.warp_axis.value == axis else MMA_ROWS   # whole 16-row slices per warp
+        near = (size - size % step, size - size % step + step) if size % step else (size - MMA_ROWS, size + MMA_ROWS)
+        halved = [(size >> k) - (size >> k) % step for k in range(1, 7)]
+        sizes = dict.fromkeys(v for v in (*near, *halved, size * 2) if MMA_ROWS <= v <= MAX_TILE and v % MMA_ROWS == 0
+                              and v != size)
+        edits += [(f"tile {axis} = {v}", {f"tile_{axis}": v}) for v in sizes]
+    passing = []
+    for text, fields in edits:
+        try:
+            validate(dataclasses.replace(spec, schedule=dataclasses.replace(s, **fields)), hints=False)
+        except SpecError:
+            continue
+        passing.append(f"`{text}`")
+        if len(passing) == SUGGESTIONS_SHOWN:
+            break
+    return f"e.g. {' or '.join(passing)} (each passes every check)" if passing else ""

@@ -38,13 +38,14 @@ class SpecSpace:
         names = [name for name, _ in self.choices]
         return [dict(zip(names, combo)) for combo in itertools.product(*(o for _, o in self.choices))]
 
-    def spec(self, config: dict) -> KernelSpec:
-        """The KernelSpec of one config; a SpecError when the config is illegal."""
+    def spec(self, config: dict, hints: bool = True) -> KernelSpec:
+        """The KernelSpec of one config; a SpecError when the config is illegal (with `hints`, the
+        schedule edits that would make it legal: costly across a whole space)."""
         forward, backward = check_backward.split_config({**dict(self.fixed), **config})
         spec = KernelSpec(self.name, self.problem, schedule_with_defaults(self.problem, forward),
                           self.source_file, self.source_text, self.spans, self.span,
                           check_backward.backward_schedule(backward) if self.backward else None)
-        validate(spec)
+        validate(spec, hints)
         return spec
 
     def expand(self) -> tuple[list[KernelSpec], list[tuple[dict, str]]]:
@@ -52,7 +53,7 @@ class SpecSpace:
         legal, rejected = [], []
         for config in self.configs():
             try:
-                legal.append(self.spec(config))
+                legal.append(self.spec(config, hints=False))
             except SpecError as err:
                 rejected.append((config, err.message))
         return legal, rejected

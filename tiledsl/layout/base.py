@@ -68,6 +68,10 @@ class Layout:
         return sum(r.amount for r in self.registers if r.accumulator)
 
 
+# The hint of a size refusal that names no fix; the checker replaces it by edits that check.
+GENERIC_SIZE_HINT = "use smaller tiles or more warps"
+
+
 def align(n: int, to: int = SMEM_ALIGN) -> int:
     return -(-n // to) * to
 
@@ -188,7 +192,7 @@ def finish(spec: KernelSpec, family: str, limits: DeviceLimits, buffers: list[Bu
         parts = " + ".join(f"{r.name} {r.amount}" for r in registers if r.accumulator)
         refuse(spec, "warpgroups" if hopper else "tile",
                 f"registers: ~{accumulators} per thread estimated ({parts}) > {layout.register_limit} available",
-                "use smaller tiles or more warps")
+                GENERIC_SIZE_HINT)
     return layout
 
 

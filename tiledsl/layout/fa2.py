@@ -77,6 +77,12 @@ def fa2_wgmma_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     threads = s.warps * 32
     require(threads % (p.head_dim_qk // 8) == 0 and (threads // (p.head_dim_qk // 8)) % 8 == 0, spec, "warps",
              f"{threads} threads do not copy whole groups of 8 rows of a {p.head_dim_qk}-wide tile per pass")
+    for what, rows, dim in (("Q", s.tile_q, p.head_dim_qk), ("K", s.tile_kv, p.head_dim_qk),
+                            ("V", s.tile_kv, p.head_dim_v)):
+        rows_per_pass = threads // (dim // 8)   # load_tile_panels: every thread one 16-byte chunk per pass
+        require(threads % (dim // 8) == 0 and rows % rows_per_pass == 0, spec, "tile",
+                 f"the {threads} threads copy {what}'s {dim}-wide rows {rows_per_pass} per pass; {rows} rows are not "
+                 "whole passes", f"use a tile of a multiple of {rows_per_pass} rows")
     buffers = qkv_buffers(spec, s.tile_q, s.tile_kv, s.stages, p.head_dim_qk * 2, p.head_dim_v * 2, SWIZZLE_ATOM,
                            panels=True)
     end = buffers_end(buffers, SWIZZLE_ATOM)

@@ -18,9 +18,17 @@ from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
-from .plan import BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Region, make_plan
+from .plan import SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Region, make_plan
 from .steps import smem_constants, softmax_constants, spec_line
 
+# The main kernel's typed view of shared memory (base.cu.j2's struct Shared): K, V kept; Q, dO, LSE and D rings
+# (one slot per stage); the dQ staging ring (C::STAGING slots); P^T and dS^T, two buffers each (step parity).
+WS_SHARED = (SharedBuffer("k", "K_OFFSET"), SharedBuffer("v", "V_OFFSET"),
+             SharedBuffer("q", "Q_OFFSET", "Q_STAGE_BYTES"), SharedBuffer("d_o", "DO_OFFSET", "DO_STAGE_BYTES"),
+             SharedBuffer("lse", "LSE_OFFSET", "ROW_STAGE_BYTES"),
+             SharedBuffer("d_rows", "DROW_OFFSET", "ROW_STAGE_BYTES"),
+             SharedBuffer("p_t", "P_OFFSET", "DS_BUFFER_BYTES"), SharedBuffer("ds_t", "DS_OFFSET", "DS_BUFFER_BYTES"),
+             SharedBuffer("barriers", "BAR_OFFSET"), SharedBuffer("dq_staging", "STAGE_OFFSET", "STAGE_BYTES"))
 TEMPLATE = "backward_ws.cu.j2"
 
 # The consumers' q-loop issue order per split (the graph's emission order must be this one).
@@ -250,4 +258,4 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers)
+                     barriers=lay.barriers, shared=WS_SHARED)

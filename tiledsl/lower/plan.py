@@ -3,11 +3,19 @@ by make_plan with the fields every family fills the same way. No networkx, no Ji
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..spec import DTYPE_PTX, Family, KernelSpec
 from ..version import __version__
+
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127   # the smallest normal and the largest float
+
+
+# The range of each integer C type a constant is declared with: a value outside it would be truncated
+# by the compiler (with only a warning), so building such a constant is a bug in the checker's bounds.
+C_INT_RANGES = {"int": (-2**31, 2**31 - 1), "u32": (0, 2**32 - 1)}
 
 
 @dataclass(frozen=True)
@@ -16,6 +24,17 @@ class Constant:
     type: str        # int | bool | float | u32 | MaskKind
     value: object
     why: str = ""
+
+    def __post_init__(self):
+        bounds = C_INT_RANGES.get(self.type)
+        if bounds is not None and not isinstance(self.value, bool) and isinstance(self.value, int) and not (
+                bounds[0] <= self.value <= bounds[1]):
+            raise ValueError(f"constant {self.name} = {self.value} does not fit in a C {self.type} "
+                             f"({bounds[0]}..{bounds[1]})")
+        if self.type == "float" and not (isinstance(self.value, (int, float)) and math.isfinite(self.value)
+                                         and (self.value == 0 or abs(self.value) >= FLOAT32_TINY)
+                                         and abs(self.value) <= FLOAT32_MAX):
+            raise ValueError(f"constant {self.name} = {self.value} is not a normal C float")
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,14 @@ def _compare(op, a, b):
     return not never, not always   # ne
 
 
+def _quotient(p: float, q: float) -> float:
+    """p / q at the corners of a division whose divisor interval excludes zero: an infinite divisor takes a
+    finite numerator to 0 and an infinite one to the signed limit."""
+    if math.isinf(q):
+        return 0.0 if math.isfinite(p) else math.copysign(INF, p) * math.copysign(1.0, q)
+    return p / q
+
+
 def _floordiv(a, c):
     return tuple(x if not math.isfinite(x) else x // c for x in a[:2])
 
@@ -202,7 +210,8 @@ def _apply(node: Apply, a: list):
     if op == "div":
         if _contains_zero(y):
             return Range(-INF, INF, nan or _contains_zero(x) or _unbounded(x))
-        quotients = [_mul(p, 1 / q) if math.isfinite(q) else 0.0 for p in (x.lo, x.hi) for q in (y.lo, y.hi)]
+        # p / q itself, not p * (1 / q): a tiny q's reciprocal overflows where the quotient does not (a / a = 1)
+        quotients = [_quotient(p, q) for p in (x.lo, x.hi) for q in (y.lo, y.hi)]
         return Range(min(quotients), max(quotients), nan or (_unbounded(x) and _unbounded(y)))
     if op == "min":
         return Range(min(x.lo, y.lo), min(x.hi, y.hi), nan)

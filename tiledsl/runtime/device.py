@@ -7,6 +7,7 @@ import sys
 
 from ..device_limits import DeviceLimits, current_limits
 from ..errors import LaunchError
+from .availability import require_gpu
 from .tensors import is_torch
 
 
@@ -20,6 +21,7 @@ def cupy_module():
 
 def device_arch() -> str:
     """sm_XY of the current device, with the 'a' suffix on Hopper so wgmma/setmaxnreg are legal."""
+    require_gpu("running a kernel")
     cupy = cupy_module()
     major, minor = divmod(int(cupy.cuda.Device().compute_capability), 10)
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")
@@ -59,7 +61,9 @@ def caller_stream(x):
 
 
 def current_device() -> int:
-    """The calling thread's current CUDA device (both torch and CuPy launch there)."""
+    """The calling thread's current CUDA device (both torch and CuPy launch there); a one-line error on a
+    machine where no kernel can run (a kernel's first call asks here before loading its module)."""
+    require_gpu("running a kernel")
     return cupy_module().cuda.runtime.getDevice()
 
 

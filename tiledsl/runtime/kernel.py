@@ -20,6 +20,7 @@ from .compile import cached_cubin
 from .device import current_device, device_arch, device_limits, load_functions
 from .index_checks import add_kv_lens_check
 from .inputs import Shapes, check_int32_vector, check_operand
+from .availability import require_gpu
 from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
 from .tensors import TensorView, signature
 
@@ -110,6 +111,7 @@ class Kernel:
     def prepare_call(self, tensors: tuple, immediate: bool = False, **options):
         """The PreparedCall of a call on `tensors` (in CALL order), or with `immediate` the filled
         CallBuilder of one launch (runtime/launch.py)."""
+        require_gpu("running a kernel")   # before the builder allocates anything: one line on a GPU-less machine
         builder = CallBuilder(self.name, tensors, self.CALL, tensors[0], immediate)
         self.build_call(builder, **options)
         return builder if immediate else builder.build()

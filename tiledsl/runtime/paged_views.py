@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import RuntimeInputError
+from .arguments import mask_arguments
 from .index_checks import add_paged_check
 from .inputs import Shapes, check_int32_vector, check_operand
 from .launch import CallBuilder
-from ..spec import KV_PAGE_SIZES, DType, Mask, Problem
+from ..spec import KV_PAGE_SIZES, DType, Problem
 from .tensors import TensorView, view
 
 TOKEN_MAJOR = "(batch, queries, heads, d)"
@@ -77,9 +78,7 @@ def paged_outputs(b: CallBuilder, p: Problem, shapes: Shapes, out_index: int):
 def api_views(api: str, q, k_cache, v_cache, causal: bool, window):
     """The Python API's first checks of a paged call (`api` names the function in messages):
     (q, k_cache, v_cache views, the Mask, the window as ints or None)."""
-    if causal and window is not None:
-        raise ValueError(f"{api}: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
+    mask, window, _ = mask_arguments(api, causal, window, None)
     qv, kv, vv = view(q, "q"), view(k_cache, "k_cache"), view(v_cache, "v_cache")
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"{api}: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
@@ -89,5 +88,4 @@ def api_views(api: str, q, k_cache, v_cache, causal: bool, window):
     if kv.shape[1] not in KV_PAGE_SIZES:
         raise RuntimeInputError(f"{api}: the page size (k_cache.shape[1]) must be a power of two in 1..256, "
                                 f"got {kv.shape[1]}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    return qv, kv, vv, mask, tuple(int(w) for w in window) if window is not None else None
+    return qv, kv, vv, mask, window

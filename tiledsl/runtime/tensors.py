@@ -87,10 +87,17 @@ def torch_dtypes() -> dict:
     return _torch_dtypes
 
 
+def _no_gpu_note() -> str:
+    """What a host tensor's refusal adds on a machine where no kernel can run (there is no GPU to move it to)."""
+    from .availability import gpu_missing
+    reason = gpu_missing()
+    return f" (this machine has no usable NVIDIA GPU: {reason})" if reason else ""
+
+
 def _from_torch(x, name: str, slot: int) -> TensorView:
     device = x.device
     if device.type != "cuda":
-        raise RuntimeInputError(f"{name}: is on the host ({device}); move it to the GPU")
+        raise RuntimeInputError(f"{name}: is on the host ({device}); move it to the GPU{_no_gpu_note()}")
     dtype = torch_dtypes().get(x.dtype)
     if dtype is None:
         raise RuntimeInputError(f"{name}: unsupported dtype {x.dtype}")
@@ -134,7 +141,7 @@ def _from_dlpack(x, name: str, slot: int = -1) -> TensorView:
     tensor = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
     if tensor.device.device_type != KDL_CUDA:
         raise RuntimeInputError(f"{name}: is on the host (DLPack device type {tensor.device.device_type}); move it to "
-                                f"the GPU")
+                                f"the GPU{_no_gpu_note()}")
     key = (tensor.dtype.code, tensor.dtype.bits)
     if key not in DLPACK_DTYPES or tensor.dtype.lanes != 1:
         raise RuntimeInputError(f"{name}: unsupported dtype (DLPack code {key[0]}, {key[1]} bits)")

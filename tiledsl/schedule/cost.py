@@ -42,8 +42,8 @@ import numpy as np
 
 from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..hw import WARPGROUP_WARPS, WGMMA_ROWS
-from ..spec import DTYPE_BYTES, Axis, Family, KernelSpec, LaunchKind, Mask, Mma
-from .masks import tiles_visible
+from ..spec import AUTO, DTYPE_BYTES, Axis, Family, KernelSpec, LaunchKind, Mask, Mma
+from .masks import key_bounds, tiles_visible
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Resources:
     stack_bytes: int = 0             # per thread
     static_shared_bytes: int = 0     # __shared__ declared in the source
     report: str = ""                 # the ptxas text it was read from
+    advisories: tuple[str, ...] = ()  # ptxas's numbered notes, e.g. "C7517 warpgroup.wait is injected ..."
 
 
 # ---- machine constants (sm_90, mma.sync path) --------------------------------------------------
@@ -117,15 +118,43 @@ def blocks_per_sm(resources: Resources, limits: DeviceLimits = H200) -> tuple[in
     return resident_blocks(limits, resources.registers, resources.threads, resources.smem_bytes)
 
 
-def kv_steps_per_q_tile(spec: KernelSpec, shape: Shape) -> np.ndarray:
-    """Kv tiles each q tile visits (causal and window masks skip the tiles no query sees)."""
+def _tiles_seen(spec: KernelSpec, shape: Shape) -> np.ndarray:
+    """Whether each q tile visits each kv tile (causal and window masks skip the tiles no query sees)."""
     p, s = spec.problem, spec.schedule
     q0 = np.arange(0, shape.seqlen_q, s.tile_q)
     k0 = np.arange(0, shape.seqlen_kv, s.tile_kv)
-    seen = tiles_visible(q0, np.minimum(q0 + s.tile_q, shape.seqlen_q), k0,
+    return tiles_visible(q0, np.minimum(q0 + s.tile_q, shape.seqlen_q), k0,
                          np.minimum(k0 + s.tile_kv, shape.seqlen_kv), shape.seqlen_q, shape.seqlen_kv,
                          p.mask, p.window_left, p.window_right)
-    return seen.sum(axis=1)
+
+
+def kv_steps_per_q_tile(spec: KernelSpec, shape: Shape) -> np.ndarray:
+    """Kv tiles each q tile visits (causal and window masks skip the tiles no query sees)."""
+    return _tiles_seen(spec, shape).sum(axis=1)
+
+
+def splits_of(spec: KernelSpec, shape: Shape, resident: int, limits: DeviceLimits = H200) -> int:
+    """The split-KV count a launch of `spec` on `shape` runs with: the spec's, or `auto`'s choice
+    (schedule/splits.py, as the runtime picks it); 1 for a kernel without a split loop."""
+    from .graph import has_split_loop
+    from .splits import choose_splits
+    if not has_split_loop(spec):
+        return 1
+    if spec.schedule.split_kv == AUTO:
+        return choose_splits(shape.batch, shape.heads, shape.seqlen_kv, spec.schedule.tile_kv, limits.sm_count,
+                             resident)[0]
+    return int(spec.schedule.split_kv)
+
+
+def kv_steps_per_block(spec: KernelSpec, shape: Shape, splits: int) -> np.ndarray:
+    """Kv tiles each block of one (batch, head) visits: one block per q tile, or with split-KV one per
+    (q tile, split), each split owning its share of the kv tiles (schedule/splits.split_ranges)."""
+    from .splits import split_ranges
+    seen = _tiles_seen(spec, shape)
+    if splits == 1:
+        return seen.sum(axis=1)
+    ranges = split_ranges(seen.shape[1], splits)
+    return np.array([seen[:, start:stop].sum(axis=1) for start, stop in ranges]).T.reshape(-1)
 
 
 def step_cycles(spec: KernelSpec, resources: Resources, resident_blocks: int) -> tuple[float, dict]:
@@ -198,10 +227,17 @@ def makespan_steps(steps_per_block: np.ndarray, slots: int) -> tuple[float, floa
 
 def shape_flops(spec: KernelSpec, shape: Shape) -> float:
     """FLOPs under the FlashAttention papers' convention (bench.attention_flops): 2 (d + dv) per
-    (query, key) pair, i.e. 4 B H N^2 d, halved for causal; so TFLOP/s compare with PEERS.md."""
+    (query, key) pair, i.e. 4 B H N^2 d, halved for causal; so TFLOP/s compare with PEERS.md. A window
+    counts the pairs it shows (schedule/masks.py): the dense count would put a narrow window past the
+    GPU's peak."""
     p = spec.problem
-    pairs = shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_kv
-    return 2.0 * pairs * (p.head_dim_qk + p.head_dim_v) * (0.5 if p.mask is Mask.CAUSAL else 1.0)
+    if p.mask is Mask.WINDOW:
+        lo, hi = key_bounds(np.arange(shape.seqlen_q), shape.seqlen_q, shape.seqlen_kv, p.mask, p.window_left,
+                            p.window_right)
+        per_head = float((hi - lo).sum())
+    else:
+        per_head = shape.seqlen_q * shape.seqlen_kv * (0.5 if p.mask is Mask.CAUSAL else 1.0)
+    return 2.0 * shape.batch * shape.heads * per_head * (p.head_dim_qk + p.head_dim_v)
 
 
 def predict(spec: KernelSpec, shape: Shape, resources: Resources, limits: DeviceLimits = H200,
@@ -211,7 +247,9 @@ def predict(spec: KernelSpec, shape: Shape, resources: Resources, limits: Device
     O once, K and V once per q tile). `flops` defaults to shape_flops (for TFLOP/s)."""
     p, s = spec.problem, spec.schedule
     rows_per_warp = s.tile_q // s.warps if s.warp_axis is Axis.Q else s.tile_q
+    blocks, limit = blocks_per_sm(resources, limits)
     per_q_tile = kv_steps_per_q_tile(spec, shape)
+    per_block = kv_steps_per_block(spec, shape, splits_of(spec, shape, max(blocks, 1), limits))
     heads = shape.batch * shape.heads
     if hbm_bytes is None:
         e = DTYPE_BYTES[p.dtype]
@@ -220,7 +258,6 @@ def predict(spec: KernelSpec, shape: Shape, resources: Resources, limits: Device
                                  + kv_rows * (p.head_dim_qk + p.head_dim_v))
     if flops is None:
         flops = shape_flops(spec, shape)
-    blocks, limit = blocks_per_sm(resources, limits)
     hopeless = None
     if blocks == 0:
         hopeless = f"no block fits on an SM ({limit})"
@@ -228,7 +265,7 @@ def predict(spec: KernelSpec, shape: Shape, resources: Resources, limits: Device
         hopeless = f"ptxas spills {resources.spill_stores} B per thread (> {SPILL_HOPELESS_BYTES})"
     resident = max(blocks, 1)
     cycles, terms = step_cycles(spec, resources, resident)
-    steps = np.tile(per_q_tile, heads)
+    steps = np.tile(per_block, heads)
     if spec.family is Family.HOPPER and s.launch is not None:
         last, efficiency = launched_makespan(steps, limits.sm_count * resident, s.launch)
     else:

@@ -140,8 +140,12 @@ class _Builder:
         self.via = g.spec.schedule.copy.value
         self.groups = kv_groups(g.spec)
         # Decode's warps each load, wait for and multiply only their own key slice of a tile
-        # (warp-level cp.async pipelines); FA1's split-K warps share the block's loads.
-        self.kv_scope = "warp" if g.spec.family is Family.DECODE and self.groups > 1 else "block"
+        # (warp-level cp.async pipelines); FA1's split-K warps share the block's loads. A paged decode
+        # block of one warp loads through the warp path too: decode's template walks a block table only
+        # per warp slice (the block-wide walk is fa2's).
+        decode = g.spec.family is Family.DECODE
+        paged = g.spec.problem.kv_page_size is not None
+        self.kv_scope = "warp" if decode and (self.groups > 1 or paged) else "block"
 
     def role(self, producer: bool) -> Role:
         if not self.specialized:

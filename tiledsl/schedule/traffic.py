@@ -98,11 +98,35 @@ def tile_bounds(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.minimum(starts + size, n)
 
 
+# The traffic model and the tuner's model hold a (q tiles x kv tiles) table of which tiles some query sees:
+# its size, not the sequence length alone, is their time and memory (2^23 cells: about a second).
+MAX_TILE_PAIRS = 1 << 23
+
+
+def tile_pairs(tile_q: int, tile_kv: int, seqlen_q: int, seqlen_kv: int) -> int:
+    """Cells of the (q tiles x kv tiles) table the models walk for one shape."""
+    return -(-seqlen_q // tile_q) * -(-seqlen_kv // tile_kv)
+
+
+def model_too_big(tile_q: int, tile_kv: int, seqlen_q: int, seqlen_kv: int) -> str:
+    """Why the models would not model this shape in a few seconds ("" when they do), with the longest
+    sequence they take for these tiles."""
+    pairs = tile_pairs(tile_q, tile_kv, seqlen_q, seqlen_kv)
+    if pairs <= MAX_TILE_PAIRS:
+        return ""
+    longest = int((MAX_TILE_PAIRS * tile_q * tile_kv) ** 0.5)
+    return (f"seqlen q {seqlen_q:,} x kv {seqlen_kv:,} with tile q = {tile_q}, kv = {tile_kv} is {pairs:,} tile pairs; "
+            f"the traffic model walks at most {MAX_TILE_PAIRS:,} (for these tiles: sequences of about {longest:,})")
+
+
 def hbm_traffic(graph: ScheduleGraph, batch: int, heads: int, seqlen_q: int, seqlen_kv: int,
                 kv_heads: int | None = None, sm_count: int = H200.sm_count, blocks_per_sm: int = 1) -> Traffic:
     """Bytes each HBM-touching op of `graph` moves, summed over its loop trips, for batch x heads.
     `blocks_per_sm` (resident blocks of the lowered kernel) feeds `split kv = auto`."""
     spec, z = graph.spec, graph.sizes
+    too_big = model_too_big(z["Br"], z["Bc"], seqlen_q, seqlen_kv)
+    if too_big:
+        raise ValueError(too_big)
     p = spec.problem
     d, dv, elem = p.head_dim_qk, p.head_dim_v, DTYPE_BYTES[p.dtype]
     q0, q1 = tile_bounds(seqlen_q, z["Br"])

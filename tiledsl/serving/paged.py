@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..errors import RuntimeInputError
 from ..mods.model import NO_MODS
+from ..runtime.arguments import mask_arguments, switch
 from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
@@ -60,6 +61,8 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     the longest sequence splits decode's keys too finely (plan/run, tiledsl/serving/plan.py, sizes
     them by the host lengths). softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's
     (b: the batch entry); no kernel spells them yet: the call checks them and says so."""
+    mask, window, scale = mask_arguments("paged_attention", causal, window, scale)   # before any spec is built
+    causal, return_lse = mask is Mask.CAUSAL, switch("paged_attention", "return_lse", return_lse)
     if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
             and aux is None):
         from ..runtime.paged_views import api_views
@@ -68,8 +71,6 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
-    if window is not None and type(window) is not tuple:
-        window = tuple(window)
     key = (signature(q), signature(k_cache), signature(v_cache), signature(block_table), signature(kv_lens),
            signature(ks), signature(vs), number_or_none(k_scale), number_or_none(v_scale), causal, window, scale,
            validate)

@@ -37,8 +37,9 @@ def paged_prefill(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = F
     with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The kernel reads the block
     table and kv_lens itself; `validate=True` checks them on the host first. Launches on the caller's
     stream (runtime/device.stream_reader); the first call of a signature prepares the launch."""
-    if window is not None and type(window) is not tuple:
-        window = tuple(window)
+    from ..runtime.arguments import mask_arguments, switch
+    mask, window, scale = mask_arguments("paged_prefill", causal, window, scale)   # before any spec is built
+    causal, return_lse = mask is Mask.CAUSAL, switch("paged_prefill", "return_lse", return_lse)
     tensors = (q, k_cache, v_cache, block_table, kv_lens, None, None)
     key = (tuple(map(signature, tensors[:5])), causal, window, scale, validate)
     call = _calls.get(key)
@@ -47,8 +48,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = F
         from ..runtime.device import device_arch
         from ..runtime.paged_views import api_views
         qv, kv, vv, mask, window = api_views("paged_prefill", q, k_cache, v_cache, causal, window)
-        spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window,
-                            None if scale is None else float(scale))
+        spec = prefill_spec(device_arch(), qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], window, scale)
         call = _calls.put(key, kernel_for(spec).prepare_call(tensors, validate=validate))
     out, lse = call(*tensors)
     if not return_lse:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..mods.model import NO_MODS
+from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
 from ..spec import DType, Family, Mask, SeqLayout
@@ -51,13 +52,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors).
     softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's (b: the sequence's index;
     the sequences are the documents already); no kernel spells them yet: the call checks them and says so."""
+    mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)   # before any spec is built
+    causal, return_lse = mask is Mask.CAUSAL, switch("varlen_attention", "return_lse", return_lse)
     if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
             and aux is None):
         _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
-    if window is not None and type(window) is not tuple:
-        window = tuple(window)
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
     if bounded:
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
@@ -93,18 +94,13 @@ def varlen_kernel(qv, vv, causal: bool, window, scale):
     from ..errors import RuntimeInputError
     from ..runtime.device import device_arch
     from ..dispatch.kernels import kernel_for
-    if causal and window is not None:
-        raise ValueError("varlen_attention: pass causal=True or window=(left, right), not both "
-                         "(a causal window is window=(left, 0))")
+    mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"varlen_attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
     if len(qv.shape) != 3 or len(vv.shape) != 3:
         raise RuntimeInputError(f"varlen_attention: q and v must be 3-d (total tokens, heads, head_dim), got shapes "
                                 f"{qv.shape} and {vv.shape}")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    window = tuple(int(w) for w in window) if window is not None else None
-    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1], window,
-                       None if scale is None else float(scale))
+    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale)
     if spec is None:
         raise RuntimeInputError(f"varlen_attention: q has head_dim {qv.shape[-1]} and v {vv.shape[-1]}; packed "
                                 "sequences run on the tuned hopper schedules: head_dim 64, 128 or 256 (q and v alike), "

@@ -78,6 +78,8 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
         lines.append(f"    kv_cache = paged(page = {p.kv_page_size})")
     if p.seq_layout is not SeqLayout.BATCHED:
         lines.append(f"    layout   = {p.seq_layout.value}")
+    if p.kv_dtype is not None:   # an FP8 KV cache
+        lines += [f"    kv_dtype = {p.kv_dtype.value}", f"    kv_scale = {p.kv_scale.value}"]
     lines += ["    schedule {", f"        order    {s.order.value}",
               f"        tile     q = {s.tile_q}, kv = {s.tile_kv}"]
     if spec.family is Family.HOPPER:
@@ -95,6 +97,8 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
         lines.append(f"        launch   {s.launch.value}" + (f" order {s.item_order.value}" if s.item_order else ""))
     if s.split_kv != 1:
         lines.append(f"        split    kv = {s.split_kv}")
+    if s.fp8_convert is not None:
+        lines.append(f"        dequant  {s.fp8_convert}")
     lines.append("    }")
     b = spec.backward
     if b is not None:   # every backward setting written out, as the schedule's
