@@ -131,7 +131,7 @@ def mod_constants(p) -> list[Constant]:
     """The constants of the modifications' steps, in the raw units of S the softmax scales."""
     mods, out = p.mods, []
     if mods.softcap is not None:
-        out += [Constant("SOFTCAP_IN", "float", p.scale / mods.softcap, "softcap: scale / cap, tanh's argument per raw s"),
+        out += [Constant("SOFTCAP_IN", "float", p.scale / mods.softcap, "softcap: scale / cap, tanh's argument"),
                 Constant("SOFTCAP_OUT", "float", mods.softcap / p.scale, "softcap: cap / scale, back to raw units")]
     if mods.alibi is not None:
         out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
