@@ -91,3 +91,33 @@ def test_an_unused_variable_is_not_an_error(tmp_path):
     source = "__global__ void k(int* out) { const int unused = 0; *out = 1; }\n"
     _, report = nvcc.compile_to(source, "unused", "cubin", tmp_path)
     assert "warning" not in report and "error" not in report
+
+
+def _modified_specs() -> list:
+    """The specs/mods examples a template builds (families.missing_template says which), and the hopper
+    forward with every built modification at once at d64, d128 and d256."""
+    from tiledsl.families import missing_template
+    from tiledsl.cli.common import concrete_specs
+    from tiledsl.mods.model import AlibiSlopes, Modifications
+    from tiledsl.spec import DType, KernelSpec, Mask, Problem
+    from tiledsl.dispatch.tuned import TUNED
+    files = sorted(str(p) for p in (SPEC_FILES[0].parent / "mods").glob("*.tile"))
+    specs = [s for s in concrete_specs(files) if not missing_template(s)]
+    every = Modifications(softcap=30.0, alibi=AlibiSlopes.GIVEN, sinks=True)
+    one_each = (Modifications(softcap=30.0), Modifications(alibi=AlibiSlopes.GIVEN), Modifications(sinks=True))
+    # Known: softcap's tanh can spill on d64's three 160-register consumers and on d256's tuned schedules
+    # (not on every one: listed as xfail until a schedule rule gives softcap kernels the room).
+    spills = pytest.mark.xfail(strict=False, reason="softcap may spill on the tuned d64 / d256 schedules")
+    for d in (64, 128, 256):
+        for mask in (Mask.CAUSAL, Mask.NONE):
+            schedule = TUNED[("sm_90", "bf16", d, mask.value)]
+            for mods in one_each + (every,):
+                spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
+                known = mods.softcap is not None and d in (64, 256)
+                specs.append(pytest.param(spec, marks=spills) if known else spec)
+    return specs
+
+
+@pytest.mark.parametrize("spec", _modified_specs(), ids=lambda s: getattr(s, "kernel_name", None))
+def test_modified_kernel_compiles_without_spills(spec):
+    test_bundled_kernel_compiles_without_spills(spec)

@@ -42,8 +42,10 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `softcap` (30: scores become 30 tanh(s / 30)), `alibi_slopes` ("geometric" or a float tensor),
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
     (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
-    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). They have no CUDA kernels yet: such a
-    call checks its aux tensors, then raises RuntimeInputError naming what is missing."""
+    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes and sinks run on the
+    hopper family's forward kernels (families.BUILT_MODS); forward-only: a call that needs gradients is
+    refused. Any other modification, or another family, checks its aux tensors, then raises
+    RuntimeInputError naming what is missing."""
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
     deterministic = switch("attention", "deterministic", deterministic)

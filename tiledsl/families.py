@@ -31,7 +31,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .spec import KV_DTYPES, MOD_KEYS, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, SeqLayout
+from .spec import KV_DTYPES, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
 
@@ -128,13 +128,22 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     return None
 
 
+# The modifications each family's forward template spells (mods/model.py's field names); the rest are refused.
+# The hopper template takes them on batched sequences (its varlen variant takes none).
+BUILT_MODS = {Family.HOPPER: ("softcap", "alibi", "sinks")}
+
+
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
-    """(key, what) when the spec modifies its scores or masks: no template spells those yet."""
+    """(key, what) when the spec modifies its scores or masks in a way no template of its family spells."""
     mods = spec.problem.mods
     if not mods.active:
         return None
-    written = [key for key, _ in spec.spans if key in MOD_KEYS + ("mask",)]
-    return (written[0] if written else "mask"), "score and mask modifications (" + ", ".join(mods.config()) + ")"
+    built = BUILT_MODS.get(spec.family, ()) if spec.problem.seq_layout is SeqLayout.BATCHED else ()
+    config = {key: value for key, value in mods.config().items() if key not in built}
+    if not config:
+        return None
+    written = [key for key, _ in spec.spans if key in tuple(config) + ("mask",)]
+    return (written[0] if written else "mask"), "score and mask modifications (" + ", ".join(config) + ")"
 
 
 def _names(families) -> str:

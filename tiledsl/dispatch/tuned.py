@@ -71,7 +71,7 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
                       softmax_scale=scale, mods=mods)
-    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES:
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and not mods.active:   # decode takes no modification
         spec = pick(arch, problem, q_len)
         if spec.family is Family.DECODE:
             return spec, False
@@ -183,6 +183,10 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     from .modified import check_launch
     from ..runtime.arguments import mask_arguments
     mask, window, scale = mask_arguments("attention", causal, window, scale)
+    if _needs_gradient(q, k, v, *aux.values()):
+        raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) are "
+                                "forward-only: no backward spells them yet, so no gradient can be given; call under "
+                                "torch.no_grad() or pass tensors that do not require grad")
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
     batch, heads, q_len, d = qv.shape
@@ -195,6 +199,15 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
         raise RuntimeInputError(f"attention: {err.message} (tiledsl.spec_for(...) prints the spec; the float64 "
                                 "reference, tiledsl.reference.forward.reference_attention, runs it)") from None
     return kernel(q, k, v, kv_lens=kv_lens, aux=aux)
+
+
+def _needs_gradient(*tensors) -> bool:
+    """Whether autograd would record a call on these (torch tensors that require grad, grad mode on)."""
+    wants = [t for t in tensors if getattr(t, "requires_grad", False)]
+    if not wants:
+        return False
+    import torch
+    return torch.is_grad_enabled()
 
 
 def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,

@@ -25,6 +25,7 @@ from ..layout.base import Layout
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
+from ..mods.model import Modifications
 from ..spec import Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
@@ -43,6 +44,12 @@ class HopperPlan(KernelPlan):
     # a global counter (templates/tile_scheduler.cuh); "" leaves the launch to the runtime's choice.
     launch_kind: str = ""
     item_order: str = ""
+    # Score modifications the kernel spells (families.BUILT_MODS): softcap and ALiBi in the score_mod op,
+    # sinks as the softmax's start; score_mods: any of them (templates/score_mods.cuh is pasted).
+    score_mods: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
@@ -56,7 +63,7 @@ _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_
          (OpKind.ARRIVE, "v_empty"): "release_v",
          (OpKind.MMA_WAIT, "S"): "wait_qk", (OpKind.MMA_WAIT, "PV"): "wait_pv", (OpKind.MMA_QK, ""): "mma_qk",
          (OpKind.MMA_PV, ""): "mma_pv", (OpKind.MASK, ""): "mask", (OpKind.ONLINE_SOFTMAX, ""): "softmax",
-         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p"}
+         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p", (OpKind.SCORE_MOD, ""): "score_mod"}
 _WAITED = {"S": OpKind.MMA_QK, "PV": OpKind.MMA_PV}
 
 
@@ -107,6 +114,30 @@ def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i:
                 break
             pending += graph.op(earlier).kind in (OpKind.MMA_QK, OpKind.MMA_PV)
     return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
+
+
+def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
+    """The aux tensors the modified kernel reads (float32): ALiBi's slopes (batch stride 0 for (heads,)
+    slopes and the host's geometric ones) and the sinks; () for an unmodified kernel."""
+    line = ()
+    if mods.alibi is not None:
+        line += parameters("const float* __restrict__", "alibi_slopes") + parameters("int", "alibi_batch_stride")
+    if mods.sinks:
+        line += parameters("const float* __restrict__", "sinks")
+    return (line,) if line else ()
+
+
+def mod_constants(p) -> list[Constant]:
+    """The constants of the modifications' steps, in the raw units of S the softmax scales."""
+    mods, out = p.mods, []
+    if mods.softcap is not None:
+        out += [Constant("SOFTCAP_IN", "float", p.scale / mods.softcap, "softcap: scale / cap, tanh's argument"),
+                Constant("SOFTCAP_OUT", "float", mods.softcap / p.scale, "softcap: cap / scale, back to raw units")]
+    if mods.alibi is not None:
+        out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
+    if mods.sinks:
+        out.append(Constant("SINK_UNITS", "float", 1.0 / p.scale, "sinks: 1 / scale, a sink logit in raw units"))
+    return out
 
 
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
@@ -173,6 +204,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                  "a consumer waits, the one before it arrives"),
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
+        *mod_constants(p),
     ]
     if s.launch is LaunchKind.DYNAMIC:
         consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
@@ -210,7 +242,10 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
                      shared=DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
-                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC),
+                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
+                     + mod_parameters(p.mods),
+                     score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
+                     sinks=p.mods.sinks,
                      launch_kind=s.launch.value if s.launch else "",
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)

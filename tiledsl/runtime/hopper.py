@@ -4,14 +4,15 @@ byte strides that are multiples of 16 from a 16-byte aligned address: the checks
 before launch (runtime.Kernel.check_inputs) already refuse anything else, naming the tensor."""
 from __future__ import annotations
 
-from ..errors import LaunchError
+from ..errors import LaunchError, RuntimeInputError
+from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes, geometric_slopes
 from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
-from .launch import CallBuilder, allocator, i32, pointer_arg, strides_args
-from ..spec import ItemOrder, LaunchKind, Mask
+from .launch import CallBuilder, allocator, compact_strides, i32, pointer_arg, strides_args
+from ..spec import DType, ItemOrder, LaunchKind, Mask
 from .tensor_maps import map_arg
-from .tensors import TensorView
+from .tensors import TensorView, view
 
 PERSISTENT_MASKED_TILES = 16
 # `launch dynamic`: (device, stream handle) -> the int32 pair [next ticket, producers done] its kernels
@@ -79,6 +80,70 @@ class HopperKernel(Kernel):
     per item takes no ticket that finds an item."""
     persistent: bool | None = None
 
+    def __init__(self, spec, plan):
+        super().__init__(spec, plan)
+        # The aux tensors a call passes (aux={name: tensor}), after Kernel's CALL; geometric ALiBi slopes
+        # are the host's, made once per device and head count.
+        self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())
+        if self.aux_names:
+            self.CALL = type(self).CALL + self.aux_names
+
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, validate: bool | None = None, aux=None):
+        return self.run_call((q, k, v, kv_lens, out, lse) + self.aux_tensors(aux), (validate,), validate=validate)
+
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, aux=None, **options):
+        """Kernel.bind with the modifications' aux tensors."""
+        tensors = (q, k, v, kv_lens, out, lse) + self.aux_tensors(aux)
+        if out is None or lse is None:
+            out, lse = self.prepare_call(tensors, immediate=True, **options).results
+        tensors = (q, k, v, kv_lens, out, lse) + tensors[6:]
+        call = self.prepare_call(tensors, **options)
+        return (lambda: call(*tensors)), out, lse
+
+    def aux_tensors(self, aux) -> tuple:
+        """The aux tensors of `aux` (name -> tensor) in CALL order; a missing or unexpected name is refused."""
+        aux = dict(aux or {})
+        missing = [n for n in self.aux_names if aux.get(n) is None]
+        extra = sorted(set(aux) - set(self.aux_names))
+        if missing or extra:
+            wants = ", ".join(self.aux_names) or "none"
+            raise RuntimeInputError(f"{self.name}: aux tensors {'missing ' + ', '.join(missing) if missing else ''}"
+                                    f"{'; ' if missing and extra else ''}"
+                                    f"{'not read by this kernel: ' + ', '.join(extra) if extra else ''} "
+                                    f"(it reads: {wants})")
+        return tuple(aux[n] for n in self.aux_names)
+
+    def mod_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
+        """The launch arguments of lower/hopper.mod_parameters: each aux tensor checked (float32, contiguous,
+        on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count."""
+        mods, args = self.spec.problem.mods, ()
+        if mods.alibi is AlibiSlopes.GEOMETRIC:
+            slopes = _geometric_slopes(b.like, b.device_id, shapes.heads)
+            b.keep.append(slopes)
+            args += (pointer_arg(view(slopes, AUX_ALIBI)), i32(0))
+        elif mods.alibi is AlibiSlopes.GIVEN:
+            t = self._aux_view(b, AUX_ALIBI, ((shapes.heads,), (shapes.batch, shapes.heads)))
+            args += (pointer_arg(t), i32(shapes.heads if len(t.shape) == 2 else 0))
+        if mods.sinks:
+            args += (pointer_arg(self._aux_view(b, AUX_SINKS, ((shapes.heads,),))),)
+        return args
+
+    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple) -> TensorView:
+        if len(b.tensors) != len(self.CALL):
+            raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
+                                    "to the kernel's call or bind")
+        t = b.view(self.CALL.index(name))
+        if t.dtype is not DType.FP32:
+            raise RuntimeInputError(f"{self.name}: {name} must be float32, got {getattr(t.dtype, 'value', t.dtype)}")
+        if t.shape not in shapes:
+            raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
+                                    f"{' or '.join(map(str, shapes))}")
+        if t.strides != compact_strides(t.shape):
+            raise RuntimeInputError(f"{self.name}: {name} must be contiguous, got strides {t.strides}")
+        if t.device_id != b.device_id:
+            raise RuntimeInputError(f"{self.name}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
+        return t
+
     def launch_options(self) -> tuple:
         return super().launch_options() + (self.persistent,)
 
@@ -118,7 +183,32 @@ class HopperKernel(Kernel):
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
+        args += self.mod_args(b, shapes)
         persistent = self.launches_persistent(shapes)
         blocks = min(q_tiles * pairs, self.slots(b.device_id)) if persistent else q_tiles * pairs
         b.launch(self.function(b.device_id), (blocks, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
                  self.name)
+
+
+_GEOMETRIC: dict[tuple[str, int, int], object] = {}   # (framework, device, heads) -> ALiBi's slopes, float32
+
+
+def _geometric_slopes(like, device_id: int, heads: int):
+    """ALiBi's geometric slopes for `heads` on `like`'s device, made once (a host copy, so the first
+    call of a head count only: a captured call finds them made)."""
+    torch_like = type(like).__module__.startswith("torch")
+    key = ("torch" if torch_like else "cupy", device_id, heads)
+    found = _GEOMETRIC.get(key)
+    if found is None:
+        slopes = geometric_slopes(heads)
+        if torch_like:
+            import torch
+            found = torch.tensor(slopes, dtype=torch.float32, device=like.device)
+        else:
+            from .device import cupy_module
+            cupy = cupy_module()
+            with cupy.cuda.Device(device_id):
+                found = cupy.asarray(slopes, dtype=cupy.float32)
+        _GEOMETRIC[key] = found
+    return found
+
