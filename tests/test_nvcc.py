@@ -105,15 +105,16 @@ def _modified_specs() -> list:
     specs = [s for s in concrete_specs(files) if not missing_template(s)]
     every = Modifications(softcap=30.0, alibi=AlibiSlopes.GIVEN, sinks=True)
     one_each = (Modifications(softcap=30.0), Modifications(alibi=AlibiSlopes.GIVEN), Modifications(sinks=True))
-    # Known: softcap's tanh can spill on d64's three 160-register consumers and on d256's tuned schedules
-    # (not on every one: listed as xfail until a schedule rule gives softcap kernels the room).
-    spills = pytest.mark.xfail(strict=False, reason="softcap may spill on the tuned d64 / d256 schedules")
+    # Known spills, listed exactly (strict: a fix or a new spill fails the test): softcap's tanh on d64's three
+    # 160-register consumers, and on d256 causal's kv64 schedule with softcap alone. No schedule rule gives
+    # softcap kernels more room yet; the kernels are correct, the spills cost speed.
+    spills = pytest.mark.xfail(strict=True, reason="softcap spills on the tuned d64 and d256-causal schedules")
     for d in (64, 128, 256):
         for mask in (Mask.CAUSAL, Mask.NONE):
             schedule = TUNED[("sm_90", "bf16", d, mask.value)]
             for mods in one_each + (every,):
                 spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
-                known = mods.softcap is not None and d in (64, 256)
+                known = mods.softcap is not None and (d == 64 or (d == 256 and mask is Mask.CAUSAL and mods != every))
                 specs.append(pytest.param(spec, marks=spills) if known else spec)
     return specs
 
