@@ -104,6 +104,10 @@ def main(argv: list[str]) -> int:
     flex = torch.compile(flex_attention, dynamic=False)
     checks = {mod: check_tiledsl(mod) for mod in MODS}
     rows = []
+
+    def save():
+        record(Path(args.out), "python bench/scoremod_bench.py " + " ".join(argv), rows, checks=checks,
+               fa4_available=flash_attn_func is not None)
     for n in args.seqlens:
         batch, heads = prefill_shape(n, HEAD_DIM)
         flops = attention_flops(batch, heads, n, n, HEAD_DIM, True)
@@ -141,8 +145,8 @@ def main(argv: list[str]) -> int:
                              "heads": heads, "tflops": tflops("tiledsl"), "error": checks[mod] or None,
                              "peers": {"fa4": tflops("fa4"), "flex": tflops("flex"), "varlen": tflops("varlen")}})
                 print(rows[-1], flush=True)
-    record(Path(args.out), "python bench/scoremod_bench.py " + " ".join(argv), rows,
-           fa4_available=flash_attn_func is not None)
+                save()   # after every row: a run cut short keeps what it measured
+    save()
     return 0
 
 

@@ -65,8 +65,11 @@ def memcheck(script) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
-        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
-                                 str(script)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+        # --report-api-errors no: cuda-bindings probes optional driver entry points (cuGetProcAddress) and
+        # the failed probes are API errors, not memory errors; the other sanitizer tests pass it too.
+        result = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no",
+                                 "--error-exitcode", "9", sys.executable, str(script)],
+                                capture_output=True, text=True, env=env, cwd=root, timeout=600)
     except FileNotFoundError:
         pytest.skip("compute-sanitizer not on PATH")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
