@@ -471,6 +471,7 @@ struct C {
     static constexpr int CONSUMER_THREADS = 256;
     static constexpr int PRODUCER_REGS = 24;   // setmaxnreg.dec: copies and dQ_i adds only
     static constexpr int CONSUMER_REGS = 240;   // setmaxnreg.inc: dK, dV, S^T, dP^T, dQ_i accumulators
+    static constexpr int ENTRY_REGS = 168;   // per thread at launch (__launch_bounds__): the block's pool that setmaxnreg shares out
     static constexpr int KV_M_TILES = 1;   // 16-row accumulator tiles per warp (backward_ops.j2)
     static constexpr bool SPLIT_COLUMNS = true;   // consumers split the kv tile by columns
     static constexpr int CONSUMER_KEYS = 0;   // consumer 1's first key of the tile
@@ -557,7 +558,8 @@ static_assert(C::K_OFFSET % 1024 == 0 && C::V_OFFSET % 1024 == 0 && C::Q_OFFSET 
               && C::Q_STAGE_BYTES % 1024 == 0 && C::DO_STAGE_BYTES % 1024 == 0, "panels and boxes start on 1024 B swizzle atoms");
 static_assert(C::LSE_OFFSET % 16 == 0 && C::DROW_OFFSET % 16 == 0 && C::ROW_STAGE_BYTES % 16 == 0, "bulk copies move 16-byte units");
 static_assert(C::BAR_OFFSET % 8 == 0, "mbarriers are 8-byte aligned");
-static_assert(C::PRODUCER_REGS + 2 * C::CONSUMER_REGS <= 512, "setmaxnreg: 128 x (producer + 2 consumers) <= 65536 registers");
+static_assert(C::PRODUCER_REGS + 2 * C::CONSUMER_REGS <= (C::THREADS / 128) * C::ENTRY_REGS,
+              "setmaxnreg: the warpgroups share only the registers the block launched with");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // The backward pass by recomputation, warp-specialized for Hopper (layout/backward_ws.py):

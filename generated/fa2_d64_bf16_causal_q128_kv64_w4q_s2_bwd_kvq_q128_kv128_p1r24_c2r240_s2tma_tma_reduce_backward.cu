@@ -471,6 +471,7 @@ struct C {
     static constexpr int CONSUMER_THREADS = 256;
     static constexpr int PRODUCER_REGS = 24;   // setmaxnreg.dec: copies and dQ_i adds only
     static constexpr int CONSUMER_REGS = 240;   // setmaxnreg.inc: dK, dV, S^T, dP^T, dQ_i accumulators
+    static constexpr int ENTRY_REGS = 168;   // per thread at launch (__launch_bounds__): the block's pool that setmaxnreg shares out
     static constexpr int KV_M_TILES = 1;   // 16-row accumulator tiles per warp (backward_ops.j2)
     static constexpr bool SPLIT_COLUMNS = false;   // consumers split the kv tile by keys
     static constexpr int CONSUMER_KEYS = 64;   // consumer 1's first key of the tile
@@ -557,7 +558,8 @@ static_assert(C::K_OFFSET % 1024 == 0 && C::V_OFFSET % 1024 == 0 && C::Q_OFFSET 
               && C::Q_STAGE_BYTES % 1024 == 0 && C::DO_STAGE_BYTES % 1024 == 0, "panels and boxes start on 1024 B swizzle atoms");
 static_assert(C::LSE_OFFSET % 16 == 0 && C::DROW_OFFSET % 16 == 0 && C::ROW_STAGE_BYTES % 16 == 0, "bulk copies move 16-byte units");
 static_assert(C::BAR_OFFSET % 8 == 0, "mbarriers are 8-byte aligned");
-static_assert(C::PRODUCER_REGS + 2 * C::CONSUMER_REGS <= 512, "setmaxnreg: 128 x (producer + 2 consumers) <= 65536 registers");
+static_assert(C::PRODUCER_REGS + 2 * C::CONSUMER_REGS <= (C::THREADS / 128) * C::ENTRY_REGS,
+              "setmaxnreg: the warpgroups share only the registers the block launched with");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
 // The backward pass by recomputation, warp-specialized for Hopper (layout/backward_ws.py):
@@ -1109,17 +1111,17 @@ fa2_d64_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q128_kv128_p1r24_c2r240_s2tma_tma_r
                         }
                     }
                 } else {   // 16-byte chunks, consecutive lanes along a row: coalesced red.global.add.v4
+                    // dQ_accum's rows are unpadded and D floats long: chunk i of the tile is at rows + 4 i, and the
+                    // tile's rows before q_len are its first `chunks` chunks (one bound, no per-chunk row test; a
+                    // visible q tile starts before q_hi <= q_len, so q_len - q0 > 0)
                     float* rows = dq_accum + (((i64)batch * heads + head) * q_len + q0) * C::D;
-                    constexpr int CHUNKS = C::D / 4;
+                    const u32 chunks = min(q_len - q0, C::BR) * (C::D / 4);
 #pragma unroll 1   // few registers: the producer warpgroup's setmaxnreg
-                    for (int i = writer; i < C::BR * CHUNKS; i += C::WRITER_THREADS) {
-                        const int row = i / CHUNKS, col = (i % CHUNKS) * 4;
-                        if (q0 + row < q_len) {
-                            float4 x;
-                            asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z),
-                                         "=f"(x.w) : "r"(stage + staged_offset(row, col)));
-                            red_add4(rows + row * C::D + col, x.x, x.y, x.z, x.w);
-                        }
+                    for (u32 i = writer; i < chunks; i += C::WRITER_THREADS) {
+                        float4 x;
+                        asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z),
+                                     "=f"(x.w) : "r"(stage + staged_offset(i / (C::D / 4), (i % (C::D / 4)) * 4)));
+                        red_add4(rows + i * 4, x.x, x.y, x.z, x.w);
                     }
                 }
                 __syncwarp();

@@ -146,7 +146,9 @@ ERRORS = [
     ("", "warpgroups producer 1, producer 1", 4, "warpgroup role 'producer' given twice", None),
     ("", "warpgroups producr 1", 4, "unknown warpgroup role 'producr'; did you mean 'producer'?", "producr"),
     ("", "warpgroups producer 1 regs 24, consumer 2 regs 256", 4,
-     "warpgroups need (24 + 2 x 256) x 128 = 68608 registers; an SM has 65536", None),
+     "setmaxnreg: 1 x 24 + 2 x 256 = 536 registers per thread of a warpgroup", None),
+    # 512 x 128 registers fit an SM, but a block of three warpgroups launches with 3 x 168 (65536 / 384 threads)
+    ("", "warpgroups producer 1 regs 32, consumer 2 regs 240", 4, "share only those: 3 x 168 = 504", None),
     ("", "warpgroups producer 1, consumer 3", 4,
      "tile q = 128 is not a multiple of 64 x 3 consumer warpgroups = 192", "warpgroups producer 1, consumer 3"),
     ("", "warpgroups producer 1, consumer 1\noverlap pingpong", 5,

@@ -36,8 +36,7 @@ def variant_spec(d: int, dq: str, stages: int = 2, mask: str = "causal", dtype: 
     m = {"none": Mask.NONE, "causal": Mask.CAUSAL, "window": Mask.WINDOW}[mask]
     window = MASKS[mask].get("window", (0, 0))
     problem = Problem(d, d, DType(dtype), m, window_left=window[0], window_right=window[1])
-    b = replace(BACKWARD_WS_TUNED[d], dq=DqAccumulate(dq), stages=stages,
-                producer_regs=32 if dq == "atomic" else 24)   # the writer's red.global.add loop: 24 spill
+    b = replace(BACKWARD_WS_TUNED[d], dq=DqAccumulate(dq), stages=stages)
     return KernelSpec(f"ws_{d}_{dq}_{stages}", problem, Schedule(), backward=b)
 
 

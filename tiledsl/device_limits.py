@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .hw import WARPGROUP_THREADS
+
 
 @dataclass(frozen=True)
 class DeviceLimits:
@@ -64,6 +66,39 @@ def resident_blocks(limits: DeviceLimits, registers: int, threads: int, smem_byt
     }
     limit = min(by, key=lambda k: (by[k], k != "registers"))
     return by[limit], limit
+
+
+def entry_registers(limits: DeviceLimits, threads: int) -> int:
+    """Registers per thread of a kernel launched under __launch_bounds__(threads, 1): what ptxas gives a
+    setmaxnreg kernel at entry, and so the block's whole register pool (threads x this)."""
+    return limits.registers_per_sm // threads // REGISTER_GRANULE * REGISTER_GRANULE
+
+
+def setmaxnreg_budget(limits: DeviceLimits, warpgroups: int) -> int:
+    """The most that the setmaxnreg counts of a block's `warpgroups` warpgroups may add up to. setmaxnreg moves
+    registers between the warps of one block through a per-block pool that holds what the block launched with
+    (entry_registers per thread); an .inc that asks for more than the others released waits forever."""
+    return warpgroups * entry_registers(limits, warpgroups * WARPGROUP_THREADS)
+
+
+def consumer_regs_fit(limits: DeviceLimits, producers: int, producer_regs: int, consumers: int) -> int:
+    """The most registers per consumer thread (a multiple of 8) that the budget holds beside the producers'."""
+    spare = setmaxnreg_budget(limits, producers + consumers) - producers * producer_regs
+    return spare // max(consumers, 1) // REGISTER_GRANULE * REGISTER_GRANULE
+
+
+def setmaxnreg_refusal(limits: DeviceLimits, producers: int, producer_regs: int, consumers: int,
+                       consumer_regs: int) -> str:
+    """Why the warpgroups' setmaxnreg counts cannot all be granted ("" when they can)."""
+    warpgroups = producers + consumers
+    total, budget = producers * producer_regs + consumers * consumer_regs, setmaxnreg_budget(limits, warpgroups)
+    if total <= budget:
+        return ""
+    threads = warpgroups * WARPGROUP_THREADS
+    return (f"setmaxnreg: {producers} x {producer_regs} + {consumers} x {consumer_regs} = {total} registers per "
+            f"thread of a warpgroup, but the block launches with {entry_registers(limits, threads)} per thread "
+            f"({limits.registers_per_sm} per SM / {threads} threads) and its warpgroups share only those: "
+            f"{warpgroups} x {entry_registers(limits, threads)} = {budget} (an .inc past them waits forever)")
 
 
 def read_device_limits(device: int = 0) -> DeviceLimits | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from ..device_limits import H200
-from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
+from ..device_limits import H200, consumer_regs_fit, setmaxnreg_refusal
+from ..hw import MMA_ROWS, WGMMA_ROWS
 from ..spec import BACKWARD_KEYS, BackwardSchedule, CopyVia, DqAccumulate, LoopOrder, Mma
 from . import syntax as ast
 
@@ -118,11 +118,9 @@ def _rule_warp_specialized(spec, written: set):
         return ("backward.dq", "`dq accumulate separate` is the mma.sync backward's q-outer dQ kernel; the "
                 "warp-specialized backward's dQ writer adds dQ_i as atomic, tma_reduce or ordered (deterministic)",
                 "write `dq accumulate ordered` for bit-identical results")
-    total = (b.producer_regs * b.producer_warpgroups + b.consumer_regs * b.consumer_warpgroups) * WARPGROUP_THREADS
-    if total > H200.registers_per_sm:
-        return ("backward.warpgroups", f"warpgroups need ({b.producer_regs} + {b.consumer_warpgroups} x "
-                f"{b.consumer_regs}) x {WARPGROUP_THREADS} = {total} registers > {H200.registers_per_sm} per SM",
-                EXAMPLES["warpgroups"])
+    over = setmaxnreg_refusal(H200, b.producer_warpgroups, b.producer_regs, b.consumer_warpgroups, b.consumer_regs)
+    if over:
+        return ("backward.warpgroups", over, EXAMPLES["warpgroups"])
     return None
 
 
@@ -136,8 +134,7 @@ def backward_schedule(values: dict[str, Any]) -> BackwardSchedule:
         producers = values.setdefault("producer_warpgroups", 1)
         consumers = values.setdefault("consumer_warpgroups", 2)
         producer_regs = values.setdefault("producer_regs", 24)
-        fit = (H200.registers_per_sm // WARPGROUP_THREADS - producer_regs * producers) // max(consumers, 1) // 8 * 8
-        values.setdefault("consumer_regs", min(256, fit))
+        values.setdefault("consumer_regs", min(256, consumer_regs_fit(H200, producers, producer_regs, consumers)))
         values.setdefault("copy", CopyVia.TMA)
         values.setdefault("mma", Mma.WGMMA)
         values.setdefault("warps", 4 * consumers)

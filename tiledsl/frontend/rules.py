@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..device_limits import H200
+from ..device_limits import H200, consumer_regs_fit, setmaxnreg_refusal
 from ..errors import SpecError
-from ..hw import MMA_ROWS, WARPGROUP_THREADS, WGMMA_ROWS
+from ..hw import MMA_ROWS, WGMMA_ROWS
 from ..families import feature_refusal, layout_of
 from ..layout.backward import backward_has_template, backward_layout
 from ..layout.base import GENERIC_SIZE_HINT
@@ -30,8 +30,7 @@ def schedule_with_defaults(problem: Problem, written: dict) -> Schedule:
         producers = values.setdefault("producer_warpgroups", 1)
         consumers = values.setdefault("consumer_warpgroups", 2)
         producer_regs = values.setdefault("producer_regs", 24)
-        fit = (H200.registers_per_sm // WARPGROUP_THREADS - producer_regs * producers) // consumers // 8 * 8
-        values.setdefault("consumer_regs", min(256, fit))
+        values.setdefault("consumer_regs", min(256, consumer_regs_fit(H200, producers, producer_regs, consumers)))
         values.setdefault("copy", CopyVia.TMA)
         values.setdefault("mma", Mma.WGMMA)   # the family's only instruction
         values.setdefault("warps", 4 * (producers + consumers))
@@ -67,12 +66,10 @@ def _rule_hopper(spec: KernelSpec, written: set):
         return ("warps", "the hopper family gets its warps from `warpgroups` (4 warps each)", "remove `warps`")
     if s.producer_warpgroups != 1 or not 1 <= s.consumer_warpgroups <= 3:
         return ("warpgroups", "hopper needs producer 1 and consumer 1..3 warpgroups", EXAMPLES["warpgroups"])
-    total = (s.producer_regs * s.producer_warpgroups + s.consumer_regs * s.consumer_warpgroups) * WARPGROUP_THREADS
-    if total > H200.registers_per_sm:
-        fit = (H200.registers_per_sm // WARPGROUP_THREADS - s.producer_regs) // s.consumer_warpgroups // 8 * 8
-        return ("warpgroups", f"warpgroups need ({s.producer_regs} + {s.consumer_warpgroups} x {s.consumer_regs}) x "
-                f"{WARPGROUP_THREADS} = {total} registers; an SM has {H200.registers_per_sm}",
-                f"use consumer regs <= {fit}")
+    over = setmaxnreg_refusal(H200, s.producer_warpgroups, s.producer_regs, s.consumer_warpgroups, s.consumer_regs)
+    if over:
+        fit = consumer_regs_fit(H200, s.producer_warpgroups, s.producer_regs, s.consumer_warpgroups)
+        return ("warpgroups", over, f"use consumer regs <= {fit}")
     rows = WGMMA_ROWS * s.consumer_warpgroups
     if s.tile_q % rows:   # point at what was written: the tile, else the warpgroups that need it
         return ("tile" if "tile" in written else "warpgroups",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..device_limits import H200, DeviceLimits
+from ..device_limits import H200, DeviceLimits, consumer_regs_fit, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, PANEL_ROW_BYTES, SWIZZLE_ATOM, WARP_THREADS, WARPGROUP_THREADS, \
     WGMMA_ROWS
 from ..spec import DqAccumulate, KernelSpec
@@ -105,11 +105,9 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
             f"{b.consumer_warpgroups}", f"warpgroups producer 1 regs 24, consumer {WS_CONSUMERS} regs 240")
     require(b.producer_regs >= WS_PRODUCER_MIN_REGS, spec, wg_key,
             f"producer regs {b.producer_regs}: setmaxnreg takes at least {WS_PRODUCER_MIN_REGS}")
-    total = WARPGROUP_THREADS * (b.producer_regs + WS_CONSUMERS * b.consumer_regs)
-    require(total <= limits.registers_per_sm, spec, wg_key,
-            f"registers: {total} per block ({WARPGROUP_THREADS} x ({b.producer_regs} + {WS_CONSUMERS}x"
-            f"{b.consumer_regs})) > {limits.registers_per_sm} per SM",
-            "warpgroups producer 1 regs 24, consumer 2 regs 240")
+    over = setmaxnreg_refusal(limits, 1, b.producer_regs, WS_CONSUMERS, b.consumer_regs)
+    require(not over, spec, wg_key, over, f"warpgroups producer 1 regs {WS_PRODUCER_MIN_REGS}, consumer "
+            f"{WS_CONSUMERS} regs {consumer_regs_fit(limits, 1, WS_PRODUCER_MIN_REGS, WS_CONSUMERS)}")
     require(Bc in (WGMMA_ROWS, WGMMA_ROWS * WS_CONSUMERS), spec, tile_key,
             f"tile kv = {Bc}: the consumers own 64 keys each (tile kv = 128) or share 64 keys by head-dim columns "
             "(tile kv = 64)", "tile kv = 128 (head dims up to 128) or 64 (head dim 256)")
@@ -188,9 +186,8 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
             "use tile q = 64, or tile kv = 64 (dK, dV split by columns)")
     producer = [Registers("copy thread, dQ writer", WS_PRODUCER_MIN_REGS, "loop state and addresses")]
     threads = WARPGROUP_THREADS * (1 + WS_CONSUMERS)
-    entry = limits.registers_per_sm // threads // 8 * 8   # __launch_bounds__(threads, 1) before setmaxnreg
     main = finish(spec, "backward_ws", limits, buffers, smem, consumer, threads, 1, b.consumer_regs,
-                  launch_registers=entry, stages=S, rows_per_warp=16, tile_kv=Bc)
+                  launch_registers=entry_registers(limits, threads), stages=S, rows_per_warp=16, tile_kv=Bc)
     q_tx = (Br * d + Br * dv) * 2 + 2 * Br * 4   # Q_i, dO_i, LSE_i, D_i of one slot
     consumer_warps = WS_CONSUMERS * WARPGROUP_THREADS // WARP_THREADS
     barriers = [

@@ -2,7 +2,7 @@
 fit (else staged in Q's), the mbarriers, and a consumer's register budget."""
 from __future__ import annotations
 
-from ..device_limits import DeviceLimits
+from ..device_limits import DeviceLimits, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, SWIZZLE_ATOM, TMA_BOX_MAX, WARPGROUP_THREADS, WGMMA_ROWS
 from ..spec import KernelSpec, LaunchKind
 from .base import Buffer, Layout, Registers, buffers_end, finish, qkv_buffers, require
@@ -29,10 +29,8 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     require(s.tile_q == WGMMA_ROWS * consumers and s.tile_q <= TMA_BOX_MAX, spec, "tile",
              f"tile q = {s.tile_q}: each of the {consumers} consumer warpgroups owns {WGMMA_ROWS} query rows, and Q's "
              f"TMA box holds at most {TMA_BOX_MAX}", f"use tile q = {WGMMA_ROWS * consumers}")
-    total = WARPGROUP_THREADS * (s.producer_warpgroups * s.producer_regs + consumers * s.consumer_regs)
-    require(total <= limits.registers_per_sm, spec, "warpgroups",
-             f"registers: {total} per block ({WARPGROUP_THREADS} x ({s.producer_warpgroups}x{s.producer_regs} + "
-             f"{consumers}x{s.consumer_regs})) > {limits.registers_per_sm} per SM")
+    over = setmaxnreg_refusal(limits, s.producer_warpgroups, s.producer_regs, consumers, s.consumer_regs)
+    require(not over, spec, "warpgroups", over)
     threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
     buffers = qkv_buffers(spec, s.tile_q, s.tile_kv, s.stages, p.head_dim_qk * 2, p.head_dim_v * 2, SWIZZLE_ATOM,
                            panels=True)
@@ -62,6 +60,6 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     registers = [Registers("O accumulator", p.head_dim_v // 2, f"dv/2 = {p.head_dim_v}/2", True),
                  Registers("S/P accumulator", s.tile_kv // 2, f"Bc/2 = {s.tile_kv}/2", True), *p_fragments,
                  Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
-    entry = limits.registers_per_sm // threads // 8 * 8   # __launch_bounds__(threads, 1) before setmaxnreg
-    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs, launch_registers=entry,
-                   stages=s.stages, rows_per_warp=16, keys_per_warp=s.tile_kv)
+    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
+                  launch_registers=entry_registers(limits, threads),
+                  stages=s.stages, rows_per_warp=16, keys_per_warp=s.tile_kv)

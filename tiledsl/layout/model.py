@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..device_limits import DeviceLimits
+from ..device_limits import DeviceLimits, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, WGMMA_ROWS
 from ..spec import DTYPE_BYTES, Axis, DType, Family, KernelSpec
 from .base import REGISTER_OVERHEAD, Buffer, Layout, Registers, finish, refuse, require
@@ -44,10 +44,9 @@ def graph_model_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     layout = finish(spec, "graph model (no template)", limits, buffers, smem, registers, threads, 1, reg_limit,
                      stages=S, generated=False)
     if hopper and s.producer_regs and s.consumer_regs:
-        total = 128 * (s.producer_warpgroups * s.producer_regs + s.consumer_warpgroups * s.consumer_regs)
-        require(total <= limits.registers_per_sm, spec, "warpgroups",
-                 f"registers: {total} per block (128 x ({s.producer_warpgroups}x{s.producer_regs} + "
-                 f"{s.consumer_warpgroups}x{s.consumer_regs})) > {limits.registers_per_sm} per SM")
+        over = setmaxnreg_refusal(limits, s.producer_warpgroups, s.producer_regs, s.consumer_warpgroups,
+                                  s.consumer_regs)
+        require(not over, spec, "warpgroups", over)
     return layout
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..device_limits import H200, DeviceLimits
+from ..device_limits import H200, DeviceLimits, entry_registers
 from ..hw import PANEL_COLUMNS, PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..layout.backward import BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS
 from ..layout.backward_ws import STAGING_BOX_COLUMNS, WRITER_WARPS, WS_CONSUMERS, backward_ws_layout
@@ -163,6 +163,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         Constant("CONSUMER_THREADS", "int", WS_CONSUMERS * WARPGROUP_THREADS),
         Constant("PRODUCER_REGS", "int", b.producer_regs, "setmaxnreg.dec: copies and dQ_i adds only"),
         Constant("CONSUMER_REGS", "int", b.consumer_regs, "setmaxnreg.inc: dK, dV, S^T, dP^T, dQ_i accumulators"),
+        Constant("ENTRY_REGS", "int", entry_registers(limits, main.threads),
+                 "per thread at launch (__launch_bounds__): the block's pool that setmaxnreg shares out"),
         Constant("KV_M_TILES", "int", 1, "16-row accumulator tiles per warp (backward_ops.j2)"),
         Constant("SPLIT_COLUMNS", "bool", columns, f"consumers split the kv tile by {lay.split}"),
         Constant("CONSUMER_KEYS", "int", 0 if columns else WGMMA_ROWS, "consumer 1's first key of the tile"),
