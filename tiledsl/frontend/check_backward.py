@@ -124,6 +124,19 @@ def _rule_warp_specialized(spec, written: set):
     return None
 
 
+def warpgroup_defaults(values: dict[str, Any]) -> tuple[int, int]:
+    """Fill in a warp-specialized schedule's unwritten warpgroup settings (forward and backward alike):
+    producer 1 regs 24, consumer 2 with the most registers the block's setmaxnreg pool holds (at most
+    256), TMA copies, wgmma. Returns (producers, consumers)."""
+    producers = values.setdefault("producer_warpgroups", 1)
+    consumers = values.setdefault("consumer_warpgroups", 2)
+    producer_regs = values.setdefault("producer_regs", 24)
+    values.setdefault("consumer_regs", min(256, consumer_regs_fit(H200, producers, producer_regs, consumers)))
+    values.setdefault("copy", CopyVia.TMA)
+    values.setdefault("mma", Mma.WGMMA)   # the warp-specialized families' only instruction
+    return producers, consumers
+
+
 def backward_schedule(values: dict[str, Any]) -> BackwardSchedule:
     """The written values plus defaults: BackwardSchedule's, except that q outer swaps the tiles
     (its 8 warps split the q tile, 16 rows each), and written warpgroups make the warp-specialized
@@ -131,12 +144,7 @@ def backward_schedule(values: dict[str, Any]) -> BackwardSchedule:
     4 warps per consumer warpgroup."""
     values = dict(values)
     if "producer_warpgroups" in values or "consumer_warpgroups" in values:
-        producers = values.setdefault("producer_warpgroups", 1)
-        consumers = values.setdefault("consumer_warpgroups", 2)
-        producer_regs = values.setdefault("producer_regs", 24)
-        values.setdefault("consumer_regs", min(256, consumer_regs_fit(H200, producers, producer_regs, consumers)))
-        values.setdefault("copy", CopyVia.TMA)
-        values.setdefault("mma", Mma.WGMMA)
+        _, consumers = warpgroup_defaults(values)
         values.setdefault("warps", 4 * consumers)
     if values.get("order") is LoopOrder.Q_OUTER:
         values.setdefault("tile_q", BackwardSchedule.tile_kv)

@@ -12,7 +12,7 @@ from ..hw import MMA_ROWS, WGMMA_ROWS
 from ..families import feature_refusal, layout_of
 from ..layout.backward import backward_has_template, backward_layout
 from ..layout.base import GENERIC_SIZE_HINT
-from ..spec import (MAX_TILE, Axis, CopyVia, Family, KernelSpec, LaunchKind, Mma, Problem,
+from ..spec import (MAX_TILE, Axis, Family, KernelSpec, LaunchKind, Mma, Problem,
                     Schedule, SeqLayout)
 from . import check_backward
 from .words import EXAMPLES
@@ -27,12 +27,7 @@ def schedule_with_defaults(problem: Problem, written: dict) -> Schedule:
     that fit the register file."""
     values = dict(written)
     if "producer_warpgroups" in values or "consumer_warpgroups" in values:
-        producers = values.setdefault("producer_warpgroups", 1)
-        consumers = values.setdefault("consumer_warpgroups", 2)
-        producer_regs = values.setdefault("producer_regs", 24)
-        values.setdefault("consumer_regs", min(256, consumer_regs_fit(H200, producers, producer_regs, consumers)))
-        values.setdefault("copy", CopyVia.TMA)
-        values.setdefault("mma", Mma.WGMMA)   # the family's only instruction
+        producers, consumers = check_backward.warpgroup_defaults(values)
         values.setdefault("warps", 4 * (producers + consumers))
     elif problem.queries_per_seq is not None:
         values.setdefault("warp_axis", Axis.KV)

@@ -100,14 +100,7 @@ class DecodeKernel(Kernel):
 
     def build_call(self, b: CallBuilder, validate: bool | None = None, k_scale=None, v_scale=None,
                    workspace: DecodeWorkspace | None = None) -> None:
-        from .index_checks import add_kv_lens_check
-        q, k, v, kv_lens = (b.view(i) for i in range(4))
-        shapes = self.check_inputs(q, k, v, kv_lens)
-        b.require_aligned(q, k, v)
-        add_kv_lens_check(b, 3, shapes.kv_len, validate)
-        p = self.spec.problem
-        o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
-        lse = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
+        q, k, v, o, lse, kv_lens, shapes = self.checked_call(b, validate)
         scales = self.scale_views(b, 6, k_scale, v_scale, shapes.kv_heads)
         self.add_launches(b, q, k, v, o, lse, kv_lens, shapes, scales=scales, workspace=workspace)
 

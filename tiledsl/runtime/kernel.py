@@ -117,6 +117,11 @@ class Kernel:
         return builder if immediate else builder.build()
 
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
+        self.add_launches(b, *self.checked_call(b, validate))
+
+    def checked_call(self, b: CallBuilder, validate: bool | None) -> tuple:
+        """(q, k, v, O, LSE, kv_lens, shapes) of a contiguous call: the inputs checked, kv_lens' check
+        added, the outputs provided."""
         q, k, v, kv_lens = (b.view(i) for i in range(4))
         shapes = self.check_inputs(q, k, v, kv_lens)
         b.require_aligned(q, k, v)
@@ -124,7 +129,7 @@ class Kernel:
         p = self.spec.problem
         o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
         lse = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
-        self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
+        return q, k, v, o, lse, kv_lens, shapes
 
     def check_inputs(self, q: TensorView, k: TensorView, v: TensorView, kv_lens: TensorView | None) -> Shapes:
         p = self.spec.problem
