@@ -39,10 +39,11 @@ BACKWARD_FLOPS = 2.5
 # (head dim) -> A/B variants of the table's schedule: name, changes. ws_red: the writer's three warps add dQ_i by
 # red.global.add.v4 (at the table's 24 producer registers: 32 + 2 x 240 is more than the block's 3 x 168, and the
 # layout refuses it); ws_s3: a 3-slot ring (one staging buffer fits);
-# ws_staged_s1: d256 with dQ staged for the TMA reduce-add, beside a 1-slot ring.
+# ws_atomic_s2: d256 with dQ added from registers, beside a 2-slot ring (the table stages it for the TMA reduce-add
+# beside a 1-slot ring).
 RED = {"dq": "atomic"}
 VARIANTS = {64: [("ws_red", RED)], 128: [("ws_red", RED), ("ws_s3", {**RED, "stages": 3})],
-            256: [("ws_staged_s1", {"stages": 1, "dq": "tma_reduce"})]}
+            256: [("ws_atomic_s2", {"stages": 2, "dq": "atomic"})]}
 PEERS = ("fa4_bwd", "sdpa_cudnn_bwd", "sdpa_flash_bwd")
 
 

@@ -44,6 +44,7 @@ def api_specs():
         for d in supported_head_dims(dtype):
             for mask, window in masks:
                 yield "prefill", tuned_spec(ARCH, dtype, d, mask, d, window)[0]
+                yield "prefill long", tuned_spec(ARCH, dtype, d, mask, d, window, long_kv=True)[0]
         yield "prefill dv", tuned_spec(ARCH, dtype, 128, Mask.NONE, 64)[0]
         yield "prefill scale", tuned_spec(ARCH, dtype, 128, Mask.CAUSAL, None, None, 0.1)[0]
         for d in DECODE_HEAD_DIMS:

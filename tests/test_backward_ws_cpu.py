@@ -301,10 +301,15 @@ def test_launch_arguments_match_the_kernel_signatures(tile_q, tile_kv, head_dim,
     assert [a.kind for a in main[5:12]] == ["u64"] * 7 and [a.kind for a in main[12:18]] == ["i32"] * 6
 
 
-def test_dispatch_is_opt_in_and_refuses_clearly():
-    assert dispatch.BACKWARD_WS is False   # until the H200 validates and times it
-    default = chosen_backward_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL)
-    assert not default.backward.warp_specialized
+def test_dispatch_takes_it_by_default_on_hopper_and_refuses_clearly():
+    assert dispatch.BACKWARD_WS is True
+    for d in (64, 128, 256):
+        for det in (False, True):
+            default = chosen_backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL, None, None, None, det)
+            assert default.backward == (BACKWARD_WS_DETERMINISTIC if det else BACKWARD_WS_TUNED)[d]
+    assert not chosen_backward_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, mma="wgmma").backward.warp_specialized
+    assert not chosen_backward_spec("sm_90a", DType.BF16, 96, Mask.CAUSAL).backward.warp_specialized
+    assert not chosen_backward_spec("sm_80", DType.BF16, 128, Mask.CAUSAL).backward.warp_specialized
     for d in (64, 128, 256):
         for det in (False, True):
             spec = chosen_backward_spec("sm_90a", DType.BF16, d, Mask.CAUSAL, None, None, None, det, None, True)

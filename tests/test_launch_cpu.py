@@ -122,7 +122,11 @@ def test_backward(device):
     def fresh():
         q, k, v, o, do = (device.tensor((2, 4, 300, 64)) for _ in range(5))
         return q, k, v, o, device.tensor((2, 4, 300), "float32"), do
-    call = lambda *t: tiledsl.attention_backward(*t, causal=True)   # noqa: E731
+    default = lambda *t: tiledsl.attention_backward(*t, causal=True)   # noqa: E731  (warp-specialized on sm_90a)
+    assert warm(device, default, fresh)[1] == {}
+    assert device.last(2)[0].endswith("tma_reduce_backward_main")
+    # the wgmma backward's parameter order (the warp-specialized one's: test_backward_ws_cpu.py)
+    call = lambda *t: tiledsl.attention_backward(*t, causal=True, warp_specialized=False)   # noqa: E731
     cold, hot, last, tensors = warm(device, call, fresh)
     assert hot == {}
     q, k, v, o, lse, do = tensors
@@ -283,3 +287,14 @@ def test_a_reported_bad_entry_is_raised_once_naming_the_tensor_and_the_entry(dev
         device_errors.raise_pending(0)
     host[:6] = [4, 2, 0, 0, 5000, 4096]
     assert "kv_lens[0] = 5000 is over the 4096 keys k holds" in str(device_errors.take(0))
+
+
+def test_long_calls_take_the_long_bucket_and_short_ones_keep_the_table(device):
+    """d64 from LONG_KV keys on runs TUNED_LONG's 192 x 192 tiles; shorter key counts keep TUNED's; decode never."""
+    from tiledsl.dispatch.tuned import LONG_KV
+    for n, tile_kv in ((LONG_KV - 1, "kv128"), (LONG_KV, "kv192")):
+        q = device.tensor((1, 2, 300, 64))
+        tiledsl.attention(q, device.tensor((1, 2, n, 64)), device.tensor((1, 2, n, 64)), causal=True)
+        assert f"q192_{tile_kv}_" in device.last()[0], (n, device.last()[0])
+    tiledsl.attention(device.tensor((1, 2, 1, 64)), device.tensor((1, 2, 4096, 64)), device.tensor((1, 2, 4096, 64)))
+    assert device.last()[0].startswith("decode_")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,15 +68,31 @@ def test_table_covers_sm90_dtypes_head_dims_and_masks():
     assert wanted <= set(tuned.TUNED)
 
 
-@pytest.mark.parametrize("key", sorted(tuned.TUNED), ids=lambda k: "-".join(map(str, k)))
-def test_every_entry_is_what_the_checker_makes_of_its_dsl_and_lowers(key):
+ENTRIES = [(key, False) for key in sorted(tuned.TUNED)] + [(key, True) for key in sorted(tuned.TUNED_LONG)]
+
+
+@pytest.mark.parametrize("key,long_kv", ENTRIES, ids=lambda k: "-".join(map(str, k)) if isinstance(k, tuple) else
+                         ("long" if k else "short"))
+def test_every_entry_is_what_the_checker_makes_of_its_dsl_and_lowers(key, long_kv):
     # The table holds Schedule objects; written out as DSL and read back they are the same schedule.
     arch, dtype, d, mask = key
-    spec, found = tuned.tuned_spec(arch + "a", DType(dtype), d, Mask(mask))
-    assert found and spec.schedule == tuned.TUNED[key]
+    spec, found = tuned.tuned_spec(arch + "a", DType(dtype), d, Mask(mask), long_kv=long_kv)
+    assert found and spec.schedule == (tuned.TUNED_LONG if long_kv else tuned.TUNED)[key]
     assert load_spec(spec_to_dsl(spec)) == spec
     run_passes(spec)
     assert "__global__" in render(lower(spec))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("key,long_kv", [e for e in ENTRIES if e[0][1] == "bf16"],
+                         ids=lambda k: "-".join(map(str, k)) if isinstance(k, tuple) else ("long" if k else "short"))
+def test_every_bf16_entry_compiles_without_spills(key, long_kv):
+    from tiledsl.codegen import nvcc
+    arch, dtype, d, mask = key
+    spec, _ = tuned.tuned_spec(arch + "a", DType(dtype), d, Mask(mask), long_kv=long_kv)
+    plan = lower(spec)
+    res = nvcc.resources(render(plan), plan.kernel_name)
+    assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_bytes == 0, res.report[-600:]
 
 
 def test_a_warm_call_never_enters_the_front_end(monkeypatch):
@@ -90,16 +107,26 @@ def test_a_warm_call_never_enters_the_front_end(monkeypatch):
 
 
 def test_entries_are_todays_best_known_configs():
-    def schedule(d, mask):
-        spec, _ = tuned.tuned_spec("sm_90a", DType.BF16, d, Mask(mask))
+    def schedule(d, mask, long_kv=False):
+        spec, _ = tuned.tuned_spec("sm_90a", DType.BF16, d, Mask(mask), long_kv=long_kv)
         s = spec.schedule
-        return spec.family.value, s.tile_q, s.tile_kv, s.consumer_warpgroups, s.pingpong, s.intra_overlap
-    # bench/results/2026-11-30-hopper-ablation-3.json (best hopper schedule per head dim and mask)
-    assert schedule(64, "none") == schedule(64, "causal") == ("hopper", 192, 128, 3, False, True)
-    assert schedule(128, "none") == ("hopper", 128, 128, 2, False, True)
-    assert schedule(128, "causal") == ("hopper", 128, 128, 2, True, True)
-    assert schedule(256, "none") == ("hopper", 128, 80, 2, False, False)
-    assert schedule(256, "causal") == ("hopper", 128, 64, 2, False, True)
+        return (spec.family.value, s.tile_q, s.tile_kv, s.consumer_warpgroups, s.pingpong, s.intra_overlap,
+                s.launch and s.launch.value)
+    # bench/results/2026-11-30-hopper-ablation-3.json (best hopper schedule per head dim and mask), and for d256
+    # and d64 from 2k keys 2026-12-01-prefill-ab-1.json and -2.json
+    assert schedule(64, "none") == schedule(64, "causal") == ("hopper", 192, 128, 3, False, True, None)
+    assert schedule(64, "none", True) == schedule(64, "causal", True) == ("hopper", 192, 192, 3, False, False, None)
+    assert schedule(128, "none") == schedule(128, "none", True) == ("hopper", 128, 128, 2, False, True, None)
+    assert schedule(128, "causal") == ("hopper", 128, 128, 2, True, True, None)
+    assert schedule(256, "none") == schedule(256, "causal") == ("hopper", 128, 80, 2, False, True, "grid")
+
+
+def test_the_long_bucket_starts_at_long_kv_keys_and_never_takes_decode_or_modifications():
+    from tiledsl.mods.model import Modifications
+    assert tuned.LONG_KV == 2048
+    spec, found = tuned.tuned_spec("sm_90a", DType.BF16, 64, Mask.CAUSAL, long_kv=True,
+                                   mods=Modifications(softcap=30.0))
+    assert found and spec.schedule.tile_kv == 128   # the modified kernels were built and measured on TUNED's tiles
 
 
 def test_lookup_known_unknown_window_and_scale():

@@ -49,9 +49,10 @@ BACKWARD_WGMMA_TUNED: dict[int, BackwardSchedule] = {
 
 # The warp-specialized backward (templates/backward_ws.cu.j2: a TMA producer warpgroup, two consumer warpgroups,
 # a dQ writer warp): attention_backward takes it when BACKWARD_WS is on (or warp_specialized=True) on a Hopper
-# GPU for the head dims below. Off until the H200 has validated and timed it (tests/test_gpu_backward_ws.py,
-# bench/backward_ws_bench.py).
-BACKWARD_WS = False
+# GPU for the head dims below. On: validated on the H200 (tests/test_gpu_backward_ws.py) and faster than the
+# wgmma backward at d128 everywhere measured, at d64 from 16k, and the only backward for d256
+# (bench/NOTES.md, "Why the tables hold what they hold").
+BACKWARD_WS = True
 
 
 def _ws(tile_q: int, tile_kv: int, dq: DqAccumulate, stages: int = 2) -> BackwardSchedule:
@@ -61,11 +62,12 @@ def _ws(tile_q: int, tile_kv: int, dq: DqAccumulate, stages: int = 2) -> Backwar
 
 
 # (head dim) -> its schedule: d64 and d128 as the wgmma kernel's tiles (each consumer owns 64 keys of 128), dQ
-# staged and added by TMA reduce-add; d256 shares 64 keys between the consumers by head-dim columns, with dQ added
-# from registers (a staging buffer does not fit beside a 2-slot ring).
+# staged and added by TMA reduce-add; d256 shares 64 keys between the consumers by head-dim columns, with dQ
+# staged for the TMA reduce-add beside a 1-slot ring (the staging buffer does not fit beside two slots; adding
+# dQ from registers with two slots measured slower).
 BACKWARD_WS_TUNED: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAccumulate.TMA_REDUCE),
                                                   128: _ws(64, 128, DqAccumulate.TMA_REDUCE),
-                                                  256: _ws(64, 64, DqAccumulate.ATOMIC)}
+                                                  256: _ws(64, 64, DqAccumulate.TMA_REDUCE, stages=1)}
 # deterministic=True: `dq accumulate ordered` (staged, added in kv tile order); at d256 the staging buffer fits
 # beside a 1-slot ring only.
 BACKWARD_WS_DETERMINISTIC: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAccumulate.ORDERED),

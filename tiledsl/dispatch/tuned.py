@@ -28,7 +28,8 @@ from .kernels import add, kernel_for
 #   d64 none / causal:    3 consumers, q192/kv128, intra overlap
 #   d128 none:            2 consumers, q128/kv128, intra overlap
 #   d128 causal:          2 consumers, q128/kv128, ping-pong + intra
-#   d256 none / causal:   2 consumers, q128/kv80 / kv64 + intra
+#   d256 none / causal:   2 consumers, q128/kv80, intra overlap, one block per work item
+# and, from LONG_KV keys on (TUNED_LONG), d64 none / causal: 3 consumers, q192/kv192.
 # fp16 has the same tile shapes, sizes and ptxas reports, so each entry serves both dtypes until
 # both are measured.
 def hopper_schedule(tile_q: int, tile_kv: int, consumers: int, pingpong: bool = False, intra: bool = False,
@@ -47,13 +48,20 @@ _SCHEDULES = {(64, "none"): hopper_schedule(192, 128, 3, intra=True),
               (64, "causal"): hopper_schedule(192, 128, 3, intra=True),
               (128, "none"): hopper_schedule(128, 128, 2, intra=True),
               (128, "causal"): hopper_schedule(128, 128, 2, pingpong=True, intra=True),
-              (256, "none"): hopper_schedule(128, 80, 2),
-              (256, "causal"): hopper_schedule(128, 64, 2, intra=True)}
+              (256, "none"): hopper_schedule(128, 80, 2, intra=True, launch=LaunchKind.GRID),
+              (256, "causal"): hopper_schedule(128, 80, 2, intra=True, launch=LaunchKind.GRID)}
 
 # (arch, dtype, head dim, mask) -> the schedule `tiledsl.attention` runs (Schedule objects: no call parses DSL).
 TUNED: dict[tuple[str, str, int, str], Schedule] = {
     ("sm_90", dtype, d, mask): _SCHEDULES[(d, mask)]
     for dtype in ("bf16", "fp16") for d in (64, 128, 256) for mask in ("none", "causal")
+}
+
+# Calls with at least LONG_KV keys take TUNED_LONG's schedule where it has one: d64's 192-key tiles are faster once
+# the partly filled last kv tile is a small share of the row (at 1k keys it is a sixth of the tile, and they lose).
+LONG_KV = 2048
+TUNED_LONG: dict[tuple[str, str, int, str], Schedule] = {
+    ("sm_90", dtype, 64, mask): hopper_schedule(192, 192, 3) for dtype in ("bf16", "fp16") for mask in ("none", "causal")
 }
 
 _hinted: set[tuple] = set()
@@ -62,10 +70,12 @@ _hinted: set[tuple] = set()
 @functools.lru_cache(maxsize=None)
 def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                window: tuple[int, int] | None = None, scale: float | None = None,
-               q_len: int | None = None, mods: Modifications = NO_MODS) -> tuple[KernelSpec, bool]:
+               q_len: int | None = None, mods: Modifications = NO_MODS,
+               long_kv: bool = False) -> tuple[KernelSpec, bool]:
     """(the spec to run, whether it came from the table). Pure and cached: no GPU needed. A q_len
     of 1..16 picks the decode family where it serves the shape (autoschedule.pick); the table
-    holds prefill schedules only. `mods`: score and mask modifications, on the table's schedule."""
+    holds prefill schedules only. `mods`: score and mask modifications, on the table's schedule.
+    `long_kv`: the call has at least LONG_KV keys (TUNED_LONG's schedule where it has one)."""
     from ..spec import DECODE_MAX_QUERIES
     from .autoschedule import pick
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
@@ -77,7 +87,10 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
             return spec, False
     lookup = Mask.CAUSAL if mask is Mask.WINDOW else mask
     table_arch = arch.rstrip("a")   # sm_90a compiles sm_90's table entries
-    schedule = TUNED.get((table_arch, dtype.value, head_dim, lookup.value)) if head_dim_v in (None, head_dim) else None
+    key = (table_arch, dtype.value, head_dim, lookup.value)
+    schedule = None
+    if head_dim_v in (None, head_dim):
+        schedule = (TUNED_LONG.get(key) if long_kv and not mods.active else None) or TUNED.get(key)
     if schedule is None:
         return pick(arch, problem), False
     return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, schedule), True
@@ -97,19 +110,22 @@ _resolved: dict[tuple, tuple] = {}
 
 
 def resolve(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
-            window: tuple[int, int] | None = None, scale: float | None = None, q_len: int | None = None):
+            window: tuple[int, int] | None = None, scale: float | None = None, q_len: int | None = None,
+            kv_len: int | None = None):
     """(the loaded kernel for this call, whether the tuned table had it): from this process's memo,
     else the warm record on disk (runtime/warm.py: no front end, no NVRTC), else tuned_spec + compile, whose
-    result is recorded for the next process. Prefill lengths share one lookup."""
+    result is recorded for the next process. Prefill lengths share one lookup per side of LONG_KV."""
     from ..runtime import warm
     from ..spec import DECODE_MAX_QUERIES
     decode_q = q_len if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES else None
-    lookup = (dtype.value, head_dim, mask.value, head_dim_v or head_dim, window, scale, decode_q)
+    long_kv = decode_q is None and kv_len is not None and kv_len >= LONG_KV
+    lookup = (dtype.value, head_dim, mask.value, head_dim_v or head_dim, window, scale, decode_q, long_kv)
     hit = _resolved.get((arch, lookup))
     if hit is None:
         hit = warm.load(arch, lookup)
         if hit is None:
-            spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, decode_q)
+            spec, found = tuned_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, decode_q,
+                                     long_kv=long_kv)
             hit = kernel_for(spec), found
             warm.save(arch, lookup, *hit)
         else:
@@ -249,7 +265,8 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
         tensors = (q, k, v, kv_lens, None, None, tensor_or_none(k_scale), tensor_or_none(v_scale))
         return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
     arch = device_arch()
-    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale, qv.shape[2])
+    kernel, found = resolve(arch, qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale, qv.shape[2],
+                            view(k, "k").shape[2])
     if not found and kernel.spec.family is not Family.DECODE:
         _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
     return kernel.prepare_call((q, k, v, kv_lens, None, None), validate=validate), False
