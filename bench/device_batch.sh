@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call of the lead's GPU batch (the device README's pattern): install, then run step $1.
-#   bash bench/device_batch.sh suite|kernels    (writes logs and results under $OUT)
+#   bash bench/device_batch.sh suite|kernels|all-tests|benches    (writes logs and results under $OUT)
 set -u
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1   # compute-sanitizer for the sanitizer tests
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
@@ -22,4 +23,14 @@ kernels)
   echo "backward ws rc=$?"; tail -20 $OUT/gpu-backward-ws.log
   timeout 240 python3 bench/backward_ws_bench.py $OUT/backward-ws-bench.json > $OUT/backward-ws-bench.log 2>&1
   echo "bench rc=$?"; tail -30 $OUT/backward-ws-bench.log ;;
+all-tests)
+  # every GPU test file in one run, sanitizers included
+  timeout 520 python3 -m pytest -q -m gpu -n 14 -p no:cacheprovider > $OUT/gpu-all.log 2>&1
+  echo "all gpu tests rc=$?"; grep -E "passed|failed|error" $OUT/gpu-all.log | tail -5; grep -E "^(FAILED|ERROR)" $OUT/gpu-all.log | head -40 ;;
+benches)
+  timeout 150 python3 bench/launch_bench.py $OUT/launch.json > $OUT/launch.log 2>&1
+  echo "launch rc=$?"; grep -E "'api': '(attention|attention_decode|paged_attention|paged_run|varlen_attention|fwd_bwd)'" $OUT/launch.log | cut -c1-260
+  for b in ${BENCHES:-}; do
+    timeout 200 python3 bench/$b.py $OUT/$b.json > $OUT/$b.log 2>&1; echo "$b rc=$?"; tail -25 $OUT/$b.log
+  done ;;
 esac

@@ -61,7 +61,8 @@ TUNED: dict[tuple[str, str, int, str], Schedule] = {
 # the partly filled last kv tile is a small share of the row (at 1k keys it is a sixth of the tile, and they lose).
 LONG_KV = 2048
 TUNED_LONG: dict[tuple[str, str, int, str], Schedule] = {
-    ("sm_90", dtype, 64, mask): hopper_schedule(192, 192, 3) for dtype in ("bf16", "fp16") for mask in ("none", "causal")
+    ("sm_90", dtype, 64, mask): hopper_schedule(192, 192, 3)
+    for dtype in ("bf16", "fp16") for mask in ("none", "causal")
 }
 
 _hinted: set[tuple] = set()
