@@ -64,3 +64,42 @@ def attention_fp8(q, k_bytes, v_bytes, k_scale, v_scale, kv_lens=None, **mask):
         ob, lb = attend(q[b].transpose(1, 0, 2), k[b, :, :n].transpose(1, 0, 2), v[b, :, :n].transpose(1, 0, 2), **mask)
         o[b], lse[b] = ob.transpose(1, 0, 2), lb.T
     return o, lse
+
+
+def dequantize_blocks(raw, descale, block: int) -> np.ndarray:
+    """decode_e4m3(raw) * descale for raw (batch, heads, seqlen, d) and one descale per block of `block` rows
+    of a (batch, head): descale (batch, heads, ceil(seqlen / block))."""
+    values = decode_e4m3(raw)
+    descale = np.asarray(descale, dtype=np.float64)
+    rows = np.arange(values.shape[2]) // block
+    return values * descale[:, :, rows][..., None]
+
+
+def dequantize_descaled(raw, descale, block: int | None = None) -> np.ndarray:
+    """FP8 attention's dequantized input (batch, heads, seqlen, d) in float64: `descale` a float or one-element
+    array (per tensor), (batch, heads) (per head: FlashAttention-3's convention, Q's indexed by kv head and
+    broadcast here by the caller), or with `block` one per block of rows (dequantize_blocks)."""
+    if block is not None:
+        return dequantize_blocks(raw, descale, block)
+    values = decode_e4m3(raw)
+    descale = np.asarray(descale, dtype=np.float64)
+    if descale.size == 1:
+        return values * descale.reshape(-1)[0]
+    return values * descale[:, :, None, None]
+
+
+def prefill_attention_fp8(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, *, block_q: int | None = None,
+                          block_kv: int | None = None, kv_lens=None, mask="none", window_left: int = 0,
+                          window_right: int = 0, scale: float | None = None):
+    """Float64 attention of FP8 prefill inputs (batch, heads, seqlen, d) of e4m3 bytes, dequantized as the kernel
+    reads them: per tensor, per (batch, kv head) (q_descale too, shared by the kv head's query heads), or per
+    block (block_q rows of a query head, block_kv keys of a kv head). (o, lse) as naive_attention's."""
+    from .forward import naive_attention
+    heads, kv_heads = np.asarray(q_bytes).shape[1], np.asarray(k_bytes).shape[1]
+    q_descale = np.asarray(q_descale, dtype=np.float64)
+    if block_q is None and q_descale.ndim == 2 and q_descale.size > 1:   # (batch, kv heads) -> (batch, heads)
+        q_descale = np.repeat(q_descale, heads // kv_heads, axis=1)
+    q = dequantize_descaled(q_bytes, q_descale, block_q)
+    k = dequantize_descaled(k_bytes, k_descale, block_kv)
+    v = dequantize_descaled(v_bytes, v_descale, block_kv)
+    return naive_attention(q, k, v, mask, window_left, window_right, scale, kv_lens)
