@@ -93,7 +93,8 @@ FAMILIES = (
     # TMA tensor maps, persistent launch
     Row(Family.HOPPER, Mma.WGMMA, hopper_layout, "lower.hopper:lower_hopper", "hopper.cu.j2",
         "runtime.hopper:HopperKernel",
-        (Serving(VARLEN, "runtime.varlen:VarlenHopperKernel", "hopper_varlen.cu.j2"),), TEMPLATE_DTYPES + (DType.E4M3,)),
+        (Serving(VARLEN, "runtime.varlen:VarlenHopperKernel", "hopper_varlen.cu.j2"),),
+        TEMPLATE_DTYPES + (DType.E4M3,)),   # e4m3: FP8 Q, K, V (templates/hopper_fp8.cuh)
 )
 
 # Families with at least one template, in table order (what `compile --skip-unsupported` keeps).

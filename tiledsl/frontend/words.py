@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 
 EXAMPLES = {
-    "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16   (fp16, fp32; e4m3: FP8 Q, K, V in the hopper family)",
+    "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64",
+    "dtype": "dtype = bf16   (fp16, fp32; e4m3: FP8 Q, K, V in the hopper family)",
     "mask": "mask = causal   (none | causal | window(left = 256, right = 0); & document, prefix(N), blocks(q = 128, "
             "kv = 128))",
     "scale": "scale = 0.125", "queries": "queries = 1",

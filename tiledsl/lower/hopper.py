@@ -294,9 +294,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                            "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
     }
     if fp8:
-        regions["transpose_v"] = Region(spec_line(spec, "dtype"),
-                                        "FP8: producer warps 1..3 transpose each V tile into V^T (K-major bytes, keys in "
-                                        "the order of P's e4m3 A fragments) for the P V wgmma")
+        regions["transpose_v"] = Region(spec_line(spec, "dtype"), "FP8: producer warps 1..3 transpose each V tile into "
+                                        "V^T (K-major bytes, keys in the order of P's e4m3 A fragments) for P V")
     return make_plan(spec, Family.HOPPER, template, consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
