@@ -202,3 +202,50 @@ def test_block_dequantization_indexes_rows_by_tile():
     for h in range(2):
         for row in range(300):
             np.testing.assert_array_equal(out[0, h, row], decode_e4m3(raw[0, h, row]) * descale[0, h, row // 128])
+
+
+# -- quantize_fp8's NumPy model ---------------------------------------------------------------------------------
+from tiledsl.reference.fp8 import E4M3_MAX, e4m3_values, encode_e4m3, hadamard_signs, quantize_model, rotate_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotation_is_orthogonal_and_its_inverse_exact(d):
+    r = rotate_rows(np.eye(d, dtype=np.float32), hadamard_signs(d, seed=3)).astype(np.float64)
+    gram = r @ r.T
+    if d in (64, 256):   # entries +-1/8, +-1/16: every product and sum is exact
+        np.testing.assert_array_equal(gram, np.eye(d))
+    else:
+        np.testing.assert_allclose(gram, np.eye(d), atol=1e-6)
+    rng = np.random.default_rng()
+    q, k = rng.standard_normal((5, d)).astype(np.float32), rng.standard_normal((7, d)).astype(np.float32)
+    signs = hadamard_signs(d, seed=11)
+    np.testing.assert_allclose(rotate_rows(q, signs) @ rotate_rows(k, signs).T, q @ k.T, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(hadamard_signs(d, 1), hadamard_signs(d, 2))
+
+
+def test_e4m3_encoding_round_trips_and_rounds_to_nearest_even():
+    values = e4m3_values()
+    finite = ~np.isnan(values)
+    np.testing.assert_array_equal(encode_e4m3(values[finite]), np.arange(256)[finite])
+    assert list(encode_e4m3(np.array([1e4, -1e4, 2.0 ** -10, 1.5 * 2.0 ** -9]))) == [0x7E, 0xFE, 0x00, 0x02]
+
+
+@pytest.mark.parametrize("block, per_tensor", [(None, False), (128, False), (None, True)])
+def test_quantize_model_scales_and_bytes(block, per_tensor):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 4, 300, 64)) * 3).astype(np.float32)
+    raw, descale = quantize_model(x, block, kv_heads=2, per_tensor=per_tensor)
+    if per_tensor:
+        assert descale.shape == (1,) and descale[0] == np.float32(np.abs(x).max() / np.float32(E4M3_MAX))
+        back = e4m3_values()[raw] * descale[0]
+    elif block is None:
+        assert descale.shape == (2, 2)
+        back = e4m3_values()[raw] * np.repeat(descale, 2, axis=1)[:, :, None, None]
+    else:
+        assert descale.shape == (2, 4, 3)
+        back = dequantize_blocks(raw, descale, block)
+    assert (raw & 0x7F).max() == 0x7E   # every group's largest value lands on 448
+    # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 relative for normals, 2^-10 descales below them
+    err = np.abs(back - x)
+    bound = np.maximum(np.abs(x) / 16, 2.0 ** -10 * (descale.max()))
+    assert (err <= bound * (1 + 1e-6)).all()
