@@ -37,6 +37,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
            "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
-           "varlen_attention", "quantize_fp8", "PagedAttention", "VarlenAttention", "check_errors", "spec_for", "compile",
+           "varlen_attention", "quantize_fp8",
+           "PagedAttention", "VarlenAttention", "check_errors", "spec_for", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

@@ -1,4 +1,5 @@
-"""tiledsl.quantize_fp8 (beside dispatch: it reads the reference's rotation signs): Q, K, V (16-bit PyTorch tensors, (batch, heads, seqlen, d)) -> e4m3 tensors and float32
+"""tiledsl.quantize_fp8 (in dispatch: it reads the reference's rotation signs): Q, K, V (16-bit PyTorch
+tensors, (batch, heads, seqlen, d)) -> e4m3 tensors and float32
 descales for FP8 attention, one kernel per tensor (templates/quantize_fp8.cuh, compiled by CuPy's NVRTC).
 
 Per block (block = rows, or (Q's rows, K's and V's rows): the FP8 kernel's tiles) each block's rows are read once
@@ -12,6 +13,7 @@ reference/fp8.quantize_model and rotate_rows compute the same bytes and descales
 from __future__ import annotations
 
 import functools
+
 import numpy as np
 
 from ..errors import RuntimeInputError
@@ -92,8 +94,10 @@ def _quantize(t, block_rows: int | None, group: int, signs):
         descale = torch.empty((1,) if group == 0 else (batch, heads // group), dtype=torch.float32, device=t.device)
     absmax = torch.zeros(descale.shape, dtype=torch.int32, device=t.device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
-    signs_ptr = signs.data_ptr() if signs is not None else 0
-    common = (t.data_ptr(), out.data_ptr(), descale.data_ptr(), absmax.data_ptr(), signs_ptr, np.int32(n),
+    pointer = np.uint64   # device addresses as 64-bit kernel arguments
+    signs_ptr = pointer(signs.data_ptr() if signs is not None else 0)
+    common = (pointer(t.data_ptr()), pointer(out.data_ptr()), pointer(descale.data_ptr()), pointer(absmax.data_ptr()),
+              signs_ptr, np.int32(n),
               np.int32(heads), np.int32(group), np.int32(1 if block_rows else 0), np.int64(t.stride(0)),
               np.int64(t.stride(1)), np.int64(t.stride(2)))
     if n and batch and heads:
@@ -102,7 +106,8 @@ def _quantize(t, block_rows: int | None, group: int, signs):
             if not block_rows:
                 count = descale.numel()
                 module.get_function("descales_from_absmax")((-(-count // 128),), (128,),
-                                                            (absmax.data_ptr(), descale.data_ptr(), np.int32(count)))
+                                                            (pointer(absmax.data_ptr()), pointer(descale.data_ptr()),
+                                                             np.int32(count)))
                 kernel((tiles, heads, batch), (256,), common + (np.int32(2),))
     elif not block_rows:
         descale.fill_(1.0)
