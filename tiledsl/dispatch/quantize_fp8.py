@@ -1,6 +1,6 @@
 """tiledsl.quantize_fp8 (in dispatch: it reads the reference's rotation signs): Q, K, V (16-bit PyTorch
 tensors, (batch, heads, seqlen, d)) -> e4m3 tensors and float32
-descales for FP8 attention, one kernel per tensor (templates/quantize_fp8.cuh, compiled by CuPy's NVRTC).
+descales for FP8 attention, one kernel per tensor (templates/quantize_fp8.cu, compiled by CuPy's NVRTC).
 
 Per block (block = rows, or (Q's rows, K's and V's rows): the FP8 kernel's tiles) each block's rows are read once
 from HBM: the absmax pass and the quantizing pass run in the same thread block, the second from L2. Per head
@@ -26,7 +26,7 @@ PASS_ROWS = 64               # rows a thread block covers where the descale grou
 
 def _template() -> str:
     from ..codegen.render import template_dir
-    return (template_dir() / "quantize_fp8.cuh").read_text()
+    return (template_dir() / "quantize_fp8.cu").read_text()
 
 
 @functools.lru_cache(maxsize=None)
