@@ -225,7 +225,7 @@ def test_spec_errors_render_file_line_column_and_caret(write_spec):
     assert lines[0] == f"{path}:3:13: error: unknown dtype 'bf61'; did you mean 'bf16'?"
     assert lines[1] == "    3 |     dtype = bf61"
     assert lines[2] == "                    ^^^^"
-    assert lines[3] == "  hint: dtype is one of: fp16, bf16, fp32"
+    assert lines[3] == "  hint: dtype is one of: fp16, bf16, fp32, e4m3"
 
 
 # ---- spaces -----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ _LAZY = {"load_specs": "frontend.parse", "parse_file": "frontend.parse", "parse_
          "paged_attention": "serving.paged", "varlen_attention": "serving.varlen",
          "attention_backward": "dispatch.backward", "PagedAttention": "serving.plan",
          "VarlenAttention": "serving.plan", "check_errors": "runtime.device_errors",
-         "spec_for": "api"}
+         "spec_for": "api", "quantize_fp8": "dispatch.quantize_fp8"}
 
 
 def __getattr__(name: str):
@@ -37,6 +37,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["AUTO", "Axis", "CopyVia", "DType", "Family", "KernelSpec", "LoopOrder", "Mask", "Mma", "Problem",
            "Schedule", "Span", "SpecSpace", "Kernel", "attention", "attention_backward", "paged_attention",
-           "varlen_attention", "PagedAttention", "VarlenAttention", "check_errors", "spec_for", "compile",
+           "varlen_attention", "quantize_fp8",
+           "PagedAttention", "VarlenAttention", "check_errors", "spec_for", "compile",
            "load_specs", "parse_file", "parse_text",
            "SpecError", "RuntimeInputError", "LaunchError", "__version__"]

@@ -14,7 +14,8 @@ from .spec import Mask
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
               validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
-              document_bounds=None, score_mod=None, mask_mod=None, aux=None):
+              document_bounds=None, score_mod=None, mask_mod=None, aux=None, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -32,6 +33,12 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     float8_e4m3fn k and v are an FP8 KV cache (decode only: seqlen_q <= 16), dequantized on chip with
     `k_scale` / `v_scale` (float32 (kv_heads,) tensors, or Python floats / 1-element tensors; None:
     1.0); that path is forward-only (no autograd).
+
+    float8_e4m3fn q, k and v are FP8 attention (the hopper family's e4m3 kernels, head dims 64, 128, 256):
+    `q_descale`, `k_descale`, `v_descale` are float32 (value = byte * descale): one value each, (batch, kv_heads)
+    each (FlashAttention-3's convention; Q's shared by its kv head's query heads), or per tile ((batch, heads,
+    q tiles) and (batch, kv_heads, kv tiles) of the kernel's 128-query / 128-key tiles, 64 keys at d256), as
+    tiledsl.quantize_fp8 makes them; None: 1.0. O is `out_dtype` (bf16 or fp16, default bf16); forward only.
 
     `validate=True` checks kv_lens on the host first (a sync; runtime/index_checks.py says when the
     default does). The first call of a configuration picks and loads the kernel and prepares its
@@ -62,6 +69,14 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
             return (out, lse) if return_lse else out
     if _entry is None:
         _load_entry_points()
+    if "float8" in str(getattr(q, "dtype", "")):
+        out, lse = _entry.tuned.fp8_forward(q, k, v, causal, window, scale, kv_lens, q_descale, k_descale, v_descale,
+                                            out_dtype, validate)
+        return (out, lse) if return_lse else out
+    if any(x is not None for x in (q_descale, k_descale, v_descale, out_dtype)):
+        from .errors import RuntimeInputError
+        raise RuntimeInputError("attention: q_descale, k_descale, v_descale and out_dtype are for FP8 attention "
+                                f"(float8_e4m3fn q, k, v); q is {getattr(q, 'dtype', type(q).__name__)}")
     if type(q).__module__.startswith("torch") and k_scale is None and v_scale is None and \
             "float8" not in str(k.dtype):
         return _entry.autograd.torch_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic,

@@ -31,7 +31,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .spec import KV_DTYPES, Axis, CopyVia, DType, Family, KernelSpec, LoopOrder, Mma, SeqLayout
+from .spec import KV_DTYPES, Axis, CopyVia, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
 
@@ -93,7 +93,8 @@ FAMILIES = (
     # TMA tensor maps, persistent launch
     Row(Family.HOPPER, Mma.WGMMA, hopper_layout, "lower.hopper:lower_hopper", "hopper.cu.j2",
         "runtime.hopper:HopperKernel",
-        (Serving(VARLEN, "runtime.varlen:VarlenHopperKernel", "hopper_varlen.cu.j2"),)),
+        (Serving(VARLEN, "runtime.varlen:VarlenHopperKernel", "hopper_varlen.cu.j2"),),
+        TEMPLATE_DTYPES + (DType.E4M3,)),   # e4m3: FP8 Q, K, V (templates/hopper_fp8.cuh)
 )
 
 # Families with at least one template, in table order (what `compile --skip-unsupported` keeps).
@@ -138,7 +139,8 @@ def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     mods = spec.problem.mods
     if not mods.active:
         return None
-    built = BUILT_MODS.get(spec.family, ()) if spec.problem.seq_layout is SeqLayout.BATCHED else ()
+    batched_16bit = spec.problem.seq_layout is SeqLayout.BATCHED and not spec.problem.fp8   # FP8: none built yet
+    built = BUILT_MODS.get(spec.family, ()) if batched_16bit else ()
     config = {key: value for key, value in mods.config().items() if key not in built}
     if not config:
         return None
@@ -177,6 +179,9 @@ def feature_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
     if p.kv_dtype is not None and p.dtype not in (DType.FP16, DType.BF16):
         return ("kv_dtype", f"an FP8 KV cache is dequantized to fp16 or bf16 on chip; dtype is {p.dtype.value}",
                 "write `dtype = bf16` or `dtype = fp16`")
+    refusal = _fp8_refusal(spec)
+    if refusal:
+        return refusal
     if s.split_kv != 1 and not f.split_kv:
         takers = _names(g for g, feat in FEATURES.items() if feat.split_kv)
         return ("split", f"split kv = {s.split_kv} is only for the {takers} family; this kernel is {fam.value}",
@@ -213,6 +218,34 @@ def feature_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
     if refusal:
         return (refusal[0], missing_template(spec), f"remove `{refusal[0]}`, or use a family whose template reads it "
                 "(the README's family table)")
+    return None
+
+
+def _fp8_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
+    """(key, why, hint) for FP8 attention (dtype = e4m3) where its one template does not take a setting, or for
+    FP8's own settings on 16-bit inputs."""
+    p, s = spec.problem, spec.schedule
+    if not p.fp8:
+        for key, value in (("out_dtype", p.out_dtype), ("descale", p.descale)):
+            if value is not None:
+                return (key, f"{key} belongs to FP8 attention (dtype = e4m3); this kernel's inputs are "
+                        f"{p.dtype.value}", f"write `dtype = e4m3`, or remove `{key}`")
+        return None
+    hopper = "add `warpgroups producer 1 regs 32, consumer 2 regs 232` and `pipeline 2 stages via tma` (hopper)"
+    if spec.family is not Family.HOPPER:
+        return ("dtype", f"dtype = e4m3 (FP8 Q, K and V on e4m3 wgmma) is only for the hopper family; this kernel "
+                f"is {spec.family.value}", hopper + ", or write `dtype = bf16`")
+    if p.kv_dtype is not None:
+        return ("kv_dtype", "dtype = e4m3 stores K and V in e4m3 already", "remove `kv_dtype`")
+    if p.seq_layout is not SeqLayout.BATCHED:
+        return ("layout", f"FP8 attention reads batched sequences; layout = {p.seq_layout.value} has no e4m3 "
+                "template yet", "remove `layout`, or write `dtype = bf16`")
+    if s.launch is LaunchKind.DYNAMIC:
+        return ("launch", "FP8 attention's producer transposes V for the items it walks by itself; `launch "
+                "dynamic` hands items out at run time", "write `launch persistent` or `launch grid`")
+    if s.intra_overlap:
+        return ("overlap", "the FP8 kernel runs its two GEMMs in order: intra-warpgroup overlap has no e4m3 "
+                "template yet", "write `overlap pingpong`, or remove `overlap`")
     return None
 
 

@@ -19,7 +19,7 @@ from .mods.model import NO_MODS, Modifications
 # score and mask modifications (mods/model.py), besides `mask`'s built-in terms.
 MOD_KEYS = ("softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
-                "kv_scale") + MOD_KEYS
+                "kv_scale", "out_dtype", "descale") + MOD_KEYS
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant", "launch")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq", "warpgroups")
@@ -50,7 +50,7 @@ class DType(Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
-    E4M3 = "e4m3"      # storage only: an FP8 KV cache (kv_dtype), dequantized on chip
+    E4M3 = "e4m3"      # FP8: Q, K, V of the hopper family (dtype), or a decode KV cache (kv_dtype)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ DTYPES = {
     # DLPack kDLFloat8_e4m3fn (code 10); NumPy and CuPy have no e4m3: the bytes travel as uint8.
     DType.E4M3: DTypeInfo("__nv_fp8_e4m3", 1, "e4m3", "float8_e4m3fn", "uint8", "uint8", (10, 8), None),
 }
-COMPUTE_DTYPES = (DType.FP16, DType.BF16, DType.FP32)   # what `dtype =` takes; E4M3 only stores a KV cache
+COMPUTE_DTYPES = (DType.FP16, DType.BF16, DType.FP32, DType.E4M3)   # what `dtype =` takes (families say which run)
+OUT_DTYPES = (DType.BF16, DType.FP16)                    # what `out_dtype =` takes: FP8 attention's output
 KV_DTYPES = (DType.E4M3,)                                # what `kv_dtype =` takes (besides the spec's dtype)
 # Shorthands for the two columns most readers need (views of DTYPES, not separate facts).
 DTYPE_BYTES = {dtype: info.bytes for dtype, info in DTYPES.items()}
@@ -91,6 +92,13 @@ class KvScale(Enum):
     """The granularity of an FP8 KV cache's dequantization scales (float32, one K and one V scale)."""
     PER_HEAD = "per_head"       # (kv_heads,) each
     PER_TENSOR = "per_tensor"   # one each
+
+
+class Descale(Enum):
+    """The granularity of FP8 attention's float32 descales (`descale =`): value = e4m3 byte * descale."""
+    PER_TENSOR = "per_tensor"   # one each for Q, K and V
+    PER_HEAD = "per_head"       # (batch, kv_heads) each, FlashAttention-3's q_descale / k_descale / v_descale
+    PER_BLOCK = "per_block"     # one per Q tile of (batch, head) and one per K / V tile of (batch, kv head)
 
 
 class SeqLayout(Enum):
@@ -176,6 +184,9 @@ class Problem:
     seq_layout: SeqLayout = SeqLayout.BATCHED
     kv_dtype: DType | None = None        # K/V storage type (E4M3: FP8 decode cache); None: dtype
     kv_scale: KvScale | None = None      # with kv_dtype = e4m3: the scales' granularity
+    # FP8 attention (dtype = e4m3): the output type (None: bf16) and the descales' granularity (None: per head).
+    out_dtype: DType | None = None
+    descale: Descale | None = None
     # Score and mask modifications (softcap, ALiBi, sinks, document / prefix / block masks, dropout,
     # score_mod, mask_mod): in config, hash and kernel name only when any is set.
     mods: Modifications = NO_MODS
@@ -185,6 +196,21 @@ class Problem:
         return self.kv_dtype is DType.E4M3
 
     @property
+    def fp8(self) -> bool:
+        """FP8 attention: Q, K and V are e4m3 (with descales), O is out_dtype."""
+        return self.dtype is DType.E4M3
+
+    @property
+    def output_dtype(self) -> DType:
+        """The type O is written in: out_dtype, bf16 for FP8 attention, else the dtype."""
+        return self.out_dtype or (DType.BF16 if self.fp8 else self.dtype)
+
+    @property
+    def descales(self) -> Descale | None:
+        """FP8 attention's descale granularity (per head unless the spec says), None for 16-bit inputs."""
+        return (self.descale or Descale.PER_HEAD) if self.fp8 else None
+
+    @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim_qk)
 
@@ -192,7 +218,8 @@ class Problem:
 KV_PAGE_SIZES = tuple(1 << i for i in range(9))   # keys per page, 1..256: a key's page and slot are a shift and a mask
 
 # Problem fields left out of config() (and so of the hash) while they hold these defaults.
-SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED, "kv_dtype": None, "kv_scale": None}
+SERVING_DEFAULTS = {"kv_page_size": None, "seq_layout": SeqLayout.BATCHED, "kv_dtype": None, "kv_scale": None,
+                    "out_dtype": None, "descale": None}
 
 
 @dataclass(frozen=True)
@@ -366,6 +393,10 @@ def kernel_name(spec: KernelSpec) -> str:
         parts.append("varlen")
     if p.kv_dtype is not None:
         parts.append(f"kv{p.kv_dtype.value}" + ("h" if p.kv_scale is KvScale.PER_HEAD else "t"))
+    if p.fp8:
+        parts.append({Descale.PER_TENSOR: "dst", Descale.PER_HEAD: "dsh", Descale.PER_BLOCK: "dsb"}[p.descales])
+    if p.out_dtype is not None:
+        parts.append(f"o{p.out_dtype.value}")
     parts += [f"q{s.tile_q}", f"kv{s.tile_kv}"]
     if fam is Family.HOPPER:
         parts += [f"p{s.producer_warpgroups}r{s.producer_regs}", f"c{s.consumer_warpgroups}r{s.consumer_regs}"]

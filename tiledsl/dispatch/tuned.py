@@ -271,3 +271,75 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
     if not found and kernel.spec.family is not Family.DECODE:
         _hint_once((arch.rstrip("a"), kernel.spec.problem), arch, kernel.spec)
     return kernel.prepare_call((q, k, v, kv_lens, None, None), validate=validate), False
+
+
+# FP8 prefill (dtype = e4m3): the first spill-free schedule per head dim, not yet tuned on the GPU (bench/NOTES.md
+# will say when it is). The producer keeps 32 registers for its V-transposing warps, the consumers 232 each; d256
+# takes kv tiles of 64 (two stages of K, V, V^T and O's staging fit 227 KB). Per-block descales are one per tile.
+def fp8_schedule(tile_kv: int) -> Schedule:
+    return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA,
+                    producer_warpgroups=1, producer_regs=32, consumer_warpgroups=2, consumer_regs=232)
+
+
+TUNED_FP8: dict[tuple[str, int], Schedule] = {("sm_90", 64): fp8_schedule(128), ("sm_90", 128): fp8_schedule(128),
+                                              ("sm_90", 256): fp8_schedule(64)}
+
+
+def fp8_descale_kind(q_descale, k_descale, v_descale):
+    """The granularity FP8 attention's descales have: 3-d -> per block, (batch, kv_heads) of more than one value ->
+    per head, else (one value each, or None: 1.0) per tensor."""
+    from ..spec import Descale
+    shapes = [tuple(getattr(x, "shape", ())) for x in (q_descale, k_descale, v_descale) if x is not None]
+    if any(len(s) == 3 for s in shapes):
+        return Descale.PER_BLOCK
+    if any(len(s) == 2 and s[0] * s[1] > 1 for s in shapes):
+        return Descale.PER_HEAD
+    return Descale.PER_TENSOR
+
+
+def fp8_spec(arch: str, head_dim: int, mask: Mask, window, scale, descale, out_dtype: DType) -> KernelSpec:
+    """The FP8 prefill spec of a call: TUNED_FP8's schedule for the head dim; RuntimeInputError where there is none."""
+    from ..errors import RuntimeInputError
+    from ..spec import Descale
+    schedule = TUNED_FP8.get((arch.rstrip("a"), head_dim))
+    if schedule is None:
+        raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) q, k, v run on the hopper family (sm_90) at head dims "
+                                f"{', '.join(str(d) for _, d in TUNED_FP8)}; got head dim {head_dim} on {arch}")
+    problem = Problem(head_dim, head_dim, DType.E4M3, mask, window_left=window[0] if window else 0,
+                      window_right=window[1] if window else 0, softmax_scale=scale,
+                      out_dtype=None if out_dtype is DType.BF16 else out_dtype,
+                      descale=None if descale is Descale.PER_HEAD else descale)
+    return KernelSpec(f"tuned_fp8_d{head_dim}_{mask.value}", problem, schedule)
+
+
+def fp8_forward(q, k, v, causal: bool = False, window=None, scale=None, kv_lens=None, q_descale=None, k_descale=None,
+                v_descale=None, out_dtype=None, validate: bool | None = None):
+    """(O, LSE) of FP8 attention: float8_e4m3fn q, k, v (batch, heads, seqlen, d) with float32 descales
+    (runtime/fp8_descales.py: per tensor, per (batch, kv head), or per tile: tiledsl.quantize_fp8), O in `out_dtype`
+    (bf16 or fp16; None: bf16)."""
+    from ..errors import RuntimeInputError
+    from ..runtime.arguments import mask_arguments
+    from ..runtime.device import device_arch
+    from ..runtime.tensors import view
+    out_dtype = DType.BF16 if out_dtype is None else DType(str(out_dtype).removeprefix("torch.").replace(
+        "bfloat16", "bf16").replace("float16", "fp16"))
+    if out_dtype not in (DType.BF16, DType.FP16):
+        raise RuntimeInputError(f"attention: out_dtype of FP8 attention is bf16 or fp16, got {out_dtype.value}")
+    key = ("fp8", signature(q), signature(k), signature(v), signature(kv_lens), signature(q_descale),
+           signature(k_descale), signature(v_descale), causal, window, scale, out_dtype, validate)
+    call = _calls.get(key)
+    if call is None:
+        mask, window, scale = mask_arguments("attention", causal, window, scale)
+        views = [view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+        for t in views:
+            if t.dtype is not DType.E4M3:
+                raise RuntimeInputError(f"attention: FP8 attention takes float8_e4m3fn q, k and v; {t.name} is "
+                                        f"{getattr(t.dtype, 'value', t.dtype)}")
+            if len(t.shape) != 4:
+                raise RuntimeInputError(f"attention: {t.name} must be 4-d (batch, heads, seqlen, head_dim), got "
+                                        f"{t.shape}")
+        kind = fp8_descale_kind(q_descale, k_descale, v_descale)
+        kernel = kernel_for(fp8_spec(device_arch(), views[0].shape[-1], mask, window, scale, kind, out_dtype))
+        tensors = (q, k, v, kv_lens, None, None, q_descale, k_descale, v_descale)
+        call = _calls.put(key, kernel.prepare_call(tensors, validate=validate))
+    return call(q, k, v, kv_lens, None, None, q_descale, k_descale, v_descale)

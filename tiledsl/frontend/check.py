@@ -22,6 +22,7 @@ from ..spec import (
     COMPUTE_DTYPES,
     KV_DTYPES,
     KV_PAGE_SIZES,
+    OUT_DTYPES,
     MAX_SPLIT_KV,
     MAX_TILE,
     MAX_WINDOW,
@@ -30,6 +31,7 @@ from ..spec import (
     SCHEDULE_KEYS,
     Axis,
     CopyVia,
+    Descale,
     DType,
     ItemOrder,
     KernelSpec,
@@ -228,6 +230,7 @@ class _Checker:
             fields["seq_layout"] = self.word(self.setting_word(nodes["layout"]), "layout",
                                              {layout.value: layout for layout in SeqLayout})
         fields.update(self.kv_storage(nodes, fields.get("dtype", DType.BF16)))
+        fields.update(self.fp8_inputs(nodes, fields.get("dtype", DType.BF16)))
         fields.update(check_mods.problem_fields(self, nodes))   # score and mask modifications
         return Problem(**fields)
 
@@ -249,6 +252,24 @@ class _Checker:
             fields["kv_scale"] = scale
         elif "kv_dtype" in fields:
             fields["kv_scale"] = KvScale.PER_HEAD
+        return fields
+
+    def fp8_inputs(self, nodes: dict, dtype: DType) -> dict:
+        """`out_dtype = bf16 | fp16` and `descale = per_tensor | per_head | per_block`, the output and the scales
+        of FP8 attention (dtype = e4m3). The defaults (bf16, per_head) set no field: name and hash stay."""
+        fields: dict[str, Any] = {}
+        for key, table, default in (("out_dtype", {d.value: d for d in OUT_DTYPES}, DType.BF16),
+                                    ("descale", {d.value: d for d in Descale}, Descale.PER_HEAD)):
+            if key not in nodes:
+                continue
+            word = self.setting_word(nodes[key])
+            value = self.word(word, key, table)
+            if dtype is not DType.E4M3:
+                what = "the output type" if key == "out_dtype" else "the descales' granularity"
+                self.fail(f"{key} is {what} of FP8 attention; this spec's inputs are {dtype.value}", word.span,
+                          f"add `dtype = e4m3` (the hopper family), or remove `{key}`")
+            if value is not default:
+                fields[key] = value
         return fields
 
     def setting_number(self, setting: ast.Setting) -> ast.Number:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 
 EXAMPLES = {
-    "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64", "dtype": "dtype = bf16",
+    "head_dim": "head_dim = 128", "head_dim_v": "head_dim_v = 64",
+    "dtype": "dtype = bf16   (fp16, fp32; e4m3: FP8 Q, K, V in the hopper family)",
     "mask": "mask = causal   (none | causal | window(left = 256, right = 0); & document, prefix(N), blocks(q = 128, "
             "kv = 128))",
     "scale": "scale = 0.125", "queries": "queries = 1",
@@ -13,6 +14,8 @@ EXAMPLES = {
     "layout": "layout = varlen   (or: batched, the default)",
     "kv_dtype": "kv_dtype = e4m3   (FP8 KV cache, decode only; default: the spec's dtype)",
     "kv_scale": "kv_scale = per_head   (or: per_tensor; with kv_dtype = e4m3)",
+    "out_dtype": "out_dtype = bf16   (or: fp16; the output of dtype = e4m3)",
+    "descale": "descale = per_head   (or: per_tensor, per_block; float32 descales of dtype = e4m3)",
     "order": "order q, kv   (or: kv, q)", "tile": "tile q = 128, kv = 64", "warps": "warps 4 along q",
     "pipeline": "pipeline 2 stages via cp.async", "warpgroups": "warpgroups producer 1 regs 24, consumer 2 regs 240",
     "overlap": "overlap pingpong, intra", "split": "split kv = 8   (or: kv = auto)",

@@ -138,12 +138,14 @@ def cp_async_pending(family: Family, stages: int, tile: str, prefetch_first: boo
 
 
 def qkv_buffers(spec: KernelSpec, tile_q: int, tile_kv: int, stages: int, q_row: int, v_row: int,
-                 round_to: int, panels: bool = False) -> list[Buffer]:
-    """Q once, then the K and V rings, each buffer starting on `round_to`."""
+                 round_to: int, panels: bool = False, element_bytes: int = 2) -> list[Buffer]:
+    """Q once, then the K and V rings, each buffer starting on `round_to` (panels of 1-byte elements: FP8's
+    swizzled rows of bytes)."""
     p = spec.problem
     if panels:
-        qk_text = v_text = f"wgmma {PANEL_COLUMNS}-col panels, 128 B swizzle"
-        qk_f = v_f = "{r}*{d}*2"
+        qk_text = v_text = (f"wgmma {PANEL_COLUMNS}-col panels, 128 B swizzle" if element_bytes == 2
+                            else "rows of bytes, swizzled")
+        qk_f = v_f = "{r}*{d}*" + str(element_bytes)
     else:
         qk_text, v_text = row_text(p.head_dim_qk), row_text(p.head_dim_v)
         qk_f = row_formula("{r}", "{d}", p.head_dim_qk)

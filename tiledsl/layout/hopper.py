@@ -11,12 +11,27 @@ HOPPER_CONSUMER_OVERHEAD = 16   # a consumer keeps loop state and barrier addres
 WORK_ITEM_BYTES = 8             # launch dynamic: the shared slot through which the producer names the next item
 
 
-def hopper_barriers(stages: int) -> int:
-    """mbarriers of the hopper kernel: Q full and empty, then K and V full and empty per stage."""
-    return 2 + 4 * stages
+def hopper_barriers(stages: int, transposes_v: bool = False) -> int:
+    """mbarriers of the hopper kernel: Q full and empty, then K and V full and empty per stage, and with FP8
+    inputs V^T full per stage (the producer's transposing warps have written V's K-major copy)."""
+    return 2 + (5 if transposes_v else 4) * stages
+
+
+# FP8 wgmma reads both operands K-major from shared memory in swizzled rows of 128 bytes, or of 64 where an
+# operand's K extent is 64 bytes (head dim 64; a kv tile of 64 keys in V^T). FP8_K_BYTES: one k32 step.
+FP8_SWIZZLES = (128, 64)
+FP8_K_BYTES = 32
+FP8_TRANSPOSERS = 3   # producer warps 1..3 transpose V (warp 0's first lane issues the TMA copies)
+
+
+def fp8_swizzle(row_bytes: int) -> int:
+    """The swizzle width (bytes) of an FP8 operand whose K-major rows hold `row_bytes`; 0: none fits."""
+    return next((w for w in FP8_SWIZZLES if row_bytes % w == 0 and (w == 128 or row_bytes == w)), 0)
 
 
 def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
+    if spec.problem.fp8:
+        return hopper_fp8_layout(spec, limits)
     p, s = spec.problem, spec.schedule
     consumers = s.consumer_warpgroups
     require(p.head_dim_qk % PANEL_COLUMNS == 0 and p.head_dim_v % PANEL_COLUMNS == 0 and p.head_dim_v <= p.head_dim_qk,
@@ -63,3 +78,46 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
                   launch_registers=entry_registers(limits, threads),
                   stages=s.stages, rows_per_warp=16, keys_per_warp=s.tile_kv)
+
+
+def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
+    """FP8 inputs (dtype = e4m3): Q, K and V land by TMA in swizzled K-major rows of bytes; the producer's
+    transposing warps copy each V tile into V^T (rows of dv, keys along K), which FP8 wgmma needs as P V's B
+    operand; O (16-bit) is staged in its own panels, as wide as Q's and K's bytes are narrow."""
+    p, s = spec.problem, spec.schedule
+    consumers = s.consumer_warpgroups
+    d, dv, bc = p.head_dim_qk, p.head_dim_v, s.tile_kv
+    require(fp8_swizzle(d) and fp8_swizzle(dv) and dv <= d, spec, "head_dim",
+            f"FP8 wgmma reads rows of 64 or a multiple of 128 bytes: head dims 64, 128, 256 (head_dim_v <= head_dim), "
+            f"got {d}/{dv}", "head_dim = 64, 128 or 256")
+    require(bc <= TMA_BOX_MAX and fp8_swizzle(bc), spec, "tile",
+            f"tile kv = {bc}: V^T's rows hold the tile's keys as bytes, 64 or a multiple of 128 (at most "
+            f"{TMA_BOX_MAX}: a TMA box)", "tile kv = 64 or 128")
+    require(s.tile_q == WGMMA_ROWS * consumers and s.tile_q <= TMA_BOX_MAX, spec, "tile",
+            f"tile q = {s.tile_q}: each of the {consumers} consumer warpgroups owns {WGMMA_ROWS} query rows, and Q's "
+            f"TMA box holds at most {TMA_BOX_MAX}", f"use tile q = {WGMMA_ROWS * consumers}")
+    over = setmaxnreg_refusal(limits, s.producer_warpgroups, s.producer_regs, consumers, s.consumer_regs)
+    require(not over, spec, "warpgroups", over)
+    threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
+    buffers = qkv_buffers(spec, s.tile_q, bc, s.stages, d, dv, SWIZZLE_ATOM, panels=True, element_bytes=1)
+    end = buffers_end(buffers, SWIZZLE_ATOM)
+    vt_stage = dv * bc
+    buffers.append(Buffer("V^T", end, s.stages * vt_stage, SWIZZLE_ATOM, s.stages, vt_stage,
+                          f"K-major: dv rows of Bc key bytes, {fp8_swizzle(bc)} B swizzle",
+                          f"{s.stages}x dv*Bc = {s.stages}x {dv}*{bc}"))
+    end = buffers_end(buffers, SWIZZLE_ATOM)
+    o_bytes = s.tile_q * dv * 2
+    buffers.append(Buffer("O staging", end, o_bytes, SWIZZLE_ATOM, layout=f"wgmma {PANEL_COLUMNS}-col panels",
+                          formula=f"Br*dv*2 = {s.tile_q}*{dv}*2"))
+    barriers = hopper_barriers(s.stages, transposes_v=True)
+    bar_offset = end + o_bytes
+    buffers.append(Buffer("mbarriers", bar_offset, MBARRIER_BYTES * barriers, MBARRIER_BYTES,
+                          formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty, V^T full x "
+                                  f"{s.stages})"))
+    smem = bar_offset + MBARRIER_BYTES * barriers
+    registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
+                 Registers("S/P accumulator", bc // 2, f"Bc/2 = {bc}/2", True),
+                 Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
+    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
+                  launch_registers=entry_registers(limits, threads),
+                  stages=s.stages, rows_per_warp=16, keys_per_warp=bc)

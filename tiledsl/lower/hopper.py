@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..hw import PANEL_ROW_BYTES, WARPGROUP_THREADS
+from ..hw import PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS
 from ..layout.base import Layout
+from ..layout.hopper import FP8_K_BYTES, FP8_TRANSPOSERS, fp8_swizzle
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
 from ..mods.model import Modifications
-from ..spec import Family, KernelSpec, LaunchKind, SeqLayout
+from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
 from .steps import (INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters, smem_constants,
@@ -50,11 +51,25 @@ class HopperPlan(KernelPlan):
     softcap: bool = False
     alibi: bool = False
     sinks: bool = False
+    # FP8 inputs (dtype = e4m3; templates/hopper_fp8.cuh): the producer's warps 1.. transpose each V tile into
+    # V^T; the consumers read the descales (q_descale, k_descale, v_descale) per item or per tile.
+    p_fragments: str = "C::BC / 16"     # A fragments of P: one per k16 (16-bit) or k32 (e4m3) step of the tile
+    qk_panel_columns: int = 64          # elements of one row of a Q / K TMA box (a swizzled panel row)
+    v_panel_columns: int = 64
+    v_slot_free: str = "v_empty"        # the barrier whose phase frees V's ring slot for the producer's next copy
+    v_ready: str = "v_full"             # the barrier a consumer waits on before O += P V reads the stage
+    pv_operand: str = "v"               # the Shared buffer P V's B operand is read from (FP8: V^T)
+    q_row_bytes: int = PANEL_ROW_BYTES  # bytes of one swizzled Q row: a consumer's 64 rows start 64 of them in
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
 HOPPER_SHARED = KV_SHARED + (O_SHARED, SharedBuffer("barriers", "BAR_OFFSET"))
 DYNAMIC_SHARED = HOPPER_SHARED + (SharedBuffer("work_item", "ITEM_OFFSET"),)   # `launch dynamic`: the item slot
+FP8_SHARED = HOPPER_SHARED + (SharedBuffer("vt", "VT_OFFSET", "VT_STAGE_BYTES"),)   # FP8: V^T's ring
+# P's largest weight after the softmax is 1; scaled by P_SCALE before its e4m3 conversion it uses e4m3's range
+# down to 2^-17 instead of flushing weights under 2^-9 to zero (448 is e4m3's largest value). O divides it out.
+FP8_P_SCALE = 256.0
+DESCALE_KIND = {Descale.PER_TENSOR: 0, Descale.PER_HEAD: 1, Descale.PER_BLOCK: 2}   # C::DESCALE (hopper_fp8.cuh)
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
@@ -140,6 +155,22 @@ def mod_constants(p) -> list[Constant]:
     return out
 
 
+# FP8 inputs: the float32 descales of Q, K and V (C::DESCALE says how the kernel indexes them).
+FP8_PARAMETERS = (parameters("const float* __restrict__", "q_descale", "k_descale", "v_descale"),)
+
+
+def fp8_plan_fields(spec: KernelSpec) -> dict:
+    """HopperPlan's fields for FP8 inputs: e4m3 wgmma (k32, no transpose bits: both operands K-major), the O type
+    as the kernel's 16-bit TILE_DTYPE, P's fragments per k32 step, boxes of bytes, V's slot freed by V^T."""
+    p, s = spec.problem, spec.schedule
+    return {"fp8_inputs": True, "dtype_ptx": DTYPE_PTX[p.output_dtype], "wgmma_k": 32,
+            "wgmma_inputs": f'"{DTYPE_PTX[p.dtype]}"', "wgmma_qk_tail": "", "wgmma_pv_tail": "",
+            "p_fragments": "C::BC / 32", "qk_panel_columns": fp8_swizzle(p.head_dim_qk),
+            "v_panel_columns": fp8_swizzle(p.head_dim_v), "v_slot_free": "vt_full", "v_ready": "vt_full",
+            "pv_operand": "vt", "q_row_bytes": fp8_swizzle(p.head_dim_qk),
+            "headers": ("hopper_fp8.cuh",)}
+
+
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
     """hopper.cu.j2's parameters: the TMA maps of Q, K, V (by value), O, LSE and the rest; packed
     sequences (hopper_varlen.cu.j2) read cu_seqlens and the host's work list instead of kv_lens and
@@ -156,6 +187,28 @@ def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parame
             + (parameters("int* __restrict__", "item_counter") if dynamic else ()))
 
 
+def fp8_constants(spec: KernelSpec, lay: Layout) -> list[Constant]:
+    """The sizes of FP8 inputs: swizzled rows of bytes for Q, K, V and V^T, V^T's ring and barrier, the transposing
+    threads, P's scale and the descales' granularity."""
+    p, s = spec.problem, spec.schedule
+    d, dv, bc = p.head_dim_qk, p.head_dim_v, s.tile_kv
+    vt = lay.buffer("V^T")
+    return [
+        Constant("QK_SWIZZLE", "int", fp8_swizzle(d), "bytes of one swizzled Q / K row (a TMA box row)"),
+        Constant("V_SWIZZLE", "int", fp8_swizzle(dv), "bytes of one swizzled V row as TMA lands it"),
+        Constant("VT_SWIZZLE", "int", fp8_swizzle(bc), "bytes of one swizzled V^T row: keys along K"),
+        Constant("K_BYTES", "int", FP8_K_BYTES, "bytes of K one e4m3 wgmma (k32) reads"),
+        Constant("VT_OFFSET", "u32", vt.offset, "V^T ring: dv rows of Bc key bytes per stage"),
+        Constant("VT_STAGE_BYTES", "u32", vt.stage_bytes),
+        Constant("VT_PANEL_BYTES", "u32", dv * fp8_swizzle(bc), "VT_SWIZZLE bytes of every V^T row"),
+        Constant("VT_FULL_BAR", "int", 2 + 4 * s.stages, "V^T of a stage written (the transposers' arrivals)"),
+        Constant("TRANSPOSERS", "int", FP8_TRANSPOSERS * WARP_THREADS, "producer threads that transpose V"),
+        Constant("P_SCALE", "float", FP8_P_SCALE, "P's weights scaled into e4m3's range before conversion"),
+        Constant("DESCALE", "int", DESCALE_KIND[p.descales], "descales: 0 per tensor, 1 per (batch, kv head), 2 per "
+                 "Q tile of (batch, head) and per K / V tile of (batch, kv head)"),
+    ]
+
+
 def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str,
                  empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
@@ -163,7 +216,9 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     bars = graph.barriers
     consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
     q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
-    panel_q, panel_kv = s.tile_q * PANEL_ROW_BYTES, s.tile_kv * PANEL_ROW_BYTES
+    fp8 = p.fp8
+    qk_row, v_row = (fp8_swizzle(p.head_dim_qk), fp8_swizzle(p.head_dim_v)) if fp8 else (PANEL_ROW_BYTES,) * 2
+    panel_q, panel_kv, panel_v = s.tile_q * qk_row, s.tile_kv * qk_row, s.tile_kv * v_row
     o_in_q = o.reuses == "Q"
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
@@ -188,7 +243,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("K_PANEL_BYTES", "u32", panel_kv),
         Constant("K_STAGE_BYTES", "u32", bars["k_full"].tx_bytes, "one K tile: transaction bytes of its full barrier"),
         Constant("V_OFFSET", "u32", v.offset),
-        Constant("V_PANEL_BYTES", "u32", panel_kv, "also the wgmma leading offset of V read transposed"),
+        Constant("V_PANEL_BYTES", "u32", panel_v, "V^T's source panels" if fp8
+                 else "also the wgmma leading offset of V read transposed"),
         Constant("V_STAGE_BYTES", "u32", bars["v_full"].tx_bytes, "one V tile: transaction bytes of its full barrier"),
         Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
         Constant("BAR_OFFSET", "u32", mbarriers.offset, "mbarriers"),
@@ -205,6 +261,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
         *mod_constants(p),
+        *(fp8_constants(spec, lay) if fp8 else ()),
     ]
     if s.launch is LaunchKind.DYNAMIC:
         consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
@@ -236,14 +293,18 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         "epilogue": Region(spec_line(spec, "order"),
                            "O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores"),
     }
+    if fp8:
+        regions["transpose_v"] = Region(spec_line(spec, "dtype"), "FP8: producer warps 1..3 transpose each V tile into "
+                                        "V^T (K-major bytes, keys in the order of P's e4m3 A fragments) for P V")
     return make_plan(spec, Family.HOPPER, template, consts, regions, body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
-                     shared=DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
+                     shared=FP8_SHARED if fp8 else DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
                      parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
-                     + mod_parameters(p.mods),
+                     + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
+                     **(fp8_plan_fields(spec) if fp8 else {}),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
                      sinks=p.mods.sinks,
                      launch_kind=s.launch.value if s.launch else "",

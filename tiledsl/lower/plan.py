@@ -200,6 +200,13 @@ class KernelPlan:
     mma: str = "mma.sync"     # the graph's MMA instruction: "mma.sync" | "wgmma"
     wgmma_qk: object = None   # wgmma only: lower_wgmma.WgmmaAsm of S = Q K^T (its n = the kv tile)
     wgmma_pv: object = None   # wgmma only: lower_wgmma.WgmmaAsm of O += P V (its n = head dim of v)
+    # wgmma's k, its input type (a C string: TILE_DTYPE's macro, or e4m3's literal) and the operands after the
+    # scale immediates (16-bit: QK's transpose bits of A and B, PV's of B; e4m3 takes none: both K-major)
+    wgmma_k: int = 16
+    fp8_inputs: bool = False   # e4m3 Q, K, V (hopper): templates/hopper_fp8.cuh spells the GEMMs and P's packing
+    wgmma_inputs: str = "TILE_DTYPE"
+    wgmma_qk_tail: str = ", 0, 0"
+    wgmma_pv_tail: str = ", 1"
     kv_load: KvLoad = KvLoad.of()  # how a kv tile's K and V reach their ring stage (KvLoad.scope: block | warp)
     # the constants struct attention.cuh's MMA / softmax helpers take ("W": one warp's key slice)
     mma_traits: str = "C"
@@ -233,13 +240,15 @@ def make_plan(spec: KernelSpec, family: Family, template: str, constants, region
               plan_class: type = None, **extra) -> KernelPlan:
     """A KernelPlan (or the family's subclass, `plan_class`) rendered by `template` (the family row's,
     handed to the lowering by families.lower), with the fields every family fills the same way (names,
-    hashes, the spec's lines and full config for the generated file's header)."""
+    hashes, the spec's lines and full config for the generated file's header). `dtype_ptx` in `extra`: a TILE_DTYPE
+    other than the inputs' (FP8 inputs: O's 16-bit type)."""
+    dtype_ptx = extra.pop("dtype_ptx", DTYPE_PTX[spec.problem.dtype])
     return (plan_class or KernelPlan)(
         kernel_name=kernel_name or spec.kernel_name, family=family.value, template=template,
         tiledsl_version=__version__, source_file=Path(spec.source_file).name,
         config_hash=spec.config_hash, spec_lines=spec_lines(spec),
         config_lines=tuple(json.dumps(spec.config(), indent=1, sort_keys=True).splitlines()),
-        dtype_ptx=DTYPE_PTX[spec.problem.dtype], constants=tuple(constants), regions=regions,
+        dtype_ptx=dtype_ptx, constants=tuple(constants), regions=regions,
         loop_body=tuple(loop_body), min_blocks_per_sm=min_blocks_per_sm, launch=launch,
         register_estimate=register_estimate, **extra,
     )

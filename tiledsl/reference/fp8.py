@@ -64,3 +64,106 @@ def attention_fp8(q, k_bytes, v_bytes, k_scale, v_scale, kv_lens=None, **mask):
         ob, lb = attend(q[b].transpose(1, 0, 2), k[b, :, :n].transpose(1, 0, 2), v[b, :, :n].transpose(1, 0, 2), **mask)
         o[b], lse[b] = ob.transpose(1, 0, 2), lb.T
     return o, lse
+
+
+def dequantize_blocks(raw, descale, block: int) -> np.ndarray:
+    """decode_e4m3(raw) * descale for raw (batch, heads, seqlen, d) and one descale per block of `block` rows
+    of a (batch, head): descale (batch, heads, ceil(seqlen / block))."""
+    values = decode_e4m3(raw)
+    descale = np.asarray(descale, dtype=np.float64)
+    rows = np.arange(values.shape[2]) // block
+    return values * descale[:, :, rows][..., None]
+
+
+def dequantize_descaled(raw, descale, block: int | None = None) -> np.ndarray:
+    """FP8 attention's dequantized input (batch, heads, seqlen, d) in float64: `descale` a float or one-element
+    array (per tensor), (batch, heads) (per head: FlashAttention-3's convention, Q's indexed by kv head and
+    broadcast here by the caller), or with `block` one per block of rows (dequantize_blocks)."""
+    if block is not None:
+        return dequantize_blocks(raw, descale, block)
+    values = decode_e4m3(raw)
+    descale = np.asarray(descale, dtype=np.float64)
+    if descale.size == 1:
+        return values * descale.reshape(-1)[0]
+    return values * descale[:, :, None, None]
+
+
+def prefill_attention_fp8(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, *, block_q: int | None = None,
+                          block_kv: int | None = None, kv_lens=None, mask="none", window_left: int = 0,
+                          window_right: int = 0, scale: float | None = None):
+    """Float64 attention of FP8 prefill inputs (batch, heads, seqlen, d) of e4m3 bytes, dequantized as the kernel
+    reads them: per tensor, per (batch, kv head) (q_descale too, shared by the kv head's query heads), or per
+    block (block_q rows of a query head, block_kv keys of a kv head). (o, lse) as naive_attention's."""
+    from .forward import naive_attention
+    heads, kv_heads = np.asarray(q_bytes).shape[1], np.asarray(k_bytes).shape[1]
+    q_descale = np.asarray(q_descale, dtype=np.float64)
+    if block_q is None and q_descale.ndim == 2 and q_descale.size > 1:   # (batch, kv heads) -> (batch, heads)
+        q_descale = np.repeat(q_descale, heads // kv_heads, axis=1)
+    q = dequantize_descaled(q_bytes, q_descale, block_q)
+    k = dequantize_descaled(k_bytes, k_descale, block_kv)
+    v = dequantize_descaled(v_bytes, v_descale, block_kv)
+    return naive_attention(q, k, v, mask, window_left, window_right, scale, kv_lens)
+
+
+# -- quantize_fp8's model (runtime/quantize_fp8.py computes the same in float32, in the same order) --------
+E4M3_MAX = 448.0
+
+
+def encode_e4m3(x) -> np.ndarray:
+    """float32 values -> e4m3 bytes, rounded to nearest (ties to even) and saturated at +-448 (cvt.rn.satfinite)."""
+    x = np.asarray(x, dtype=np.float64)
+    positive = _TABLE[:0x7F]   # bytes 0x00..0x7E: 0 .. 448, increasing
+    magnitude = np.minimum(np.abs(x), E4M3_MAX)
+    upper = np.clip(np.searchsorted(positive, magnitude), 1, 0x7E)
+    lower = upper - 1
+    below, above = magnitude - positive[lower], positive[upper] - magnitude
+    pick_upper = (above < below) | ((above == below) & (upper % 2 == 0))
+    code = np.where(magnitude >= positive[upper], upper, np.where(pick_upper, upper, lower)).astype(np.uint8)
+    return np.where(np.signbit(x), code | 0x80, code).astype(np.uint8)   # -0 and negatives under 2^-10: 0x80
+
+
+def hadamard_signs(head_dim: int, seed: int) -> np.ndarray:
+    """The random signs of the rotation diag(signs) H / sqrt(d) (float32 +-1), the same for Q and K."""
+    return np.where(np.random.default_rng(seed).random(head_dim) < 0.5, -1.0, 1.0).astype(np.float32)
+
+
+def rotate_rows(x, signs) -> np.ndarray:
+    """x (..., d) @ diag(signs) H / sqrt(d) in float32, the butterflies in the kernel's order (strides 1, 2, ...,
+    d/2; H the Sylvester Hadamard matrix, symmetric: the rotation's inverse is H diag(signs) / sqrt(d))."""
+    y = np.asarray(x, dtype=np.float32) * signs
+    d = y.shape[-1]
+    h = 1
+    while h < d:
+        pairs = y.reshape(y.shape[:-1] + (d // (2 * h), 2, h))
+        a, b = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = a + b, a - b
+        y = pairs.reshape(y.shape)
+        h *= 2
+    return y * np.float32(1.0 / np.sqrt(d))
+
+
+def quantize_model(x, block: int | None, kv_heads: int | None = None, per_tensor: bool = False):
+    """(e4m3 bytes, float32 descales) of x (batch, heads, seqlen, d) float32: descale = absmax / 448 (1 where a
+    group is all zero), byte = e4m3(x / descale). Groups: per tensor, per (batch, kv head) over its heads (kv_heads
+    of them; Q's heads share their kv head's), or per block of `block` rows of each (batch, head)."""
+    x = np.asarray(x, dtype=np.float32)
+    batch, heads, n, d = x.shape
+    if per_tensor:
+        absmax = np.abs(x).max(initial=0.0).reshape(1)
+        scale = _descale(absmax)
+        return encode_e4m3(x / scale[0]), scale
+    if block is None:
+        group = heads // (kv_heads or heads)
+        absmax = np.abs(x).reshape(batch, heads // group, group * n * d).max(axis=-1, initial=0.0)
+        scale = _descale(absmax)
+        return encode_e4m3(x / np.repeat(scale, group, axis=1)[:, :, None, None]), scale
+    tiles = -(-n // block)
+    padded = np.zeros((batch, heads, tiles * block, d), dtype=np.float32)
+    padded[:, :, :n] = np.abs(x)
+    scale = _descale(padded.reshape(batch, heads, tiles, block * d).max(axis=-1))
+    return encode_e4m3(x / np.repeat(scale, block, axis=2)[:, :, :n, None]), scale
+
+
+def _descale(absmax) -> np.ndarray:
+    absmax = np.asarray(absmax, dtype=np.float32)
+    return np.where(absmax > 0, absmax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)

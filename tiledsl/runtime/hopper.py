@@ -11,7 +11,8 @@ from .inputs import Shapes
 from .kernel import Kernel
 from .launch import CallBuilder, allocator, compact_strides, i32, pointer_arg, strides_args
 from ..spec import DType, ItemOrder, LaunchKind, Mask
-from .tensor_maps import map_arg
+from .fp8_descales import FP8_DESCALES, descale_views
+from .tensor_maps import e4m3_element, map_arg
 from .tensors import TensorView, view
 
 PERSISTENT_MASKED_TILES = 16
@@ -85,15 +86,24 @@ class HopperKernel(Kernel):
         # The aux tensors a call passes (aux={name: tensor}), after Kernel's CALL; geometric ALiBi slopes
         # are the host's, made once per device and head count.
         self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())
-        if self.aux_names:
-            self.CALL = type(self).CALL + self.aux_names
+        # FP8 inputs: the descales follow (runtime/fp8_descales.py); the modified kernels have no FP8 template
+        self.fp8_descales = FP8_DESCALES if spec.problem.fp8 else ()
+        if self.aux_names or self.fp8_descales:
+            self.CALL = type(self).CALL + self.aux_names + self.fp8_descales
 
-    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, validate: bool | None = None, aux=None):
-        return self.run_call((q, k, v, kv_lens, out, lse) + self.aux_tensors(aux), (validate,), validate=validate)
+    def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, validate: bool | None = None, aux=None,
+                 q_descale=None, k_descale=None, v_descale=None):
+        """`o, lse = kernel(q, k, v)`; an FP8 kernel (dtype = e4m3) takes float8_e4m3fn q, k, v and their float32
+        descales (runtime/fp8_descales.py)."""
+        tensors = (q, k, v, kv_lens, out, lse) + self.aux_tensors(aux) + self.descale_tensors(q_descale, k_descale,
+                                                                                              v_descale)
+        return self.run_call(tensors, (validate,), validate=validate)
 
-    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, aux=None, **options):
-        """Kernel.bind with the modifications' aux tensors."""
-        tensors = (q, k, v, kv_lens, out, lse) + self.aux_tensors(aux)
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, aux=None, q_descale=None, k_descale=None,
+             v_descale=None, **options):
+        """Kernel.bind with the modifications' aux tensors and FP8's descales."""
+        tensors = (q, k, v, kv_lens, out, lse) + self.aux_tensors(aux) + self.descale_tensors(q_descale, k_descale,
+                                                                                              v_descale)
         if out is None or lse is None:
             out, lse = self.prepare_call(tensors, immediate=True, **options).results
         tensors = (q, k, v, kv_lens, out, lse) + tensors[6:]
@@ -112,6 +122,16 @@ class HopperKernel(Kernel):
                                     f"{'not read by this kernel: ' + ', '.join(extra) if extra else ''} "
                                     f"(it reads: {wants})")
         return tuple(aux[n] for n in self.aux_names)
+
+    def descale_tensors(self, q_descale, k_descale, v_descale) -> tuple:
+        """FP8's descales in CALL order; descales handed to a 16-bit kernel are refused."""
+        if self.fp8_descales:
+            return (q_descale, k_descale, v_descale)
+        if any(x is not None for x in (q_descale, k_descale, v_descale)):
+            raise RuntimeInputError(f"{self.name}: q_descale / k_descale / v_descale are for FP8 inputs "
+                                    "(dtype = e4m3); "
+                                    f"this kernel reads {self.spec.problem.dtype.value} q, k, v")
+        return ()
 
     def mod_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
         """The launch arguments of lower/hopper.mod_parameters: each aux tensor checked (float32, contiguous,
@@ -177,13 +197,20 @@ class HopperKernel(Kernel):
         if q_tiles == 0 or pairs == 0:
             return
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
-        k_map, v_map = (map_arg(k, tile_kv), map_arg(v, tile_kv)) if shapes.kv_len else (map_arg(q, tile_q),) * 2
-        args = (map_arg(q, tile_q), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
+        p = self.spec.problem
+        qk_element, v_element = ((e4m3_element(p.head_dim_qk), e4m3_element(p.head_dim_v)) if p.fp8
+                                 else ("uint16", "uint16"))
+        k_map, v_map = ((map_arg(k, tile_kv, qk_element), map_arg(v, tile_kv, v_element)) if shapes.kv_len
+                        else (map_arg(q, tile_q, qk_element),) * 2)
+        args = (map_arg(q, tile_q, qk_element), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
         args += self.mod_args(b, shapes)
+        if p.fp8:
+            args += tuple(pointer_arg(t) for t in descale_views(b, len(self.CALL) - 3, p.descales, shapes, tile_q,
+                                                                tile_kv, self.name))
         persistent = self.launches_persistent(shapes)
         blocks = min(q_tiles * pairs, self.slots(b.device_id)) if persistent else q_tiles * pairs
         b.launch(self.function(b.device_id), (blocks, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,

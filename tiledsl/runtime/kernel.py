@@ -127,7 +127,7 @@ class Kernel:
         b.require_aligned(q, k, v)
         add_kv_lens_check(b, 3, shapes.kv_len, validate)
         p = self.spec.problem
-        o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
+        o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.output_dtype)
         lse = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
         return q, k, v, o, lse, kv_lens, shapes
 
@@ -159,7 +159,7 @@ class Kernel:
         qv, kv, vv, lens = (b.view(i) for i in range(4))
         shapes = self.check_inputs(qv, kv, vv, lens)
         p = self.spec.problem
-        ov = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.dtype)
+        ov = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.output_dtype)
         lv = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
         out, lse = b.results
         return (qv, kv, vv, ov, lv, lens), shapes, out, lse

@@ -28,9 +28,18 @@ def _driver():
 
 
 # Element types of the maps: 16-bit operands (the bits as uint16), and fp32 accumulators (the warp-specialized
-# backward's TMA reduce-add into dQ_accum, boxes of 32 columns: one 128-byte swizzled row).
-ELEMENTS = {"uint16": ("CU_TENSOR_MAP_DATA_TYPE_UINT16", ELEMENT_BYTES, PANEL_COLUMNS),
-            "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4, 32)}
+# backward's TMA reduce-add into dQ_accum, boxes of 32 columns: one 128-byte swizzled row), e4m3 operands as
+# bytes in 128-byte swizzled rows, or 64-byte ones where a row is 64 bytes (layout/hopper.fp8_swizzle).
+# Each: (data type, element bytes, box columns, swizzle mode).
+ELEMENTS = {"uint16": ("CU_TENSOR_MAP_DATA_TYPE_UINT16", ELEMENT_BYTES, PANEL_COLUMNS, "CU_TENSOR_MAP_SWIZZLE_128B"),
+            "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4, 32, "CU_TENSOR_MAP_SWIZZLE_128B"),
+            "e4m3": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1, 128, "CU_TENSOR_MAP_SWIZZLE_128B"),
+            "e4m3_64": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1, 64, "CU_TENSOR_MAP_SWIZZLE_64B")}
+
+
+def e4m3_element(row_bytes: int) -> str:
+    """The ELEMENTS key of an e4m3 operand whose rows (head dim) hold `row_bytes`."""
+    return "e4m3_64" if row_bytes == 64 else "e4m3"
 # Where a map of an array a prepared call allocates (no address yet: view pointer 0) is encoded; its address
 # word is rewritten per call like any other map's.
 PLACEHOLDER_ADDRESS = 1 << 40
@@ -40,7 +49,7 @@ def encode(t: TensorView, box_rows: int, address: int | None = None, element: st
     """The 16 words of `t`'s map with boxes of `box_rows` rows (at `address` instead of t.pointer
     when given: the encoder reads no memory, so any 16-byte aligned address encodes)."""
     cu = _driver()
-    data_type, element_bytes, box_columns = ELEMENTS[element]
+    data_type, element_bytes, box_columns, swizzle = ELEMENTS[element]
     batch, heads, rows, columns = t.shape
     dims = [columns, rows, heads, batch]
     strides = [t.strides[2] * element_bytes, t.strides[1] * element_bytes, t.strides[0] * element_bytes]
@@ -53,7 +62,7 @@ def encode(t: TensorView, box_rows: int, address: int | None = None, element: st
         [cu.cuuint32_t(box_columns), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
         [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(cu.CUtensorMapSwizzle, swizzle),
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:

@@ -80,6 +80,10 @@ def spec_to_dsl(spec: KernelSpec, name: str | None = None, comment: str = "") ->
         lines.append(f"    layout   = {p.seq_layout.value}")
     if p.kv_dtype is not None:   # an FP8 KV cache
         lines += [f"    kv_dtype = {p.kv_dtype.value}", f"    kv_scale = {p.kv_scale.value}"]
+    if p.out_dtype is not None:   # FP8 attention's output and descales (their defaults are left out)
+        lines.append(f"    out_dtype = {p.out_dtype.value}")
+    if p.descale is not None:
+        lines.append(f"    descale = {p.descale.value}")
     lines += ["    schedule {", f"        order    {s.order.value}",
               f"        tile     q = {s.tile_q}, kv = {s.tile_kv}"]
     if spec.family is Family.HOPPER:

@@ -1,0 +1,150 @@
+"""FP8 attention forward on the H200: accuracy (FA3's table) and speed, peers in the same run.
+
+    python bench/fp8_forward_bench.py OUT.json
+
+Accuracy rows {"kind": "accuracy", "variant": bf16 | fp8_tensor | fp8_block | fp8_block_hadamard, "head_dim": 128,
+"seqlen": 8192, "rmse"}: RMSE of O against float64 attention (on the GPU) of inputs N(0, 1) + N(0, 100) *
+Bernoulli(0.001) (FlashAttention-3's outliers), batch 1, 4 heads. Speed rows (kernel, family, dtype "e4m3",
+head_dim, seqlen, causal, tflops eager and CUDA graph, quantize_ms of quantize_fp8 with per-block descales + the
+rotation, peers {cudnn_fp8, sdpa_cudnn_bf16}); cuDNN FP8 through cudnn-frontend's sdpa_fp8 when `cudnn` imports
+(else null with the reason in "skipped"). 16k tokens per row (batch 16k / seqlen), 16 heads.
+"""
+from __future__ import annotations
+
+import sys
+
+import tiledsl
+from tiledsl.tune.bench import record
+
+
+def _time(torch, fn, graph: bool = False) -> float:
+    """Median milliseconds of fn over 20 runs (events), eager or replayed from a CUDA graph."""
+    if graph:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def accuracy_rows(torch) -> list[dict]:
+    from tiledsl.reference.forward import naive_attention
+    import cupy
+    torch.manual_seed(0)
+    shape = (1, 4, 8192, 128)
+
+    def outliers():
+        x = torch.randn(shape, device="cuda") + 10 * torch.randn(shape, device="cuda") * (
+            torch.rand(shape, device="cuda") < 1e-3)
+        return x.to(torch.bfloat16)
+    q, k, v = outliers(), outliers(), outliers()
+    ref, _ = naive_attention(*(cupy.asarray(x.double()) for x in (q, k, v)))
+    rows = []
+
+    def rmse(o):
+        return float(cupy.sqrt(cupy.mean((cupy.asarray(o.double()) - ref) ** 2)))
+    rows.append({"kind": "accuracy", "variant": "bf16", "head_dim": 128, "seqlen": 8192, "rmse": rmse(
+        tiledsl.attention(q, k, v))})
+    for variant, block, rotate in (("fp8_tensor", "tensor", None), ("fp8_block", (128, 128), None),
+                                   ("fp8_block_hadamard", (128, 128), "hadamard")):
+        q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v, block=block, rotate=rotate, seed=1)
+        o = tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)
+        rows.append({"kind": "accuracy", "variant": variant, "head_dim": 128, "seqlen": 8192, "rmse": rmse(o)})
+    return rows
+
+
+def _cudnn_fp8(torch, q8, k8, v8, causal: bool):
+    """A timed callable of cuDNN's sdpa_fp8 on the same bytes (tensors (b, h, s, d)), or (None, reason)."""
+    try:
+        import cudnn
+    except ImportError as err:
+        return None, f"cudnn-frontend not importable ({err})"
+    try:
+        b, h, s, d = q8.shape
+        graph = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT)
+        tq, tk, tv = (graph.tensor_like(x.view(torch.uint8)) for x in (q8, k8, v8))
+        for t in (tq, tk, tv):
+            t.set_data_type(cudnn.data_type.FP8_E4M3)
+        scale = torch.ones(1, 1, 1, 1, dtype=torch.float32, device="cuda")
+        scales = [graph.tensor_like(scale) for _ in range(6)]
+        o, _, amax_s, amax_o = graph.sdpa_fp8(tq, tk, tv, *scales, is_inference=True, attn_scale=d ** -0.5,
+                                              use_causal_mask=causal)
+        out = torch.empty_like(q8.view(torch.uint8))
+        amax = torch.empty(1, 1, 1, 1, dtype=torch.float32, device="cuda")
+        o.set_output(True).set_data_type(cudnn.data_type.FP8_E4M3)
+        for a in (amax_s, amax_o):
+            a.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+        graph.build([cudnn.heur_mode.A])
+        pack = {tq: q8.view(torch.uint8), tk: k8.view(torch.uint8), tv: v8.view(torch.uint8), o: out,
+                amax_s: amax, amax_o: torch.empty_like(amax), **{t: scale for t in scales}}
+        work = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device="cuda")
+        return (lambda: graph.execute(pack, work)), ""
+    except Exception as err:   # the frontend's API differs across versions: record why
+        return None, f"cudnn sdpa_fp8 failed: {type(err).__name__}: {err}"
+
+
+def speed_rows(torch) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    rows, tokens, heads = [], 16384, 16
+    for d in (64, 128, 256):
+        for seqlen in (4096, 16384):
+            for causal in (False, True):
+                batch = tokens // seqlen
+                q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda").to(torch.bfloat16) for _ in range(3))
+                quant = _time(torch, lambda: tiledsl.quantize_fp8(q, k, v, block=(128, 128 if d < 256 else 64),
+                                                                  rotate="hadamard"))
+                q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
+
+                def run():
+                    return tiledsl.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+                flops = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+                eager, graphed = _time(torch, run), _time(torch, run, graph=True)
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    bf16 = _time(torch, lambda: sdpa(q, k, v, is_causal=causal))
+                peer, why = _cudnn_fp8(torch, q8, k8, v8, causal)
+                cudnn_ms = _time(torch, peer) if peer else None
+                row = {"kind": "speed", "kernel": tiledsl.dispatch.tuned.fp8_spec(
+                           "sm_90", d, tiledsl.Mask.CAUSAL if causal else tiledsl.Mask.NONE, None, None,
+                           tiledsl.dispatch.tuned.fp8_descale_kind(qs, ks, vs), tiledsl.DType.BF16).kernel_name,
+                       "family": "hopper", "dtype": "e4m3", "head_dim": d, "seqlen": seqlen, "batch": batch,
+                       "heads": heads, "causal": causal, "tflops": flops / eager / 1e9,
+                       "tflops_graph": flops / graphed / 1e9, "quantize_ms": quant, "attention_ms": eager,
+                       "peers": {"cudnn_fp8": flops / cudnn_ms / 1e9 if cudnn_ms else None,
+                                 "sdpa_cudnn_bf16": flops / bf16 / 1e9}}
+                if why:
+                    row["skipped"] = {"cudnn_fp8": why}
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__)
+        return 2
+    import torch
+    import tiledsl.dispatch.tuned  # noqa: F401  (the kernel names of the rows)
+    rows = accuracy_rows(torch)
+    for r in rows:
+        print(r, flush=True)
+    rows += speed_rows(torch)
+    record(argv[1], " ".join(["python"] + argv), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

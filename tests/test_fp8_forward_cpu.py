@@ -1,0 +1,251 @@
+"""FP8 attention (dtype = e4m3, the hopper family) on the CPU: the DSL and its refusals, the layout, the plan and
+source, the float64 reference of dequantized inputs, and a NumPy model of the kernel's register and shared-memory
+choreography (P's e4m3 A fragments against V^T's permuted keys) that must reproduce P V exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiledsl.codegen.render import render
+from tiledsl.errors import SpecError
+from tiledsl.families import layout_of, lower
+from tiledsl.frontend.parse import parse_text
+from tiledsl.reference.forward import naive_attention
+from tiledsl.reference.fp8 import decode_e4m3, dequantize_blocks, prefill_attention_fp8
+from tiledsl.spec import Descale, DType
+
+HOPPER = """
+attention t {{
+    head_dim = {d}
+    dtype = e4m3
+    {extra}
+    schedule {{
+        order q, kv
+        tile q = 128, kv = {kv}
+        warpgroups producer 1 regs 32, consumer 2 regs 232
+        pipeline 2 stages via tma
+        {schedule}
+    }}
+}}
+"""
+
+
+def hopper(d=128, kv=128, extra="", schedule=""):
+    return parse_text(HOPPER.format(d=d, kv=kv, extra=extra, schedule=schedule))[0]
+
+
+def test_e4m3_spec_defaults_and_name():
+    spec = hopper()
+    p = spec.problem
+    assert p.fp8 and p.dtype is DType.E4M3 and p.output_dtype is DType.BF16 and p.descales is Descale.PER_HEAD
+    assert spec.kernel_name == "hopper_d128_e4m3_dsh_q128_kv128_p1r32_c2r232_s2tma"
+    # the defaults written out are the same kernel
+    assert hopper(extra="out_dtype = bf16\n descale = per_head").kernel_name == spec.kernel_name
+    other = hopper(extra="out_dtype = fp16\n descale = per_block")
+    assert other.problem.output_dtype is DType.FP16 and "dsb_ofp16" in other.kernel_name
+    assert other.config_hash != spec.config_hash
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ("attention a {\n head_dim = 128\n dtype = e4m3\n}", (3, 2), "only for the hopper family"),
+    ("attention a {\n head_dim = 128\n out_dtype = fp16\n}", (3, 14), "output type of FP8 attention"),
+    ("attention a {\n head_dim = 128\n descale = per_block\n}", (3, 12), "granularity of FP8 attention"),
+    ("attention a {\n head_dim = 128\n dtype = e4m3\n out_dtype = fp32\n}", (4, 14), "unknown out_dtype"),
+])
+def test_fp8_settings_refused_where_written(text, where, message):
+    with pytest.raises(SpecError) as err:
+        parse_text(text)
+    assert message in err.value.message
+    assert (err.value.span.line, err.value.span.column) == where
+
+
+@pytest.mark.parametrize("extra, schedule, key, message", [
+    ("", "launch dynamic", "launch", "launch dynamic"),
+    ("", "overlap intra", "overlap", "intra-warpgroup overlap"),
+    ("layout = varlen", "", "layout", "batched sequences"),
+    ("softcap = 30", "", "softcap", "score and mask modifications"),
+])
+def test_fp8_refuses_what_its_template_lacks(extra, schedule, key, message):
+    with pytest.raises(SpecError) as err:
+        lower(hopper(extra=extra, schedule=schedule))
+    assert message in err.value.message
+
+
+@pytest.mark.parametrize("d, kv, message", [(96, 128, "head dims 64, 128, 256"), (128, 96, "tile kv = 96")])
+def test_fp8_layout_refusals(d, kv, message):
+    with pytest.raises(SpecError) as err:
+        hopper(d=d, kv=kv)
+    assert message in err.value.message
+
+
+@pytest.mark.parametrize("d, kv", [(64, 128), (128, 128), (256, 64)])
+def test_fp8_layout_sizes(d, kv):
+    lay = layout_of(hopper(d=d, kv=kv))
+    q, k, v, vt, o = (lay.buffer(n) for n in ("Q", "K", "V", "V^T", "O staging"))
+    assert q.bytes == 128 * d and k.stage_bytes == kv * d and v.stage_bytes == kv * d
+    assert vt.stage_bytes == d * kv and vt.stages == 2 and o.bytes == 128 * d * 2 and o.reuses == ""
+    assert all(b.offset % 1024 == 0 for b in (q, k, v, vt, o))
+    assert lay.smem_bytes <= lay.smem_limit
+
+
+def test_fp8_source_spells_e4m3_wgmma_and_the_transpose():
+    plan = lower(hopper(extra="descale = per_block"))
+    src = render(plan)
+    assert "m64n128k32.f32.\" \"e4m3\" \".\" \"e4m3\"" in src
+    assert "p, 1, 1;" in src and "p, 1, 1, 0, 0;" not in src   # no transpose immediates on e4m3
+    assert "transpose_v<C>(shared.v(stage), shared.vt(stage)" in src
+    assert "cvt.rn.satfinite.e4m3x2.f32" in src and "static constexpr int DESCALE = 2;" in src
+    assert "#define TILE_DTYPE \"bf16\"" in src   # O's type
+
+
+def test_16bit_hopper_source_has_no_fp8_spelling():
+    spec = parse_text(HOPPER.replace("dtype = e4m3", "dtype = bf16").format(d=128, kv=128, extra="", schedule=""))[0]
+    src = render(lower(spec))
+    assert "e4m3x2" not in src and "transpose_v" not in src and "k16.f32.\" TILE_DTYPE \".\" TILE_DTYPE" in src and "p, 1, 1, 0, 0;" in src
+
+
+# -- the kernel's choreography, modelled in NumPy ------------------------------------------------------------
+def _pack_p_model(p: np.ndarray) -> dict:
+    """templates/hopper_fp8.cuh pack_p for one warpgroup: (thread, kk, register) -> 4 values, from S's fp32
+    accumulator layout (thread t of warp w: row 16w + lane/4 (+8), columns 8 n + 2 (lane % 4) + {0, 1})."""
+    frags = {}
+    for thread in range(128):
+        warp, lane = divmod(thread, 32)
+        r, q = 16 * warp + lane // 4, lane % 4
+
+        def acc(tile, e):   # accumulator e of n8 tile `tile`
+            return p[r + 8 * (e >> 1), 8 * tile + 2 * q + (e & 1)]
+        for kk in range(p.shape[1] // 32):
+            t0, t1, t2, t3 = 4 * kk, 4 * kk + 1, 4 * kk + 2, 4 * kk + 3
+            frags[thread, kk, 0] = [acc(t0, 0), acc(t0, 1), acc(t1, 0), acc(t1, 1)]
+            frags[thread, kk, 1] = [acc(t0, 2), acc(t0, 3), acc(t1, 2), acc(t1, 3)]
+            frags[thread, kk, 2] = [acc(t2, 0), acc(t2, 1), acc(t3, 0), acc(t3, 1)]
+            frags[thread, kk, 3] = [acc(t2, 2), acc(t2, 3), acc(t3, 2), acc(t3, 3)]
+    return frags
+
+
+def _a_operand(frags: dict, rows: int, keys: int) -> np.ndarray:
+    """The 64 x keys A matrix wgmma k32 (8-bit) reads from those registers: register i of thread t holds row
+    16w + lane/4 + 8 (i % 2), K columns 16 (i // 2) + 4 (lane % 4) + byte."""
+    a = np.full((rows, keys), np.nan)
+    for (thread, kk, i), values in frags.items():
+        warp, lane = divmod(thread, 32)
+        row = 16 * warp + lane // 4 + 8 * (i % 2)
+        for byte, value in enumerate(values):
+            a[row, 32 * kk + 16 * (i // 2) + 4 * (lane % 4) + byte] = value
+    return a
+
+
+def _swizzled(row, byte, rows, width):
+    linear = (byte // width) * rows * width + row * width + byte % width
+    return linear ^ (((linear >> 7) & (width // 16 - 1)) << 4)
+
+
+def _transpose_v_model(v: np.ndarray, v_width: int, vt_width: int, transposers: int = 96) -> np.ndarray:
+    """transpose_v over shared memory: V (Bc x dv, swizzled rows of v_width) -> V^T (dv x Bc) read back through
+    the swizzle the writes used; every V^T byte must be written exactly once."""
+    bc, dv = v.shape
+    smem_v = np.zeros(bc * dv)
+    for key in range(bc):
+        for col in range(dv):
+            smem_v[_swizzled(key, col, bc, v_width)] = v[key, col]
+    smem_vt, writes = np.zeros(dv * bc), np.zeros(dv * bc, dtype=int)
+    units = (bc // 4) * (dv // 4)
+    for thread in range(transposers):
+        for unit in range(thread, units, transposers):
+            quad, column = unit % (bc // 4), (unit // (bc // 4)) * 4
+            group, q = (quad // 4) * 16, quad % 4
+            keys = [group + 2 * q, group + 2 * q + 1, group + 2 * q + 8, group + 2 * q + 9]
+            loaded = [[smem_v[_swizzled(k, column + c, bc, v_width)] for c in range(4)] for k in keys]
+            for c in range(4):   # the byte transpose: column c's bytes of the four keys
+                for e in range(4):
+                    at = _swizzled(column + c, group + 4 * q + e, dv, vt_width)
+                    smem_vt[at] = loaded[e][c]
+                    writes[at] += 1
+    assert (writes == 1).all(), "V^T bytes written other than once"
+    return np.array([[smem_vt[_swizzled(n, k, dv, vt_width)] for k in range(bc)] for n in range(dv)])
+
+
+@pytest.mark.parametrize("bc, dv", [(128, 128), (64, 256), (128, 64)])
+def test_packed_p_times_transposed_v_is_p_v(bc, dv):
+    rng = np.random.default_rng()
+    p, v = rng.random((64, bc)), rng.standard_normal((bc, dv))
+    a = _a_operand(_pack_p_model(p), 64, bc)
+    assert not np.isnan(a).any()
+    vt = _transpose_v_model(v, 64 if dv == 64 else 128, 64 if bc == 64 else 128)
+    np.testing.assert_allclose(a @ vt.T, p @ v, rtol=1e-12, atol=1e-12)   # B[k, n] = V^T[n, k]
+
+
+# -- the reference ----------------------------------------------------------------------------------------
+def _e4m3_bytes(rng, shape):
+    raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    return np.where((raw & 0x7F) == 0x7F, raw & 0xF0, raw).astype(np.uint8)   # no NaN bytes
+
+
+def test_reference_dequantizes_per_head_with_q_shared_by_its_kv_head():
+    rng = np.random.default_rng()
+    q8, k8, v8 = _e4m3_bytes(rng, (2, 4, 9, 64)), _e4m3_bytes(rng, (2, 2, 11, 64)), _e4m3_bytes(rng, (2, 2, 11, 64))
+    qs, ks, vs = (rng.random((2, 2)) + 0.01 for _ in range(3))
+    o, lse = prefill_attention_fp8(q8, k8, v8, qs, ks, vs, mask="causal", scale=0.01)
+    q = decode_e4m3(q8) * np.repeat(qs, 2, axis=1)[:, :, None, None]
+    ref_o, ref_lse = naive_attention(q, decode_e4m3(k8) * ks[:, :, None, None], decode_e4m3(v8) * vs[:, :, None, None],
+                                     "causal", scale=0.01)
+    np.testing.assert_array_equal(o, ref_o)
+    np.testing.assert_array_equal(lse, ref_lse)
+
+
+def test_block_dequantization_indexes_rows_by_tile():
+    rng = np.random.default_rng()
+    raw = _e4m3_bytes(rng, (1, 2, 300, 8))
+    descale = rng.random((1, 2, 3))
+    out = dequantize_blocks(raw, descale, 128)
+    for h in range(2):
+        for row in range(300):
+            np.testing.assert_array_equal(out[0, h, row], decode_e4m3(raw[0, h, row]) * descale[0, h, row // 128])
+
+
+# -- quantize_fp8's NumPy model ---------------------------------------------------------------------------------
+from tiledsl.reference.fp8 import E4M3_MAX, e4m3_values, encode_e4m3, hadamard_signs, quantize_model, rotate_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotation_is_orthogonal_and_its_inverse_exact(d):
+    r = rotate_rows(np.eye(d, dtype=np.float32), hadamard_signs(d, seed=3)).astype(np.float64)
+    gram = r @ r.T
+    if d in (64, 256):   # entries +-1/8, +-1/16: every product and sum is exact
+        np.testing.assert_array_equal(gram, np.eye(d))
+    else:
+        np.testing.assert_allclose(gram, np.eye(d), atol=1e-6)
+    rng = np.random.default_rng()
+    q, k = rng.standard_normal((5, d)).astype(np.float32), rng.standard_normal((7, d)).astype(np.float32)
+    signs = hadamard_signs(d, seed=11)
+    np.testing.assert_allclose(rotate_rows(q, signs) @ rotate_rows(k, signs).T, q @ k.T, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(hadamard_signs(d, 1), hadamard_signs(d, 2))
+
+
+def test_e4m3_encoding_round_trips_and_rounds_to_nearest_even():
+    values = e4m3_values()
+    finite = ~np.isnan(values)
+    np.testing.assert_array_equal(encode_e4m3(values[finite]), np.arange(256)[finite])
+    assert list(encode_e4m3(np.array([1e4, -1e4, 2.0 ** -10, 1.5 * 2.0 ** -9]))) == [0x7E, 0xFE, 0x00, 0x02]
+
+
+@pytest.mark.parametrize("block, per_tensor", [(None, False), (128, False), (None, True)])
+def test_quantize_model_scales_and_bytes(block, per_tensor):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 4, 300, 64)) * 3).astype(np.float32)
+    raw, descale = quantize_model(x, block, kv_heads=2, per_tensor=per_tensor)
+    if per_tensor:
+        assert descale.shape == (1,) and descale[0] == np.float32(np.abs(x).max() / np.float32(E4M3_MAX))
+        back = e4m3_values()[raw] * descale[0]
+    elif block is None:
+        assert descale.shape == (2, 2)
+        back = e4m3_values()[raw] * np.repeat(descale, 2, axis=1)[:, :, None, None]
+    else:
+        assert descale.shape == (2, 4, 3)
+        back = dequantize_blocks(raw, descale, block)
+    assert (raw & 0x7F).max() == 0x7E   # every group's largest value lands on 448
+    # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 relative for normals, 2^-10 descales below them
+    err = np.abs(back - x)
+    bound = np.maximum(np.abs(x) / 16, 2.0 ** -10 * (descale.max()))
+    assert (err <= bound * (1 + 1e-6)).all()

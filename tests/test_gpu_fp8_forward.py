@@ -1,0 +1,159 @@
+"""FP8 attention (float8_e4m3fn q, k, v; the hopper family's e4m3 kernels) on the GPU, through tiledsl.attention
+and tiledsl.quantize_fp8:
+
+* against the float64 attention of the dequantized inputs (reference/fp8.prefill_attention_fp8: the bytes the
+  kernel reads, times their descales). The kernel's own rounding is P's e4m3 conversion (at most 2^-4 relative
+  per weight, scaled by 256 first so weights down to 2^-17 keep precision) and fp32 accumulation: O within
+  TOL_O normwise, LSE (from the fp32 weights) within TOL_LSE;
+* against float64 attention of the original bf16 inputs (the user's error, loose: Q, K and V each rounded to
+  3 mantissa bits): TOL_USER normwise for N(0, 1) inputs;
+* masks none / causal / window, seqlens 1, 17, 1000, 4097, GQA, kv_lens with 0, per tensor / head / block
+  descales, Hadamard rotation, NaN-poisoned outputs (torch.full NaN out=) ;
+* quantize_fp8 against its NumPy model (reference/fp8.quantize_model, rotate_rows): bytes and descales equal;
+* one compute-sanitizer memcheck of a small case.
+
+    python -m pytest -m gpu tests/test_gpu_fp8_forward.py
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+import tiledsl
+from tiledsl.dispatch.kernels import kernel_for
+from tiledsl.dispatch.tuned import fp8_descale_kind, fp8_spec
+from tiledsl.runtime.device import device_arch
+from tiledsl.spec import DType, Mask
+from tiledsl.errors import RuntimeInputError
+from tiledsl.reference.forward import naive_attention
+from tiledsl.reference.fp8 import hadamard_signs, prefill_attention_fp8, quantize_model, rotate_rows
+
+from .gpu_support import memcheck, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+TOL_O, TOL_LSE, TOL_USER = 2e-2, 1e-3, 1e-1
+TILE_KV = {64: 128, 128: 128, 256: 64}   # dispatch/tuned.TUNED_FP8's kv tiles (per-block descales)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+def _inputs(torch, batch, heads, kv_heads, q_len, kv_len, d, outliers=False):
+    g = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 30)))
+
+    def make(h, n):
+        x = torch.randn(batch, h, n, d, device="cuda", generator=g)
+        if outliers:
+            x += 10 * torch.randn(batch, h, n, d, device="cuda", generator=g) * (
+                torch.rand(batch, h, n, d, device="cuda", generator=g) < 1e-3)
+        return x.to(torch.bfloat16)
+    return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
+
+
+def _bytes(t):
+    return t.view(__import__("torch").uint8).cpu().numpy()
+
+
+def _relative(out, ref):
+    out = np.asarray(out, dtype=np.float64)
+    if not np.isfinite(out).all():
+        return np.inf
+    return np.linalg.norm(out - ref) / (np.linalg.norm(ref) or 1.0)
+
+
+CASES = [  # (d, mask, q_len, kv_len, heads, kv_heads, block)
+    (128, "none", 1000, 1000, 2, 2, None), (128, "causal", 1000, 1000, 4, 1, None),
+    (64, "none", 17, 4097, 2, 1, None), (64, "causal", 4097, 4097, 2, 2, 128),
+    (256, "none", 1, 17, 2, 2, None), (256, "causal", 1000, 1000, 2, 1, "block"),
+    (128, "window", 1000, 1000, 2, 2, "tensor"), (128, "none", 17, 1, 2, 2, "block"),
+]
+
+
+@pytest.mark.parametrize("d, mask, q_len, kv_len, heads, kv_heads, block", CASES)
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+def test_fp8_attention_against_dequantized_reference(torch, d, mask, q_len, kv_len, heads, kv_heads, block, rotate):
+    q, k, v = _inputs(torch, 2, heads, kv_heads, q_len, kv_len, d)
+    blocks = (128, TILE_KV[d]) if block in ("block", 128) else block
+    q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v, block=blocks, rotate=rotate, seed=5)
+    kv_lens = torch.tensor([0, kv_len], dtype=torch.int32, device="cuda") if q_len > 1 else None
+    causal, window = mask == "causal", ((100, 0) if mask == "window" else None)
+    out = torch.full((2, heads, q_len, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((2, heads, q_len), float("nan"), dtype=torch.float32, device="cuda")
+    kind = fp8_descale_kind(qs, ks, vs)
+    spec = fp8_spec(device_arch(), d, Mask(mask), window, None, kind, DType.BF16)
+    kernel_for(spec)(q8, k8, v8, kv_lens=kv_lens, out=out, lse=lse, q_descale=qs, k_descale=ks, v_descale=vs)
+    torch.cuda.synchronize()
+    per_block = isinstance(blocks, tuple)
+    mask_kw = {"mask": "window", "window_left": 100} if window else {"mask": mask}
+    lens = None if kv_lens is None else kv_lens.cpu().numpy()
+    ref_o, ref_lse = prefill_attention_fp8(_bytes(q8), _bytes(k8), _bytes(v8), qs.cpu().numpy(), ks.cpu().numpy(),
+                                           vs.cpu().numpy(), block_q=128 if per_block else None,
+                                           block_kv=TILE_KV[d] if per_block else None, kv_lens=lens, **mask_kw)
+    got = out.float().cpu().numpy()
+    assert _relative(got, ref_o) <= TOL_O
+    got_lse, finite = lse.cpu().numpy(), np.isfinite(ref_lse)
+    assert (np.isfinite(got_lse) == finite).all()
+    assert np.abs(got_lse[finite] - ref_lse[finite]).max(initial=0) <= TOL_LSE
+    # the user's error: the original bf16 inputs (rotation cancels in Q K^T)
+    user_o, _ = naive_attention(q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy(),
+                                kv_lens=lens, **mask_kw)
+    assert _relative(got, user_o) <= TOL_USER
+
+
+def test_fp16_output_and_refusals(torch):
+    q, k, v = _inputs(torch, 1, 2, 2, 130, 130, 128)
+    q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
+    o = tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=torch.float16)
+    assert o.dtype == torch.float16 and torch.isfinite(o).all()
+    o16 = tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)   # the API: bf16, same kernel math
+    assert o16.dtype == torch.bfloat16 and (o16.float() - o.float()).abs().max() < 1e-2
+    with pytest.raises(RuntimeInputError, match="k_descale must have shape"):
+        tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks[:, :1], v_descale=vs)
+    with pytest.raises(RuntimeInputError, match="v_descale must be float32"):
+        tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs.double())
+    with pytest.raises(RuntimeInputError, match="k is bf16"):
+        tiledsl.attention(q8, k, v8, q_descale=qs, k_descale=ks, v_descale=vs)
+    with pytest.raises(RuntimeInputError, match="for FP8 attention"):
+        tiledsl.attention(q, k, v, q_descale=qs)
+    with pytest.raises(RuntimeInputError, match="q_descale is required"):
+        q8b, k8b, v8b, *_ = tiledsl.quantize_fp8(q, k, v, block=128)
+        tiledsl.attention(q8b, k8b, v8b, k_descale=torch.ones(1, 2, 2, device="cuda"),
+                          v_descale=torch.ones(1, 2, 2, device="cuda"))
+
+
+@pytest.mark.parametrize("block", [None, "tensor", 128, (128, 64)])
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+def test_quantize_fp8_matches_its_numpy_model(torch, block, rotate):
+    q, k, v = _inputs(torch, 2, 4, 2, 300, 200, 128, outliers=True)
+    got = tiledsl.quantize_fp8(q, k, v, block=block, rotate=rotate, seed=9)
+    signs = hadamard_signs(128, 9)
+    rows = {"q": block if not isinstance(block, tuple) else block[0],
+            "k": block if not isinstance(block, tuple) else block[1]}
+    for i, (name, x) in enumerate((("q", q), ("k", k), ("v", v))):
+        x = x.float().cpu().numpy()
+        if rotate and name != "v":
+            x = rotate_rows(x, signs)
+        r = rows["q" if name == "q" else "k"]
+        raw, descale = quantize_model(x, r if isinstance(r, int) else None, kv_heads=2 if name == "q" else None,
+                                      per_tensor=block == "tensor")
+        np.testing.assert_array_equal(got[3 + i].cpu().numpy(), descale)
+        np.testing.assert_array_equal(_bytes(got[i]), raw)
+
+
+def test_memcheck_small_case(tmp_path):
+    script = tmp_path / "fp8_small.py"
+    script.write_text(textwrap.dedent("""
+        import torch, tiledsl
+        q, k, v = (torch.randn(1, 2, n, 64, device="cuda").to(torch.bfloat16) for n in (33, 70, 70))
+        for block in (None, (128, 128)):
+            q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v, block=block, rotate="hadamard")
+            o = tiledsl.attention(q8, k8, v8, causal=True, q_descale=qs, k_descale=ks, v_descale=vs)
+        torch.cuda.synchronize()
+        assert torch.isfinite(o).all()
+    """))
+    memcheck(script)
