@@ -362,10 +362,12 @@ def stub_device(tmp: Path, counts: dict | None = None):
 
 def clear_caches() -> None:
     """Forget every loaded kernel and prepared call (a stubbed run must not leave stub functions behind),
-    and the warm records' fingerprint (it holds the fake CuPy's version)."""
+    the warm records' fingerprint (it holds the fake CuPy's version) and the fake device's answer that a
+    GPU is usable (a later test asks the real machine)."""
     from tiledsl.dispatch import kernels, tuned
-    from tiledsl.runtime import launch, warm
+    from tiledsl.runtime import availability, launch, warm
     from tiledsl.serving import varlen
+    availability._gpu_usable = False
     warm.fingerprint.cache_clear()
     kernels.LOADED.clear()
     tuned._resolved.clear()
