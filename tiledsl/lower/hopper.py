@@ -52,6 +52,7 @@ class HopperPlan(KernelPlan):
     softcap: bool = False
     softcap_via: str = ""                 # mods/softcap.TanhVia's value: how tanh runs
     softcap_terms: tuple[str, ...] = ()   # the quotient's coefficients, w^0 first (C::SOFTCAP_Q0, ...)
+    softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
     alibi: bool = False
     sinks: bool = False
 
@@ -238,6 +239,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                                "launch dynamic: the producer names each work item to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     via = softcap_via(p.mods)
+    terms = tuple("C::" + c.name for c in consts if c.name.startswith("SOFTCAP_Q"))
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
@@ -274,7 +276,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      + mod_parameters(p.mods),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
                      sinks=p.mods.sinks, softcap_via=via.value if via else "",
-                     softcap_terms=tuple("C::" + c.name for c in consts if c.name.startswith("SOFTCAP_Q")),
+                     softcap_terms=terms, softcap_degree=max(len(terms) - 1, 0),
                      launch_kind=s.launch.value if s.launch else "",
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
