@@ -1,6 +1,7 @@
 """Score and mask modifications on the H200: tiledsl against FlashAttention-4 and FlexAttention, same run.
 
     python bench/scoremod_bench.py OUT.json [--seqlens 4096 16384] [--backward]
+    python bench/scoremod_bench.py OUT.json --variants [--seqlens 4096 16384]   (softcap's ways, ALiBi, sinks)
 
 Rows (tiledsl.tune.bench.record): mod (`none`: tiledsl's unmodified kernel at the shape; softcap,
 alibi, sinks, document, rel_bias), pass (forward / backward), head_dim 128, seqlen, causal, tflops
@@ -75,6 +76,72 @@ def _aux_of(keywords: dict) -> dict:
     return {**out, **keywords.get("aux", {})}
 
 
+# The hopper kernels timed by their own calls (the tuned schedule, one compile each), interleaved round by round
+# so clock drift over the run falls on every variant alike: `none`, softcap by each way (mods/softcap.py;
+# tanh_approx at TANH_APPROX_CAP, the only caps its error fits: its instructions do not depend on the cap),
+# ALiBi and sinks. Rows: mod, variant, cap, tflops (median of the rounds), ratio (to `none` in the same rounds).
+VARIANT_ROUNDS = 3
+TANH_APPROX_CAP = 0.5
+
+
+def variant_mods():
+    from tiledsl.mods.model import AlibiSlopes, Modifications
+    from tiledsl.mods.softcap import TanhVia
+    out = {"none": ("none", Modifications())}
+    for via in TanhVia:
+        cap = TANH_APPROX_CAP if via is TanhVia.TANH_APPROX else CAP
+        out[f"softcap_{via.value}"] = ("softcap", Modifications(softcap=cap, softcap_via=via))
+    out["alibi"] = ("alibi", Modifications(alibi=AlibiSlopes.GIVEN))
+    out["sinks"] = ("sinks", Modifications(sinks=True))
+    return out
+
+
+def variant_rows(n: int) -> list[dict]:
+    """One row per variant at seqlen n (d128 causal bf16), each kernel checked against float64 first."""
+    from tiledsl import compile as compile_spec
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.spec import DType, Mask
+    batch, heads = prefill_shape(n, HEAD_DIM)
+    flops = attention_flops(batch, heads, n, n, HEAD_DIM, True)
+    q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    aux = {"alibi_slopes": torch.rand(heads, device="cuda") * 0.5, "sinks": torch.randn(heads, device="cuda")}
+    calls, checks = {}, {}
+    for variant, (mod, mods) in variant_mods().items():
+        spec, _ = tuned_spec("sm_90a", DType.BF16, HEAD_DIM, Mask.CAUSAL, mods=mods)
+        kernel = compile_spec(spec)
+        wants = {a.name: aux[a.name] for a in mods.user_aux()}
+        checks[variant] = check_kernel(kernel, spec, wants)
+        calls[variant] = (lambda kernel=kernel, wants=wants: kernel(q, k, v, aux=wants))
+    times = {variant: [] for variant in calls}
+    for _ in range(VARIANT_ROUNDS):
+        for variant, call in calls.items():
+            times[variant].append(time_ms(call))
+    rows = []
+    for variant, (mod, mods) in variant_mods().items():
+        ms = float(np.median(times[variant]))
+        rows.append({"kernel": f"tiledsl_{variant}", "family": "hopper", "dtype": "bf16", "mod": mod,
+                     "variant": variant, "cap": mods.softcap, "pass": "forward", "head_dim": HEAD_DIM, "seqlen": n,
+                     "causal": True, "batch": batch, "heads": heads, "tflops": flops / (ms * 1e-3) / 1e12,
+                     "ms_rounds": times[variant], "ratio": float(np.median(times["none"])) / ms,
+                     "error": checks[variant] or None, "peers": {}})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def check_kernel(kernel, spec, aux: dict) -> str:
+    """"" when `kernel` matches the float64 reference (batch 1, heads 2, 257 rows, q and k spread 3x so softcap
+    saturates), else why not."""
+    batch, heads, n = 1, 2, 257
+    q, k = ((torch.randn(batch, heads, n, HEAD_DIM, device="cuda") * 3).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    small = {name: t[:heads].contiguous() for name, t in aux.items()}
+    o, _ = kernel(q, k, v, aux=small)
+    ref, _ = reference_attention(spec, *(x.double().cpu().numpy() for x in (q, k, v)),
+                                 aux={name: t.double().cpu().numpy() for name, t in small.items()})
+    error = float(np.linalg.norm(o.double().cpu().numpy() - ref) / np.linalg.norm(ref))
+    return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
+
+
 def timed(fn, backward: bool, inputs):
     """(forward ms, forward + backward ms or None)."""
     forward = time_ms(fn)
@@ -95,7 +162,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--backward", action="store_true", help="also time forward + backward")
+    parser.add_argument("--variants", action="store_true",
+                        help="only the hopper kernels' variants (softcap's ways, ALiBi, sinks), interleaved")
     args = parser.parse_args(argv)
+    if args.variants:
+        rows = [row for n in args.seqlens for row in variant_rows(n)]
+        record(Path(args.out), "python bench/scoremod_bench.py " + " ".join(argv), rows)
+        return 0
     try:
         from flash_attn.cute import flash_attn_func
     except Exception:

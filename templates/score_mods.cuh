@@ -4,8 +4,8 @@
 // Pasted only into kernels whose plan has a modification.
 
 // 2^x on the FMA pipes: x = n + f with n = round(x) by adding 1.5 * 2^23, 2^f on [-1/2, 1/2] by a
-// degree-4 minimax polynomial (relative error under 3e-6), n added to the exponent bits. x is clamped
-// at -126 so the exponent never underflows (only tanh_fma calls it, with x >= 0).
+// degree-4 minimax polynomial (relative error under 4e-6), n added to the exponent bits. x is clamped
+// at -126 so the exponent never underflows past the smallest normal (softcap calls it with x <= 0).
 __device__ __forceinline__ float exp2_fma(float x) {
     const float round_shift = 12582912.0f;
     x = fmaxf(x, -126.0f);
@@ -16,23 +16,26 @@ __device__ __forceinline__ float exp2_fma(float x) {
     return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
-// tanh on the FMA pipes: 1 - 2 / (1 + 2^(2 |x| log2 e)), the reciprocal from a bit-pattern guess and
-// three Newton steps, the sign copied back; |x| is clamped at 15 (tanh is 1 in fp32 from 9). Why not
-// MUFU's tanh.approx (one instruction): the softmax's ex2 already issues on MUFU once per score, and
-// tanh.approx's 2^-11 relative error comes back multiplied by the cap in the exponent (cap 50: p off by
-// up to 2.4%, an LSE off by as much); this form is good to about 1e-6 absolute, so the capped logit
-// is off by cap * 1e-6, and its ~20 instructions issue on the FP32 and integer pipes, which have
-// eight times MUFU's rate and little else to do in the softmax.
-__device__ __forceinline__ float tanh_fma(float x) {
-    const float a = fminf(fabsf(x), 15.0f);
-    const float d = 1.0f + exp2_fma(2.0f * 1.4426950408889634f * a);
-    float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
-#pragma unroll
-    for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-d, r, 1.0f), r);
-    return copysignf(fmaf(-2.0f, r, 1.0f), x);
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
-// softcap: t = SCALE s becomes cap tanh(t / cap), written back as (cap / SCALE) tanh(s SCALE / cap).
+// c0 + c1 x + c2 x^2 + ... by Horner's rule: one FMA per degree.
+__device__ __forceinline__ float horner(float, float c) { return c; }
+template <class... Rest>
+__device__ __forceinline__ float horner(float x, float c, Rest... rest) { return fmaf(horner(x, rest...), x, c); }
+
+// softcap's quotient (cap / SCALE) (1 - w) / (1 + w) as a polynomial in w in [0, 1]: tanh(a) for
+// w = e^(-2a), back in raw units. Each kernel defines it with its cap's coefficients (C::SOFTCAP_Q*).
+template <class C>
+__device__ __forceinline__ float softcap_quotient(float w);
+
+// softcap: t = SCALE s becomes cap tanh(t / cap), written back as (cap / SCALE) tanh(SCALE |s| / cap) with
+// s's sign. w = 2^(|s| SOFTCAP_EXP) = e^(-2 SCALE |s| / cap) comes from MUFU's ex2 in the first
+// SOFTCAP_MUFU_TILES 8-column tiles of S and from the FMA pipes in the rest, so the lowering can move
+// the work between the two (mods/softcap.py: ex2 takes every tile, fma none, split half).
 template <class C>
 __device__ __forceinline__ void softcap_scores(float (&s)[C::M_TILES][C::S_TILES][4]) {
 #pragma unroll
@@ -40,7 +43,22 @@ __device__ __forceinline__ void softcap_scores(float (&s)[C::M_TILES][C::S_TILES
 #pragma unroll
         for (int nt = 0; nt < C::S_TILES; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nt][e] = C::SOFTCAP_OUT * tanh_fma(s[mt][nt][e] * C::SOFTCAP_IN);
+            for (int e = 0; e < 4; ++e) {
+                const float x = fabsf(s[mt][nt][e]) * C::SOFTCAP_EXP;
+                const float w = nt < C::SOFTCAP_MUFU_TILES ? fast_exp2(x) : exp2_fma(x);
+                s[mt][nt][e] = copysignf(softcap_quotient<C>(w), s[mt][nt][e]);
+            }
+}
+
+// softcap by MUFU's tanh.approx (one op a score; the rules allow it only where its error fits).
+template <class C>
+__device__ __forceinline__ void softcap_scores_tanh_approx(float (&s)[C::M_TILES][C::S_TILES][4]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] = C::SOFTCAP_OUT * tanh_approx(s[mt][nt][e] * C::SOFTCAP_IN);
 }
 
 // ALiBi: t -= slope |i + kv_len - q_len - j|; `slope` is already -slope / SCALE (raw units), and

@@ -1,4 +1,5 @@
-"""The hopper forward kernels with score modifications (softcap, ALiBi given and geometric, sinks) on the GPU
+"""The hopper forward kernels with score modifications (softcap by each of its ways, ALiBi given and geometric,
+sinks; softcap also with scores spread past its cap) on the GPU
 against the float64 reference that runs the same modifications (tiledsl.reference.forward): causal and no
 mask, d64 and d128, query lengths 1, 17 and 1000 (rows that see no key among them), GQA, per-sequence
 kv_lens including 0, NaN-poisoned outputs; the API's keywords on the tuned path, its forward-only refusal,
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from tiledsl.mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes, Modifications
+from tiledsl.mods.softcap import TanhVia
 from tiledsl.spec import CopyVia, DType, KernelSpec, Mask, Mma, Problem, Schedule
 
 from .gpu_support import check, kernel_for, memcheck, requires_gpu
@@ -18,6 +20,9 @@ from .gpu_support import check, kernel_for, memcheck, requires_gpu
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 MODS = {"softcap": Modifications(softcap=30.0), "alibi": Modifications(alibi=AlibiSlopes.GIVEN),
+        "softcap_fma": Modifications(softcap=30.0, softcap_via=TanhVia.FMA),
+        "softcap_split": Modifications(softcap=30.0, softcap_via=TanhVia.SPLIT),
+        "softcap_tanh_approx": Modifications(softcap=0.5, softcap_via=TanhVia.TANH_APPROX),
         "alibi_geometric": Modifications(alibi=AlibiSlopes.GEOMETRIC), "sinks": Modifications(sinks=True),
         "all": Modifications(softcap=20.0, alibi=AlibiSlopes.GIVEN, sinks=True)}
 
@@ -45,7 +50,7 @@ def aux_for(mods: Modifications, batch: int, heads: int, per_batch: bool = False
     return aux
 
 
-def errors(spec, batch, heads, q_len, kv_len, kv_heads=None, kv_lens=None, per_batch=False):
+def errors(spec, batch, heads, q_len, kv_len, kv_heads=None, kv_lens=None, per_batch=False, spread=1.0):
     """(O error, LSE error) of one run into NaN-poisoned outputs against the float64 reference."""
     import cupy
     import torch
@@ -59,8 +64,8 @@ def errors(spec, batch, heads, q_len, kv_len, kv_heads=None, kv_lens=None, per_b
     )
     from tiledsl.runtime.tensors import view
     d, kv_heads = spec.problem.head_dim_qk, kv_heads or heads
-    q = torch.randn(batch, heads, q_len, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, kv_heads, kv_len, d, device="cuda", dtype=torch.bfloat16)
+    q = (torch.randn(batch, heads, q_len, d, device="cuda") * spread).to(torch.bfloat16)
+    k = (torch.randn(batch, kv_heads, kv_len, d, device="cuda") * spread).to(torch.bfloat16)
     v = torch.randn(batch, kv_heads, kv_len, d, device="cuda", dtype=torch.bfloat16)
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
     aux = aux_for(spec.problem.mods, batch, heads, per_batch)
@@ -86,6 +91,15 @@ def test_gqa_unequal_lengths_and_kv_lens_with_zero(mod):
     # 300 queries over 200 keys (causal: the first rows see no key), per-sequence lengths 0, 1 and 137
     check(errors(spec_of(mod, "causal", 128), 3, 8, 300, 200, kv_heads=2, kv_lens=[0, 1, 137]))
     check(errors(spec_of(mod, "none", 64), 3, 4, 130, 257, kv_heads=1, kv_lens=[257, 0, 64]))
+
+
+@pytest.mark.parametrize("via", [TanhVia.EX2, TanhVia.FMA, TanhVia.SPLIT])
+@pytest.mark.parametrize("cap", [15.0, 30.0, 50.0])
+def test_softcap_ways_where_scores_saturate(via, cap):
+    """q and k spread 3x: scaled scores of about N(0, 81), many past the cap, so tanh's whole range is used."""
+    mods = Modifications(softcap=cap, softcap_via=via)
+    spec = KernelSpec(f"softcap_{via.value}", Problem(128, 128, DType.BF16, Mask.CAUSAL, mods=mods), schedule(128))
+    check(errors(spec, 2, 3, 700, 700, spread=3.0))
 
 
 def test_alibi_slopes_per_batch_entry():

@@ -20,6 +20,7 @@ from .mods.model import NO_MODS, Modifications
 MOD_KEYS = ("softcap", "alibi", "sinks", "dropout", "score_mod", "mask_mod")
 PROBLEM_KEYS = ("head_dim", "head_dim_v", "dtype", "mask", "scale", "queries", "kv_cache", "layout", "kv_dtype",
                 "kv_scale", "out_dtype", "descale") + MOD_KEYS
+VIA_KEYS = ("softcap",)   # settings that take `via` (how they run: `softcap = 30 via ex2`, mods/softcap.py)
 SCHEDULE_KEYS = ("order", "tile", "warps", "pipeline", "mma", "warpgroups", "overlap", "split", "dequant", "launch")
 # Statements of `backward { }`; their spans are keyed "backward.<key>" (the block itself: "backward").
 BACKWARD_KEYS = ("order", "tile", "warps", "pipeline", "mma", "dq", "warpgroups")

@@ -29,6 +29,7 @@ from ..spec import (
     PROBLEM_KEYS,
     SCALE_RANGE,
     SCHEDULE_KEYS,
+    VIA_KEYS,
     Axis,
     CopyVia,
     Descale,
@@ -135,6 +136,9 @@ class _Checker:
             else:
                 if item.key.text not in PROBLEM_KEYS:
                     self.unknown(item.key, in_schedule=False)
+                if item.via is not None and item.key.text not in VIA_KEYS:
+                    self.fail(f"'{item.key.text}' takes no `via`; only {', '.join(VIA_KEYS)} says how it runs",
+                              item.via.span, f"write `{item.key.text} = {item.value.source()}`")
                 add(item.key.text, item.key.span, item)
         nodes = dict(entries)
         if "head_dim" not in nodes:

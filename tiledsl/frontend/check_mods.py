@@ -1,6 +1,7 @@
 """The score and mask modifications of an attention block (mods/model.py), from its settings:
 
-    softcap   = 30                                 a finite number > 0
+    softcap   = 30                                 a finite number > 0; `via ex2 | fma | split | tanh_approx`
+                                                   says how tanh runs (mods/softcap.py)
     alibi     = geometric | slopes
     sinks     = per_head
     dropout   = 0.1                                in (0, 1)
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..mods.expr import FUNCTIONS, OPS, VARIABLES, Aux, Const, ExprTypeError, Type, Var, apply
 from ..mods.model import BUILTIN_AUX, AlibiSlopes, Documents, Modifications
+from ..mods.softcap import TanhVia
 from ..mods.validate import ExprRuleError, validate_expression
 from ..spec import Mask
 from ..hw import MMA_ROWS
@@ -54,6 +56,8 @@ def problem_fields(checker, nodes: dict) -> dict:
         if not math.isfinite(atom.value) or atom.value <= 0:
             checker.fail(f"softcap must be a finite number > 0, got {atom.source()}", atom.span, EXAMPLES["softcap"])
         mods["softcap"] = float(atom.value)
+        if nodes["softcap"].via is not None:
+            mods["softcap_via"] = checker.word(nodes["softcap"].via, "softcap via", {v.value: v for v in TanhVia})
     if "alibi" in nodes:
         mods["alibi"] = checker.word(checker.setting_word(nodes["alibi"]), "alibi", {a.value: a for a in AlibiSlopes})
     if "sinks" in nodes:

@@ -132,7 +132,8 @@ class _ToAst(Transformer):
         return ast.Subscript(self._word(children[0]), tuple(children[1:]), self._span(meta))
 
     def setting(self, meta, children):
-        return ast.Setting(self._word(children[0]), children[1], self._span(meta))
+        via = None if len(children) < 3 or children[2] is None else self._word(children[2])
+        return ast.Setting(self._word(children[0]), children[1], self._span(meta), via)
 
     def dim(self, meta, children):
         return ast.Dim(self._word(children[0]), children[1], self._span(meta))
@@ -221,11 +222,13 @@ def _terminal_word(name: str) -> str:
 _CONTINUE_EXPRESSION = {"VBAR", "AMPERSAND", "PLUS", "MINUS", "STAR", "SLASH", "_FLOORDIV", "PERCENT", "COMPARE",
                         "LSQB", "LPAR"}
 _START_EXPRESSION = {"LPAR", "MINUS", "TILDE"}
+# `via` may end a setting (`softcap = 30 via ex2`) or a pipeline statement: left out beside the end of the line.
+_OPTIONAL_TAIL = {"VIA"}
 
 
 def _expected_words(expected: set[str]) -> str:
     if "_NL" in expected:
-        expected = expected - _CONTINUE_EXPRESSION
+        expected = expected - _CONTINUE_EXPRESSION - _OPTIONAL_TAIL
     if expected & {"NAME", "NUMBER"}:
         expected = expected - _START_EXPRESSION
     for marker, words in _STATEMENT_STARTS:

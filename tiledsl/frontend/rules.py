@@ -12,6 +12,7 @@ from ..hw import MMA_ROWS, WGMMA_ROWS
 from ..families import feature_refusal, layout_of
 from ..layout.backward import backward_has_template, backward_layout
 from ..layout.base import GENERIC_SIZE_HINT
+from ..mods.softcap import DEFAULT_VIA, refusal as softcap_refusal
 from ..spec import (MAX_TILE, Axis, Family, KernelSpec, LaunchKind, Mma, Problem,
                     Schedule, SeqLayout)
 from . import check_backward
@@ -114,7 +115,21 @@ def _rule_warps_fit(spec: KernelSpec, written: set):
     return None
 
 
-RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, check_backward.rule_backward)
+def _rule_softcap(spec: KernelSpec, written: set):
+    """softcap's tanh must move no capped score past mods/softcap.SCORE_ERROR_BUDGET (the way written, or
+    the default one)."""
+    mods = spec.problem.mods
+    if mods.softcap is None:
+        return None
+    why = softcap_refusal(mods.softcap, mods.softcap_via or DEFAULT_VIA)
+    if why:
+        written_via = f" via {mods.softcap_via.value}" if mods.softcap_via else ""
+        return "softcap", f"softcap = {mods.softcap:g}{written_via}: {why}", EXAMPLES["softcap"]
+    return None
+
+
+RULES = (_rule_family_features, _rule_hopper, _rule_wgmma, _rule_warps_fit, _rule_softcap,
+         check_backward.rule_backward)
 # Rules whose own hint is a guess at a size: their hint is replaced by schedule edits that check.
 _SIZE_RULES = (_rule_warps_fit,)
 SUGGESTIONS_SHOWN = 2

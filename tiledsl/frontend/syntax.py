@@ -151,9 +151,10 @@ class Setting:
     key: Word
     value: Expression              # a Number, Word or Call, or an expression (score_mod, `causal & document`)
     span: Span | None = _span()
+    via: Word | None = None        # `softcap = 30 via ex2`: how the setting runs
 
     def source(self) -> str:
-        return f"{self.key.text} = {self.value.source()}"
+        return f"{self.key.text} = {self.value.source()}" + (f" via {self.via.text}" if self.via else "")
 
 
 # ---- schedule statements: each keeps its keyword as `key` (a Word with the keyword's span) -----

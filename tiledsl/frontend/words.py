@@ -26,7 +26,8 @@ EXAMPLES = {
     "schedule": "schedule {", "attention": "attention NAME {",
     "backward": "backward {", "dq": "dq accumulate atomic   (or: separate, ordered)",
     # score and mask modifications (frontend/check_mods.py)
-    "softcap": "softcap = 30   (scores become 30 * tanh(score / 30))",
+    "softcap": "softcap = 30   (scores become 30 * tanh(score / 30); `softcap = 30 via fma` picks how tanh runs: "
+               "ex2 | fma | split | tanh_approx)",
     "alibi": "alibi = geometric   (or: slopes, read from the aux tensor alibi_slopes)",
     "sinks": "sinks = per_head   (a learned logit per head joins the softmax: the aux tensor sinks)",
     "dropout": "dropout = 0.1   (the probability of dropping a weight)",

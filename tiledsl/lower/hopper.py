@@ -18,6 +18,7 @@ switches reorder it:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..hw import PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS
@@ -27,6 +28,7 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
 from ..mods.model import Modifications
+from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
@@ -49,6 +51,9 @@ class HopperPlan(KernelPlan):
     # sinks as the softmax's start; score_mods: any of them (templates/score_mods.cuh is pasted).
     score_mods: bool = False
     softcap: bool = False
+    softcap_via: str = ""                 # mods/softcap.TanhVia's value: how tanh runs
+    softcap_terms: tuple[str, ...] = ()   # the quotient's coefficients, w^0 first (C::SOFTCAP_Q0, ...)
+    softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
     alibi: bool = False
     sinks: bool = False
     # FP8 inputs (dtype = e4m3; templates/hopper_fp8.cuh): the producer's warps 1.. transpose each V tile into
@@ -142,12 +147,35 @@ def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
     return (line,) if line else ()
 
 
-def mod_constants(p) -> list[Constant]:
+def softcap_via(mods: Modifications) -> TanhVia | None:
+    """How the kernel's tanh runs: the spec's `via`, else mods/softcap.DEFAULT_VIA (None without softcap)."""
+    return None if mods.softcap is None else mods.softcap_via or DEFAULT_VIA
+
+
+def softcap_constants(p, s_tiles: int) -> list[Constant]:
+    """softcap's constants (mods/softcap.py): tanh.approx's argument and output scales, or the exponent
+    scale of w = e^(-2 SCALE |s| / cap), the quotient's coefficients (cap / scale folded in, raw units) and
+    how many 8-column tiles of S take w from MUFU."""
+    cap, via = p.mods.softcap, softcap_via(p.mods)
+    if via is TanhVia.TANH_APPROX:
+        return [Constant("SOFTCAP_IN", "float", p.scale / cap, "softcap: scale / cap, tanh's argument"),
+                Constant("SOFTCAP_OUT", "float", cap / p.scale, "softcap: cap / scale, back to raw units")]
+    degree = quotient_degree(cap, via)
+    coefficients, error = QUOTIENT_FITS[degree]
+    return [Constant("SOFTCAP_EXP", "float", -2.0 * math.log2(math.e) * p.scale / cap,
+                     "softcap: w = 2^(|s| SOFTCAP_EXP) = e^(-2 scale |s| / cap)"),
+            Constant("SOFTCAP_MUFU_TILES", "int", mufu_tiles(via, s_tiles),
+                     f"softcap via {via.value}: tiles of S whose w comes from MUFU's ex2 (the rest: FMA pipes)")] + [
+        Constant(f"SOFTCAP_Q{k}", "float", c * cap / p.scale,
+                 f"softcap: the quotient's w^{k} coefficient (degree {degree}, error {error:.2g}) times cap / scale"
+                 if k == 0 else "") for k, c in enumerate(coefficients)]
+
+
+def mod_constants(p, s_tiles: int) -> list[Constant]:
     """The constants of the modifications' steps, in the raw units of S the softmax scales."""
     mods, out = p.mods, []
     if mods.softcap is not None:
-        out += [Constant("SOFTCAP_IN", "float", p.scale / mods.softcap, "softcap: scale / cap, tanh's argument"),
-                Constant("SOFTCAP_OUT", "float", mods.softcap / p.scale, "softcap: cap / scale, back to raw units")]
+        out += softcap_constants(p, s_tiles)
     if mods.alibi is not None:
         out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
     if mods.sinks:
@@ -260,13 +288,15 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                  "a consumer waits, the one before it arrives"),
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
-        *mod_constants(p),
+        *mod_constants(p, s.tile_kv // 8),
         *(fp8_constants(spec, lay) if fp8 else ()),
     ]
     if s.launch is LaunchKind.DYNAMIC:
         consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
                                "launch dynamic: the producer names each work item to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
+    via = softcap_via(p.mods)
+    terms = tuple("C::" + c.name for c in consts if c.name.startswith("SOFTCAP_Q"))
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
@@ -306,7 +336,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
-                     sinks=p.mods.sinks,
+                     sinks=p.mods.sinks, softcap_via=via.value if via else "",
+                     softcap_terms=terms, softcap_degree=max(len(terms) - 1, 0),
                      launch_kind=s.launch.value if s.launch else "",
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)

@@ -1,7 +1,7 @@
 """Score and mask modifications: what a spec changes between S = scale Q K^T and the softmax.
 
     score    s = scale * q_i . k_j
-             s = softcap * tanh(s / softcap)                 softcap = 30
+             s = softcap * tanh(s / softcap)                 softcap = 30 [via ex2 | fma | split | tanh_approx]
              s = s - slope_h * |i + kv_len - q_len - j|      alibi = geometric | slopes   (FA2's ALiBi)
              s = score_mod(s, b, h, i, j)                    score_mod = score + bias[h, q_idx - kv_idx]
     visible  j < kv_len, the mask (none | causal | window), and each of:
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from .expr import Aux, Const, Expr, Type, Var, apply, derivative, reads, source, substitute
+from .softcap import TanhVia
 
 
 class AlibiSlopes(Enum):
@@ -67,6 +68,7 @@ class Modifications:
     """A Problem's score and mask modifications (the module docstring). The defaults change nothing;
     a Problem whose modifications are all defaults keeps its config, hash and kernel name."""
     softcap: float | None = None
+    softcap_via: TanhVia | None = None        # how tanh runs (mods/softcap.py); None: the lowering's default
     alibi: AlibiSlopes | None = None
     sinks: bool = False
     document: Documents | None = None
@@ -143,7 +145,7 @@ class Modifications:
         for name in ("softcap", "prefix", "dropout"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        for name in ("alibi", "document"):
+        for name in ("softcap_via", "alibi", "document"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name).value
         if self.sinks:
@@ -160,7 +162,8 @@ class Modifications:
         smod1a2b3c4d (an expression's: the first 8 hex digits of its text's sha256)."""
         parts = []
         if self.softcap is not None:
-            parts.append("softcap" + _number(self.softcap))
+            parts.append("softcap" + _number(self.softcap)
+                         + (self.softcap_via.value.replace("_", "") if self.softcap_via else ""))
         if self.alibi is not None:
             parts.append("alibi" + ("g" if self.alibi is AlibiSlopes.GEOMETRIC else "s"))
         if self.sinks:
@@ -182,7 +185,8 @@ class Modifications:
         """The settings that write these modifications (besides `mask`'s part: mask_terms)."""
         lines = []
         if self.softcap is not None:
-            lines.append(f"softcap   = {self.softcap!r}")
+            via = f" via {self.softcap_via.value}" if self.softcap_via else ""
+            lines.append(f"softcap   = {self.softcap!r}{via}")
         if self.alibi is not None:
             lines.append(f"alibi     = {self.alibi.value}")
         if self.sinks:
