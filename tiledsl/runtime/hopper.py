@@ -5,11 +5,13 @@ before launch (runtime.Kernel.check_inputs) already refuse anything else, naming
 from __future__ import annotations
 
 from ..errors import LaunchError, RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes, geometric_slopes
+from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
+    geometric_slopes
 from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
-from .launch import CallBuilder, allocator, compact_strides, i32, pointer_arg, strides_args
+from .index_checks import add_check, host_validation
+from .launch import CallBuilder, allocator, compact_strides, i32, i64, pointer_arg, strides_args
 from ..spec import DType, ItemOrder, LaunchKind, Mask
 from .fp8_descales import FP8_DESCALES, descale_views
 from .tensor_maps import e4m3_element, map_arg
@@ -146,16 +148,50 @@ class HopperKernel(Kernel):
             args += (pointer_arg(t), i32(shapes.heads if len(t.shape) == 2 else 0))
         if mods.sinks:
             args += (pointer_arg(self._aux_view(b, AUX_SINKS, ((shapes.heads,),))),)
+        if mods.document is Documents.IDS:
+            t = self._aux_view(b, AUX_DOCUMENT_IDS, ((shapes.batch, shapes.kv_len),), "int32")
+            args += (pointer_arg(t), i64(t.strides[0]))
+        elif mods.document is Documents.BOUNDS:
+            t = self._aux_view(b, AUX_DOCUMENT_BOUNDS, None, "int32")
+            if len(t.shape) != 2 or t.shape[0] != shapes.batch or t.shape[1] < 1:
+                raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
+                                        f"({shapes.batch}, documents + 1)")
+            args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
         return args
 
-    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple) -> TensorView:
+    def add_document_check(self, b: CallBuilder, shapes: Shapes, validate: bool | None) -> None:
+        """The host check of the documents' data (mods/checks: ids in runs, bounds in order) on every call
+        that checks its index tensors there (runtime/index_checks.host_validation): the kernel reads any
+        data in bounds, but documents out of order would give a wrong answer."""
+        mods = self.spec.problem.mods
+        if mods.document is None or not host_validation(validate) or len(b.tensors) != len(self.CALL):
+            return
+        from ..mods.checks import check_bounds, check_document_ids
+        from .serving_checks import host
+        index, kv_len = self.CALL.index(AUX_DOCUMENT_IDS if mods.document is Documents.IDS else AUX_DOCUMENT_BOUNDS), \
+            shapes.kv_len
+        if mods.document is Documents.IDS:
+            add_check(b, lambda tensors: check_document_ids(host(tensors[index], AUX_DOCUMENT_IDS), self.name))
+        else:
+            add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
+
+    def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
+        q, k, v, o, lse, kv_lens, shapes = self.checked_call(b, validate)
+        self.add_document_check(b, shapes, validate)
+        self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
+
+    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
+        """The aux tensor `name`, checked: its element type (float32 or int32), one of `shapes` (None: the
+        caller checks), contiguous, on q's GPU."""
         if len(b.tensors) != len(self.CALL):
             raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
                                     "to the kernel's call or bind")
+        given = str(getattr(b.tensors[self.CALL.index(name)], "dtype", ""))
+        if not given.endswith("int32" if dtype == "int32" else "float32"):
+            raise RuntimeInputError(f"{self.name}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
+                                    f"got {given or type(b.tensors[self.CALL.index(name)]).__name__}")
         t = b.view(self.CALL.index(name))
-        if t.dtype is not DType.FP32:
-            raise RuntimeInputError(f"{self.name}: {name} must be float32, got {getattr(t.dtype, 'value', t.dtype)}")
-        if t.shape not in shapes:
+        if shapes is not None and t.shape not in shapes:
             raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
                                     f"{' or '.join(map(str, shapes))}")
         if t.strides != compact_strides(t.shape):
@@ -177,6 +213,10 @@ class HopperKernel(Kernel):
         if self.persistent is not None:
             return self.persistent
         if self.plan.launch_kind:
+            return True
+        if self.spec.problem.mods.document is not None:
+            # an item sees about one document's tiles, whatever the sequence's length, and a persistent
+            # block's producer searches the next item's documents while the consumers finish this one
             return True
         return (self.spec.problem.mask is Mask.NONE
                 or -(-shapes.kv_len // self.spec.schedule.tile_kv) <= PERSISTENT_MASKED_TILES)
