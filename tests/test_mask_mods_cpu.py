@@ -29,8 +29,8 @@ def binary(documents: str, mask: str, prefix: int, tile_q: int, tile_kv: int) ->
     out = Path(tempfile.mkdtemp(prefix="mask_mods_")) / "host"
     defines = dict(TILE_Q=tile_q, TILE_KV=tile_kv, MASK_KIND=MASKS[mask], DOCUMENT_KIND=KINDS[documents],
                    PREFIX_KEYS=prefix)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror", "-Wno-unused-function", "-Wno-unknown-pragmas",
-                    f"-I{ROOT / 'templates'}", *(f"-D{k}={v}" for k, v in defines.items()),
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror", "-Wno-unused-function",
+                    "-Wno-unknown-pragmas", f"-I{ROOT / 'templates'}", *(f"-D{k}={v}" for k, v in defines.items()),
                     str(ROOT / "tests" / "mask_mods_host.cpp"), "-o", str(out)], check=True)
     return out
 

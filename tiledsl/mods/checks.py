@@ -6,8 +6,8 @@ can form over the launch lies inside its tensor (interval analysis over b < batc
 q_idx < q_len, kv_idx < kv_len: a table sized for causal's half is refused, since a partial tile
 computes the expression before it masks), and no int the expression forms can leave int32.
 `prepare_aux` also reads the data (document ids come in runs, one per document; document bounds must
-start at >= 0, never decrease and end within the keys) and returns the NumPy arrays the float64 reference reads. Every refusal is a RuntimeInputError
-that names the tensor and says why.
+start at >= 0, never decrease and end within the keys) and returns the NumPy arrays the float64
+reference reads. Every refusal is a RuntimeInputError that names the tensor and says why.
 """
 from __future__ import annotations
 
@@ -168,9 +168,9 @@ def check_document_ids(ids, where: str) -> None:
         if len(first) < len(starts):
             again = starts[np.setdiff1d(np.arange(len(starts)), first)[0]]
             earlier = starts[np.nonzero(row[starts] == row[again])[0][0]]
-            raise RuntimeInputError(f"{where}: document_ids[{b}, {again}] = {row[again]} resumes document {row[again]}, "
-                                    f"which ran from index {earlier} and stopped; a document is one run of consecutive "
-                                    "positions (packed sequences; negative ids are padding)")
+            raise RuntimeInputError(f"{where}: document_ids[{b}, {again}] = {row[again]} resumes document "
+                                    f"{row[again]}, which ran from index {earlier} and stopped; a document is one run "
+                                    "of consecutive positions (packed sequences; negative ids are padding)")
 
 
 def check_bounds(bounds, kv_len: int, where: str) -> None:

@@ -68,14 +68,27 @@ def _synchronize(like) -> None:
         cupy_module().cuda.get_current_stream().synchronize()
 
 
+def launch_rule(problem, kv_tiles: int) -> tuple[bool, str]:
+    """(persistent, why) of the runtime's launch for a spec without `launch` whose sequences have kv_tiles
+    tiles of keys (HopperKernel's docstring says why)."""
+    if problem.mods.document is not None:
+        # an item sees about one document's tiles, whatever the sequence's length, and a persistent block's
+        # producer searches the next item's documents while the consumers finish this one
+        return True, "documents: an item sees about one document's kv tiles"
+    if problem.mask is Mask.NONE:
+        return True, "no mask, every item costs the same"
+    walk = kv_tiles <= PERSISTENT_MASKED_TILES
+    return walk, f"items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles"
+
+
 class HopperKernel(Kernel):
     """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
 
     `persistent` True launches one block per resident slot, each walking work items in launch
     order, so a block's next Q, K and V load while it stores the last O; False launches one block
     per item, and the GPU hands the next item to whichever SM frees first. None (the default)
-    picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same), and
-    under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
+    picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same) or with
+    documents, and under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
     block per item for longer masked items, whose costs spread so far that the static walk balances
     them worse than the GPU's block scheduler. A spec's `launch` (plan.launch_kind)
     decides instead of that rule; `persistent` still overrides both (tests, benchmarks), except
@@ -214,12 +227,7 @@ class HopperKernel(Kernel):
             return self.persistent
         if self.plan.launch_kind:
             return True
-        if self.spec.problem.mods.document is not None:
-            # an item sees about one document's tiles, whatever the sequence's length, and a persistent
-            # block's producer searches the next item's documents while the consumers finish this one
-            return True
-        return (self.spec.problem.mask is Mask.NONE
-                or -(-shapes.kv_len // self.spec.schedule.tile_kv) <= PERSISTENT_MASKED_TILES)
+        return launch_rule(self.spec.problem, -(-shapes.kv_len // self.spec.schedule.tile_kv))[0]
 
     def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
         """As Kernel's (longest_first: block_order's groups), with the spec's `launch ... order pair_by_pair`
