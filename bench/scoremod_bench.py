@@ -1,6 +1,6 @@
 """Score and mask modifications on the H200: tiledsl against FlashAttention-4 and FlexAttention, same run.
 
-    python bench/scoremod_bench.py OUT.json [--seqlens 4096 16384] [--backward]
+    python bench/scoremod_bench.py OUT.json [--seqlens 4096 16384] [--mods document ...] [--backward]
     python bench/scoremod_bench.py OUT.json --variants [--seqlens 4096 16384]   (softcap's ways, ALiBi, sinks)
 
 Rows (tiledsl.tune.bench.record): mod (`none`: tiledsl's unmodified kernel at the shape; softcap,
@@ -10,6 +10,11 @@ row's ratio to another is a time ratio; backward 2.5x over the time of forward +
 forward), and peers measured in the same run: fa4 (flash_attn.cute with its softcap; None where it has
 no such modification or is not importable), flex (torch.nn.attention.flex_attention, compiled; None for
 sinks, which it has no form for) and varlen (tiledsl's varlen kernel over the document rows' documents).
+The document rows (documents of DOC_LEN tokens, packed back to back: their ends fall inside kv tiles) run
+causal and not, and count their FLOPs over the visible (query, key) pairs only: 4 d B H times the sum over
+documents of L^2 (L (L + 1) / 2 causal), the same count for every peer (fa4: flash_attn.cute's varlen
+function over the documents); tiledsl's document calls pass validate=False (no host check of the ids:
+sync-free, as the peers are).
 A tiledsl row whose modification has no kernel yet records the refusal in `error` and tflops None.
 Every tiledsl kernel is checked against the float64 reference (batch 1, heads 2, seqlen 257, fresh
 inputs, O poisoned with NaN by the kernel's own tests) before it is timed.
@@ -32,7 +37,7 @@ HEAD_DIM, CAP, DOC_LEN = 128, 30.0, 1000
 MODS = ("none", "softcap", "alibi", "sinks", "document", "rel_bias")
 
 
-def modification(mod: str, batch: int, heads: int, n: int, device="cuda"):
+def modification(mod: str, batch: int, heads: int, n: int, device="cuda", is_causal: bool = True):
     """(tiledsl keywords, flex score_mod, flex mask_mod, fa4 keywords or None, documents (n,) or None)."""
     causal = lambda b, h, q, kv: q >= kv  # noqa: E731
     if mod == "none":
@@ -47,22 +52,24 @@ def modification(mod: str, batch: int, heads: int, n: int, device="cuda"):
     if mod == "document":
         docs = torch.arange(n, device=device) // DOC_LEN
         ids = docs.to(torch.int32).expand(batch, n).contiguous()
+        if not is_causal:
+            return dict(document_ids=ids), None, lambda b, h, q, kv: docs[q] == docs[kv], None, docs
         return dict(document_ids=ids), None, lambda b, h, q, kv: (docs[q] == docs[kv]) & (q >= kv), None, docs
     bias = torch.randn(heads, 2 * n - 1, device=device)
     return (dict(score_mod=f"score + bias[h, q_idx - kv_idx + {n - 1}]", aux={"bias": bias}),
             lambda s, b, h, q, kv: s + bias[h, q - kv + n - 1], causal, None, None)
 
 
-def check_tiledsl(mod: str) -> str:
+def check_tiledsl(mod: str, causal: bool = True) -> str:
     """"" when tiledsl's kernel for `mod` matches the float64 reference at a small shape, else why not."""
-    batch, heads, n = 1, 2, 257
+    batch, heads, n = 1, 2, 257 if mod != "document" else 2257   # a document row: documents of DOC_LEN
     q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    keywords = modification(mod, batch, heads, n)[0]
+    keywords = modification(mod, batch, heads, n, is_causal=causal)[0]
     try:
-        o = tiledsl.attention(q, k, v, causal=True, **keywords)
+        o = tiledsl.attention(q, k, v, causal=causal, **keywords)
     except Exception as err:   # a modification without a kernel yet: recorded, not timed
         return str(err).splitlines()[0][:300]
-    spec = load_spec(tiledsl.spec_for(q, k, v, causal=True, **keywords))
+    spec = load_spec(tiledsl.spec_for(q, k, v, causal=causal, **keywords))
     aux = {name: t.double().cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
            for name, t in _aux_of(keywords).items()}
     ref, _ = reference_attention(spec, *(x.double().cpu().numpy() for x in (q, k, v)), aux=aux)
@@ -142,6 +149,22 @@ def check_kernel(kernel, spec, aux: dict) -> str:
     return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
 
 
+def document_flops(batch: int, heads: int, n: int, causal: bool) -> float:
+    """FLOPs of the visible pairs of n tokens in documents of DOC_LEN (the last one shorter)."""
+    lengths = [min(DOC_LEN, n - s) for s in range(0, n, DOC_LEN)]
+    pairs = sum(L * (L + 1) // 2 if causal else L * L for L in lengths)
+    return 4.0 * HEAD_DIM * batch * heads * pairs
+
+
+def fa4_varlen():
+    """flash_attn.cute's varlen function, or None where it is not importable."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception:
+        return None
+
+
 def timed(fn, backward: bool, inputs):
     """(forward ms, forward + backward ms or None)."""
     forward = time_ms(fn)
@@ -164,6 +187,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backward", action="store_true", help="also time forward + backward")
     parser.add_argument("--variants", action="store_true",
                         help="only the hopper kernels' variants (softcap's ways, ALiBi, sinks), interleaved")
+
+
+    parser.add_argument("--mods", nargs="+", choices=MODS, default=list(MODS), help="the rows to measure")
     args = parser.parse_args(argv)
     if args.variants:
         rows = [row for n in args.seqlens for row in variant_rows(n)]
@@ -175,7 +201,9 @@ def main(argv: list[str]) -> int:
         flash_attn_func = None
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     flex = torch.compile(flex_attention, dynamic=False)
-    checks = {mod: check_tiledsl(mod) for mod in MODS}
+    cases = [(mod, causal) for mod in args.mods for causal in ((True, False) if mod == "document" else (True,))]
+    checks = {f"{mod}{'' if causal else '_noncausal'}": check_tiledsl(mod, causal) for mod, causal in cases}
+    varlen_fa4 = fa4_varlen()
     rows = []
 
     def save():
@@ -183,14 +211,18 @@ def main(argv: list[str]) -> int:
                fa4_available=flash_attn_func is not None)
     for n in args.seqlens:
         batch, heads = prefill_shape(n, HEAD_DIM)
-        flops = attention_flops(batch, heads, n, n, HEAD_DIM, True)
-        for mod in MODS:
+        for mod, causal in cases:
+            check = checks[f"{mod}{'' if causal else '_noncausal'}"]
+            flops = (document_flops(batch, heads, n, causal) if mod == "document"
+                     else attention_flops(batch, heads, n, n, HEAD_DIM, True))
             q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=args.backward) for _ in range(3))
-            keywords, score_mod, mask_mod, fa4, docs = modification(mod, batch, heads, n)
+            keywords, score_mod, mask_mod, fa4, docs = modification(mod, batch, heads, n, is_causal=causal)
+            if docs is not None:
+                keywords = {**keywords, "validate": False}
             times = {}
-            if not checks[mod]:
-                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=True, **keywords), args.backward,
+            if not check:
+                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=causal, **keywords), args.backward,
                                          (q, k, v))
             if score_mod is not None or mask_mod is not None:
                 block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") if mask_mod else None
@@ -205,7 +237,13 @@ def main(argv: list[str]) -> int:
                 cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device="cuda")
                 packed = [x.detach().transpose(1, 2).reshape(batch * n, heads, HEAD_DIM) for x in (q, k, v)]
                 times["varlen"] = timed(lambda: tiledsl.varlen_attention(*packed, cu, cu, DOC_LEN, DOC_LEN,
-                                                                         causal=True), False, ())
+                                                                         causal=causal), False, ())
+                if varlen_fa4 is not None:
+                    try:
+                        times["fa4"] = timed(lambda: varlen_fa4(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                causal=causal)[0], False, ())
+                    except Exception as err:   # an FA4 build without this signature: noted, not timed
+                        checks[f"fa4_varlen_{mod}"] = str(err).splitlines()[0][:300]
             for pass_ in ("forward", "backward") if args.backward else ("forward",):
                 def tflops(name):
                     t = times.get(name)
@@ -214,8 +252,9 @@ def main(argv: list[str]) -> int:
                     ms = t[0] if pass_ == "forward" else t[1] - t[0]
                     return (flops if pass_ == "forward" else 2.5 * flops) / (ms * 1e-3) / 1e12
                 rows.append({"kernel": f"tiledsl_{mod}", "family": "hopper", "dtype": "bf16", "mod": mod,
-                             "pass": pass_, "head_dim": HEAD_DIM, "seqlen": n, "causal": True, "batch": batch,
-                             "heads": heads, "tflops": tflops("tiledsl"), "error": checks[mod] or None,
+                             "pass": pass_, "head_dim": HEAD_DIM, "seqlen": n, "causal": causal, "batch": batch,
+                             "heads": heads, "tflops": tflops("tiledsl"), "error": check or None,
+                             "flops": "visible pairs" if mod == "document" else "causal N^2 / 2",
                              "peers": {"fa4": tflops("fa4"), "flex": tflops("flex"), "varlen": tflops("varlen")}})
                 print(rows[-1], flush=True)
                 save()   # after every row: a run cut short keeps what it measured

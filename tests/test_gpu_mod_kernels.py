@@ -179,7 +179,7 @@ def test_other_families_and_modifications_refuse_clearly():
     from tiledsl.errors import RuntimeInputError
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeInputError, match="no CUDA template"):
-        tiledsl.attention(q, q, q, document_ids=torch.zeros(1, 64, device="cuda", dtype=torch.int32))
+        tiledsl.attention(q, q, q, mask_mod="kv_idx != 3")
 
 
 def test_compute_sanitizer_on_a_small_modified_case(tmp_path):

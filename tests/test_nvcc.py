@@ -5,6 +5,7 @@ nvcc fails loudly instead of skipping."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -120,6 +121,34 @@ def _modified_specs() -> list:
                 spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
                 known = mods.softcap_via is TanhVia.TANH_APPROX and d == 64
                 specs.append(pytest.param(spec, marks=spills) if known else spec)
+    specs += _mask_modified_specs()
+    return specs
+
+
+def _mask_modified_specs() -> list:
+    """The hopper forward with the mask modifications (documents by ids and by bounds, prefix) on the tuned
+    schedules, alone and with the score modifications (but softcap at d64: its spills are listed above)."""
+    from tiledsl.dispatch.tuned import TUNED
+    from tiledsl.mods.model import AlibiSlopes, Documents, Modifications
+    from tiledsl.spec import DType, KernelSpec, Mask, Problem
+    # Known spills, listed exactly (strict): documents with a prefix on d64's three 160-register consumers, and
+    # documents with softcap, ALiBi and sinks at d128 causal (ping-pong); each alone, and documents with causal
+    # or none, build spill-free.
+    spills = {"hopper_d64_bf16_doc_prefix300_q192_kv128_p1r32_c3r160_intra_s2tma",
+              "hopper_d128_bf16_causal_softcap30_alibis_sinks_doc_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma"}
+    spilled = pytest.mark.xfail(strict=True, reason="a document mask with other modifications spills")
+    specs = []
+    for d in (64, 128, 256):
+        scored = Modifications(softcap=None if d == 64 else 30.0, alibi=AlibiSlopes.GIVEN, sinks=True)
+        for mask, mods in ((Mask.CAUSAL, Modifications(document=Documents.IDS)),
+                           (Mask.NONE, Modifications(document=Documents.IDS)),
+                           (Mask.CAUSAL, Modifications(document=Documents.BOUNDS)),
+                           (Mask.NONE, Modifications(prefix=300)),
+                           (Mask.NONE, Modifications(prefix=300, document=Documents.IDS)),
+                           (Mask.CAUSAL, replace(scored, document=Documents.IDS))):
+            schedule = TUNED[("sm_90", "bf16", d, mask.value)]
+            spec = KernelSpec(f"mask_mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
+            specs.append(pytest.param(spec, marks=spilled) if spec.kernel_name in spills else spec)
     return specs
 
 

@@ -49,10 +49,12 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `softcap` (30: scores become 30 tanh(s / 30)), `alibi_slopes` ("geometric" or a float tensor),
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
     (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
-    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes and sinks run on the
-    hopper family's forward kernels (families.BUILT_MODS); forward-only: a call that needs gradients is
-    refused. Any other modification, or another family, checks its aux tensors, then raises
-    RuntimeInputError naming what is missing."""
+    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks and the
+    documents run on the hopper family's forward kernels (families.BUILT_MODS); forward-only: a call that
+    needs gradients is refused. Documents are runs of one id each (packed sequences); the host checks
+    that where it checks kv_lens (`validate`; validate=False keeps the call sync-free). Any other
+    modification, or another family, checks its aux tensors, then raises RuntimeInputError naming what is
+    missing."""
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
     deterministic = switch("attention", "deterministic", deterministic)
@@ -65,7 +67,7 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
         if mods.active:
-            out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors)
+            out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors, validate)
             return (out, lse) if return_lse else out
     if _entry is None:
         _load_entry_points()

@@ -131,7 +131,7 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 
 # The modifications each family's forward template spells (mods/model.py's field names); the rest are refused.
 # The hopper template takes them on batched sequences (its varlen variant takes none).
-BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks")}
+BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix")}
 
 
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:

@@ -387,16 +387,15 @@ def blocks_per_sm(spec, plan, limits: DeviceLimits) -> int:
 
 def _tile_scheduler_line(spec, pairs: int, q_tiles: int, kv_tiles: int, limits: DeviceLimits) -> str:
     """How a hopper kernel's blocks take its work items at this shape (`launch`, else the runtime's rule)."""
-    from ..runtime.hopper import PERSISTENT_MASKED_TILES
-    from ..spec import LaunchKind, Mask
+    from ..runtime.hopper import launch_rule
+    from ..spec import LaunchKind
     s, items = spec.schedule, pairs * q_tiles
     launch = s.launch
     why = "written in the spec" if launch is not None else "the runtime's choice"
     if launch is None:
-        walk = spec.problem.mask is Mask.NONE or kv_tiles <= PERSISTENT_MASKED_TILES
+        walk, reason = launch_rule(spec.problem, kv_tiles)
         launch = LaunchKind.PERSISTENT if walk else LaunchKind.GRID
-        why += (": no mask, every item costs the same" if spec.problem.mask is Mask.NONE else
-                f": items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles")
+        why += ": " + reason
     how = {LaunchKind.GRID: "one block per item, each started on the SM that frees first",
            LaunchKind.PERSISTENT: f"one block per SM ({limits.sm_count}), block b walking items b, b + grid, ...",
            LaunchKind.DYNAMIC: f"one block per SM ({limits.sm_count}), each producer taking its next item from a "

@@ -191,9 +191,11 @@ def check_q_v(dtype, q_shape: tuple, v_shape: tuple) -> None:
 _calls = SignatureCache()
 
 
-def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifications, aux: dict):
+def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifications, aux: dict,
+                     validate: bool | None = None):
     """(O, LSE) of attention with score and mask modifications (dispatch/modified.py): the tuned table's
-    schedule with them, its aux tensors checked against the launch before anything runs."""
+    schedule with them, its aux tensors checked against the launch before anything runs (their data too,
+    where `validate` checks index tensors on the host: runtime/index_checks.py)."""
     from ..errors import RuntimeInputError, SpecError
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
@@ -215,7 +217,7 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     except SpecError as err:
         raise RuntimeInputError(f"attention: {err.message} (tiledsl.spec_for(...) prints the spec; the float64 "
                                 "reference, tiledsl.reference.forward.reference_attention, runs it)") from None
-    return kernel(q, k, v, kv_lens=kv_lens, aux=aux)
+    return kernel(q, k, v, kv_lens=kv_lens, aux=aux, validate=validate)
 
 
 def _needs_gradient(*tensors) -> bool:

@@ -9,6 +9,7 @@ from .base import Buffer, Layout, Registers, buffers_end, finish, qkv_buffers, r
 
 HOPPER_CONSUMER_OVERHEAD = 16   # a consumer keeps loop state and barrier addresses; the producer computes the copies
 WORK_ITEM_BYTES = 8             # launch dynamic: the shared slot through which the producer names the next item
+DOCUMENT_SPAN_BYTES = 8         # mask = document: the slot through which the producer hands over an item's keys
 
 
 def hopper_barriers(stages: int, transposes_v: bool = False) -> int:
@@ -69,6 +70,12 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
         buffers.append(Buffer("work item", smem, WORK_ITEM_BYTES, MBARRIER_BYTES,
                               formula="one int32 item index (8-byte slot)"))
         smem += WORK_ITEM_BYTES
+    if p.mods.document is not None:
+        # The producer's search of document_ids gives an item's keys [start, end); the consumers read them
+        # here, published by Q's full barrier.
+        buffers.append(Buffer("document span", smem, DOCUMENT_SPAN_BYTES, MBARRIER_BYTES,
+                              formula="two int32 key positions (start, end)"))
+        smem += DOCUMENT_SPAN_BYTES
     # A consumer holds O and S, and under intra overlap tile j-1's P fragments while S_j is computed
     # (P V of j-1 is in flight). Without it P is packed from S after S's last use: S's registers.
     p_fragments = [Registers("P fragments", s.tile_kv // 4, f"Bc/4 = {s.tile_kv}/4", True)] if s.intra_overlap else []

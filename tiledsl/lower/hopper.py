@@ -27,7 +27,7 @@ from ..layout.hopper import FP8_K_BYTES, FP8_TRANSPOSERS, fp8_swizzle
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
-from ..mods.model import Modifications
+from ..mods.model import Documents, Modifications
 from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
@@ -65,16 +65,23 @@ class HopperPlan(KernelPlan):
     v_ready: str = "v_full"             # the barrier a consumer waits on before O += P V reads the stage
     pv_operand: str = "v"               # the Shared buffer P V's B operand is read from (FP8: V^T)
     q_row_bytes: int = PANEL_ROW_BYTES  # bytes of one swizzled Q row: a consumer's 64 rows start 64 of them in
+    # Mask modifications (templates/mask_mods.cuh is pasted; mask_mods: any of them): `documents` bounds each
+    # item's kv tiles by its rows' documents (the producer searches document_ids and hands the span to the
+    # consumers in shared memory) and tests each row's document interval; `prefix` keeps the prefix's tiles.
+    mask_mods: bool = False
+    documents: str = ""   # "" | mods.model.Documents' value: "ids" (document_ids) | "bounds" (document_bounds)
+    prefix: bool = False
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
 HOPPER_SHARED = KV_SHARED + (O_SHARED, SharedBuffer("barriers", "BAR_OFFSET"))
-DYNAMIC_SHARED = HOPPER_SHARED + (SharedBuffer("work_item", "ITEM_OFFSET"),)   # `launch dynamic`: the item slot
 FP8_SHARED = HOPPER_SHARED + (SharedBuffer("vt", "VT_OFFSET", "VT_STAGE_BYTES"),)   # FP8: V^T's ring
 # P's largest weight after the softmax is 1; scaled by P_SCALE before its e4m3 conversion it uses e4m3's range
 # down to 2^-17 instead of flushing weights under 2^-9 to zero (448 is e4m3's largest value). O divides it out.
 FP8_P_SCALE = 256.0
 DESCALE_KIND = {Descale.PER_TENSOR: 0, Descale.PER_HEAD: 1, Descale.PER_BLOCK: 2}   # C::DESCALE (hopper_fp8.cuh)
+WORK_ITEM_SHARED = SharedBuffer("work_item", "ITEM_OFFSET")            # `launch dynamic`: the item slot
+DOCUMENT_SPAN_SHARED = SharedBuffer("document_span", "SPAN_OFFSET")    # `mask = document`: the item's keys
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
@@ -144,6 +151,11 @@ def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
         line += parameters("const float* __restrict__", "alibi_slopes") + parameters("int", "alibi_batch_stride")
     if mods.sinks:
         line += parameters("const float* __restrict__", "sinks")
+    if mods.document is Documents.IDS:
+        line += parameters("const int* __restrict__", "document_ids") + parameters("i64", "document_stride")
+    elif mods.document is Documents.BOUNDS:
+        line += (parameters("const int* __restrict__", "document_bounds") + parameters("i64", "document_stride")
+                 + parameters("int", "document_count"))
     return (line,) if line else ()
 
 
@@ -180,6 +192,9 @@ def mod_constants(p, s_tiles: int) -> list[Constant]:
         out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
     if mods.sinks:
         out.append(Constant("SINK_UNITS", "float", 1.0 / p.scale, "sinks: 1 / scale, a sink logit in raw units"))
+    if mods.document is not None or mods.prefix is not None:
+        out += [Constant("DOCUMENTS", "bool", mods.document is not None, "mask = document: rows see their document"),
+                Constant("PREFIX", "int", mods.prefix or 0, "prefix(n): keys below it are visible to all (0: none)")]
     return out
 
 
@@ -294,6 +309,9 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     if s.launch is LaunchKind.DYNAMIC:
         consts.append(Constant("ITEM_OFFSET", "u32", lay.buffer("work item").offset,
                                "launch dynamic: the producer names each work item to the consumers here"))
+    if p.mods.document is not None:
+        consts.append(Constant("SPAN_OFFSET", "u32", lay.buffer("document span").offset,
+                               "mask = document: the producer hands each item's keys to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     via = softcap_via(p.mods)
     terms = tuple("C::" + c.name for c in consts if c.name.startswith("SOFTCAP_Q"))
@@ -317,6 +335,10 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
             "persistent": "tile scheduler: one block per resident slot, items at a stride of the grid",
             "grid": "tile scheduler: one block per work item"}.get(
             s.launch.value if s.launch else "", "tile scheduler: the runtime's (by mask and length)")),
+        "documents": Region(spec_line(spec, "mask"),
+                            "documents: the keys of the first row's document to the end of the last row's (a binary "
+                            "search of document_ids by the producer, shared with the consumers through Q's barrier); "
+                            "each row's own document from the tile's ids"),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
@@ -331,13 +353,17 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
-                     shared=FP8_SHARED if fp8 else DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
+                     shared=(FP8_SHARED if fp8 else HOPPER_SHARED)
+                     + ((WORK_ITEM_SHARED,) if s.launch is LaunchKind.DYNAMIC else ())
+                     + ((DOCUMENT_SPAN_SHARED,) if p.mods.document is not None else ()),
                      parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
                      sinks=p.mods.sinks, softcap_via=via.value if via else "",
                      softcap_terms=terms, softcap_degree=max(len(terms) - 1, 0),
+                     mask_mods=p.mods.document is not None or p.mods.prefix is not None,
+                     documents=p.mods.document.value if p.mods.document else "", prefix=p.mods.prefix is not None,
                      launch_kind=s.launch.value if s.launch else "",
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)

@@ -5,9 +5,9 @@ given and no other, ranks and kinds match, the built-ins have their shapes, ever
 can form over the launch lies inside its tensor (interval analysis over b < batch, h < heads,
 q_idx < q_len, kv_idx < kv_len: a table sized for causal's half is refused, since a partial tile
 computes the expression before it masks), and no int the expression forms can leave int32.
-`prepare_aux` also reads the data (document bounds must start at >= 0, never decrease and end within
-the keys) and returns the NumPy arrays the float64 reference reads. Every refusal is a RuntimeInputError
-that names the tensor and says why.
+`prepare_aux` also reads the data (document ids come in runs, one per document; document bounds must
+start at >= 0, never decrease and end within the keys) and returns the NumPy arrays the float64
+reference reads. Every refusal is a RuntimeInputError that names the tensor and says why.
 """
 from __future__ import annotations
 
@@ -146,12 +146,31 @@ def prepare_aux(mods: Modifications, aux: dict | None, batch: int, heads: int, q
         out[AUX_ALIBI] = np.broadcast_to(np.asarray(geometric_slopes(heads)), (batch, heads))
     elif mods.alibi is AlibiSlopes.GIVEN:
         out[AUX_ALIBI] = np.broadcast_to(out[AUX_ALIBI], (batch, heads))
+    if mods.document is Documents.IDS:
+        check_document_ids(out[AUX_DOCUMENT_IDS], where)
     if mods.document is Documents.BOUNDS:
         from .numeric import document_ids_from_bounds
         bounds = out.pop(AUX_DOCUMENT_BOUNDS)
         check_bounds(bounds, kv_len, where)
         out[AUX_DOCUMENT_IDS] = document_ids_from_bounds(bounds, kv_len)
     return out
+
+
+def check_document_ids(ids, where: str) -> None:
+    """Document ids of packed sequences: each document (a non-negative id) is one run of consecutive key
+    positions (negative ids, padding, may lie anywhere; the ids need not increase). The kernels find a
+    document's keys by searching for its run's ends, so a document that resumes after another's would
+    see only part of itself."""
+    ids = np.asarray(ids)
+    for b, row in enumerate(ids.reshape(len(ids), -1) if ids.ndim == 2 else ()):
+        starts = np.nonzero((row >= 0) & np.r_[True, row[1:] != row[:-1]])[0]
+        _, first = np.unique(row[starts], return_index=True)
+        if len(first) < len(starts):
+            again = starts[np.setdiff1d(np.arange(len(starts)), first)[0]]
+            earlier = starts[np.nonzero(row[starts] == row[again])[0][0]]
+            raise RuntimeInputError(f"{where}: document_ids[{b}, {again}] = {row[again]} resumes document "
+                                    f"{row[again]}, which ran from index {earlier} and stopped; a document is one run "
+                                    "of consecutive positions (packed sequences; negative ids are padding)")
 
 
 def check_bounds(bounds, kv_len: int, where: str) -> None:

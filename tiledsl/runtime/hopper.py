@@ -5,11 +5,13 @@ before launch (runtime.Kernel.check_inputs) already refuse anything else, naming
 from __future__ import annotations
 
 from ..errors import LaunchError, RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes, geometric_slopes
+from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
+    geometric_slopes
 from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
-from .launch import CallBuilder, allocator, compact_strides, i32, pointer_arg, strides_args
+from .index_checks import add_check, host_validation
+from .launch import CallBuilder, allocator, compact_strides, i32, i64, pointer_arg, strides_args
 from ..spec import DType, ItemOrder, LaunchKind, Mask
 from .fp8_descales import FP8_DESCALES, descale_views
 from .tensor_maps import e4m3_element, map_arg
@@ -66,14 +68,27 @@ def _synchronize(like) -> None:
         cupy_module().cuda.get_current_stream().synchronize()
 
 
+def launch_rule(problem, kv_tiles: int) -> tuple[bool, str]:
+    """(persistent, why) of the runtime's launch for a spec without `launch` whose sequences have kv_tiles
+    tiles of keys (HopperKernel's docstring says why)."""
+    if problem.mods.document is not None:
+        # an item sees about one document's tiles, whatever the sequence's length, and a persistent block's
+        # producer searches the next item's documents while the consumers finish this one
+        return True, "documents: an item sees about one document's kv tiles"
+    if problem.mask is Mask.NONE:
+        return True, "no mask, every item costs the same"
+    walk = kv_tiles <= PERSISTENT_MASKED_TILES
+    return walk, f"items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles"
+
+
 class HopperKernel(Kernel):
     """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
 
     `persistent` True launches one block per resident slot, each walking work items in launch
     order, so a block's next Q, K and V load while it stores the last O; False launches one block
     per item, and the GPU hands the next item to whichever SM frees first. None (the default)
-    picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same), and
-    under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
+    picks as measured (bench/NOTES.md): persistent without a mask (every item costs the same) or with
+    documents, and under a causal or window mask while an item sees at most PERSISTENT_MASKED_TILES kv tiles; one
     block per item for longer masked items, whose costs spread so far that the static walk balances
     them worse than the GPU's block scheduler. A spec's `launch` (plan.launch_kind)
     decides instead of that rule; `persistent` still overrides both (tests, benchmarks), except
@@ -146,16 +161,50 @@ class HopperKernel(Kernel):
             args += (pointer_arg(t), i32(shapes.heads if len(t.shape) == 2 else 0))
         if mods.sinks:
             args += (pointer_arg(self._aux_view(b, AUX_SINKS, ((shapes.heads,),))),)
+        if mods.document is Documents.IDS:
+            t = self._aux_view(b, AUX_DOCUMENT_IDS, ((shapes.batch, shapes.kv_len),), "int32")
+            args += (pointer_arg(t), i64(t.strides[0]))
+        elif mods.document is Documents.BOUNDS:
+            t = self._aux_view(b, AUX_DOCUMENT_BOUNDS, None, "int32")
+            if len(t.shape) != 2 or t.shape[0] != shapes.batch or t.shape[1] < 1:
+                raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
+                                        f"({shapes.batch}, documents + 1)")
+            args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
         return args
 
-    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple) -> TensorView:
+    def add_document_check(self, b: CallBuilder, shapes: Shapes, validate: bool | None) -> None:
+        """The host check of the documents' data (mods/checks: ids in runs, bounds in order) on every call
+        that checks its index tensors there (runtime/index_checks.host_validation): the kernel reads any
+        data in bounds, but documents out of order would give a wrong answer."""
+        mods = self.spec.problem.mods
+        if mods.document is None or not host_validation(validate) or len(b.tensors) != len(self.CALL):
+            return
+        from ..mods.checks import check_bounds, check_document_ids
+        from .serving_checks import host
+        index, kv_len = self.CALL.index(AUX_DOCUMENT_IDS if mods.document is Documents.IDS else AUX_DOCUMENT_BOUNDS), \
+            shapes.kv_len
+        if mods.document is Documents.IDS:
+            add_check(b, lambda tensors: check_document_ids(host(tensors[index], AUX_DOCUMENT_IDS), self.name))
+        else:
+            add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
+
+    def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
+        q, k, v, o, lse, kv_lens, shapes = self.checked_call(b, validate)
+        self.add_document_check(b, shapes, validate)
+        self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
+
+    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
+        """The aux tensor `name`, checked: its element type (float32 or int32), one of `shapes` (None: the
+        caller checks), contiguous, on q's GPU."""
         if len(b.tensors) != len(self.CALL):
             raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
                                     "to the kernel's call or bind")
+        given = str(getattr(b.tensors[self.CALL.index(name)], "dtype", ""))
+        if not given.endswith("int32" if dtype == "int32" else "float32"):
+            raise RuntimeInputError(f"{self.name}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
+                                    f"got {given or type(b.tensors[self.CALL.index(name)]).__name__}")
         t = b.view(self.CALL.index(name))
-        if t.dtype is not DType.FP32:
-            raise RuntimeInputError(f"{self.name}: {name} must be float32, got {getattr(t.dtype, 'value', t.dtype)}")
-        if t.shape not in shapes:
+        if shapes is not None and t.shape not in shapes:
             raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
                                     f"{' or '.join(map(str, shapes))}")
         if t.strides != compact_strides(t.shape):
@@ -178,8 +227,7 @@ class HopperKernel(Kernel):
             return self.persistent
         if self.plan.launch_kind:
             return True
-        return (self.spec.problem.mask is Mask.NONE
-                or -(-shapes.kv_len // self.spec.schedule.tile_kv) <= PERSISTENT_MASKED_TILES)
+        return launch_rule(self.spec.problem, -(-shapes.kv_len // self.spec.schedule.tile_kv))[0]
 
     def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
         """As Kernel's (longest_first: block_order's groups), with the spec's `launch ... order pair_by_pair`
