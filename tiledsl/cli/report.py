@@ -240,7 +240,8 @@ def summary_lines(graph: ScheduleGraph, plan, no_plan: str | None, t: Traffic, l
     lay = graph.layout
     share = 100 * lay.smem_bytes / lay.smem_limit
     lines = [f"on chip: {lay.smem_bytes} B shared memory of {lay.smem_limit} ({share:.0f}%),"
-             f" {lay.register_text} (limit {lay.register_limit}), {lay.resident_blocks} block(s) per SM (limited by {lay.limit_reason})",
+             f" {lay.register_text} (limit {lay.register_limit}),"
+             f" {lay.resident_blocks} block(s) per SM (limited by {lay.limit_reason})",
              (f"kernel: {plan.template}, {plan.launch.threads} threads" if plan is not None
               else f"kernel: none ({no_plan})"),
              f"HBM: {human(t.bytes)} ({t.ratio:.2f}x less than standard attention's {human(t.standard_bytes)}); "
