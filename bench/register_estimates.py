@@ -39,20 +39,15 @@ def measured(kernels, workers: int) -> list[dict]:
 
 
 def spreads(rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """Per family, (fewest, most) registers ptxas used above the estimate: the fewest among kernels whose
-    estimate is under their ceiling (the range of one over it is the ceiling anyway), the most among all (a
-    kernel at its ceiling says only that ptxas wanted at least that many). Setmaxnreg kernels report their
-    ceiling, whatever the estimate: they are left out."""
+    """Per family, (fewest, most) registers ptxas used above the estimate. A kernel at its ceiling says only
+    that ptxas wanted at least that many; one whose estimate is over its ceiling may still be under it.
+    Setmaxnreg kernels report their ceiling, whatever the estimate: they are left out."""
     from tiledsl.layout.base import SETMAXNREG_FAMILIES
-    found: dict[str, tuple[list[int], list[int]]] = {}
+    found: dict[str, list[int]] = {}
     for r in rows:
-        if r["family"] in SETMAXNREG_FAMILIES:
-            continue
-        below, above = found.setdefault(r["family"], ([], []))
-        above.append(r["diff"])
-        if r["estimate"] < r["ceiling"]:
-            below.append(r["diff"])
-    return {family: (min(below or above), max(above)) for family, (below, above) in sorted(found.items())}
+        if r["family"] not in SETMAXNREG_FAMILIES:
+            found.setdefault(r["family"], []).append(r["diff"])
+    return {family: (min(diffs), max(diffs)) for family, diffs in sorted(found.items())}
 
 
 def main(argv: list[str]) -> int:
