@@ -74,6 +74,13 @@ def entry_registers(limits: DeviceLimits, threads: int) -> int:
     return limits.registers_per_sm // threads // REGISTER_GRANULE * REGISTER_GRANULE
 
 
+def register_ceiling(limits: DeviceLimits, threads: int, min_blocks: int = 1) -> int:
+    """The most registers per thread ptxas may give a kernel under __launch_bounds__(threads, min_blocks): the
+    SM's registers shared by min_blocks blocks, in whole allocation granules, at most the per-thread maximum."""
+    per_thread = limits.registers_per_sm // max(threads * min_blocks, 1) // REGISTER_GRANULE * REGISTER_GRANULE
+    return min(limits.max_registers_per_thread, per_thread)
+
+
 def setmaxnreg_budget(limits: DeviceLimits, warpgroups: int) -> int:
     """The most that the setmaxnreg counts of a block's `warpgroups` warpgroups may add up to. setmaxnreg moves
     registers between the warps of one block through a per-block pool that holds what the block launched with

@@ -94,9 +94,29 @@ def _backward_shown(b: BackwardSchedule) -> dict:
     return shown
 
 
+def _kernel_layouts(spec: KernelSpec) -> dict:
+    """{kernel: Layout} of the spec's forward kernel and its backward module's main kernel (where a template
+    builds it): what the register lines describe."""
+    from ..families import layout_of
+    from ..layout.backward import backward_has_template, backward_layout
+    layouts = {"forward": layout_of(spec)}
+    if spec.backward is not None and not backward_has_template(spec):
+        layouts["backward"] = backward_layout(spec).main
+    return layouts
+
+
+def _registers_json(spec: KernelSpec) -> dict:
+    out = {}
+    for kernel, lay in _kernel_layouts(spec).items():
+        low, high = lay.ptxas_registers or (None, None)
+        out[kernel] = {"estimate": lay.register_estimate, "ptxas_low": low, "ptxas_high": high,
+                       "ceiling": lay.register_ceiling or None}
+    return out
+
+
 def _kernel_json(spec: KernelSpec) -> dict:
     return {"type": "kernel", "file": spec.source_file, "line": spec.span.line if spec.span else None,
-            **spec.config()}
+            **spec.config(), "registers": _registers_json(spec)}
 
 
 def _space_json(space: SpecSpace) -> dict:
@@ -122,6 +142,8 @@ def _print_kernel(spec: KernelSpec, indent: str = "") -> None:
     print(f"{indent}    schedule: {_config_text(_schedule_shown(spec))}")
     if spec.backward is not None:
         print(f"{indent}    backward: {_config_text(_backward_shown(spec.backward))}")
+    for kernel, lay in _kernel_layouts(spec).items():
+        print(f"{indent}    registers{' (backward)' if kernel == 'backward' else ''}: {lay.register_text}")
 
 
 def _mod_shown(value) -> str:

@@ -133,6 +133,7 @@ def layout_budget_lines(lay, roles: dict | None = None) -> list[str]:
         lines.append(f"    {r.name:<20} {r.amount:>8}     {r.formula}")
     lines.append(f"    {'total':<20} {lay.register_estimate:>8}     of {lay.register_limit} (accumulators and "
                  f"allowance {lay.accumulator_registers} must fit)")
+    lines.append(f"    {lay.register_text}")
     for role, info in (roles or {}).items():
         regs = f", {info['registers']} registers (setmaxnreg)" if info.get("registers") else ""
         lines.append(f"    role {role}: {info['threads']} threads{regs}")
@@ -239,8 +240,8 @@ def summary_lines(graph: ScheduleGraph, plan, no_plan: str | None, t: Traffic, l
     lay = graph.layout
     share = 100 * lay.smem_bytes / lay.smem_limit
     lines = [f"on chip: {lay.smem_bytes} B shared memory of {lay.smem_limit} ({share:.0f}%),"
-             f" ~{lay.register_estimate} registers per thread estimated (limit {lay.register_limit}), "
-             f"{lay.resident_blocks} block(s) per SM (limited by {lay.limit_reason})",
+             f" {lay.register_text} (limit {lay.register_limit}),"
+             f" {lay.resident_blocks} block(s) per SM (limited by {lay.limit_reason})",
              (f"kernel: {plan.template}, {plan.launch.threads} threads" if plan is not None
               else f"kernel: none ({no_plan})"),
              f"HBM: {human(t.bytes)} ({t.ratio:.2f}x less than standard attention's {human(t.standard_bytes)}); "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..device_limits import SMEM_RESERVED_PER_BLOCK, DeviceLimits, resident_blocks
+from ..device_limits import SMEM_RESERVED_PER_BLOCK, DeviceLimits, register_ceiling, resident_blocks
 from ..errors import SpecError
 from ..hw import MMA_K, PANEL_COLUMNS
 from ..spec import DType, Family, KernelSpec, LoopOrder
@@ -14,6 +14,24 @@ SMEM_ALIGN = 128           # every buffer of the mma.sync kernels starts on a 12
 
 # Addresses, indices, loop state and the softmax bounds: a ballpark measured from ptxas reports.
 REGISTER_OVERHEAD = 40
+
+# Where ptxas's register count ("Used N registers") lies for a family's kernels, relative to the layout's
+# estimate: (fewest, most) registers above it, measured on a seeded sample of legal configs of every family
+# (tests/register_sample.py; bench/register_estimates.py writes the measurement). The estimate counts what the
+# kv loop keeps live; ptxas spends what its launch bounds leave beyond that (addresses hoisted out of loops,
+# loads in flight, unrolled ring slots), which no per-config sum predicts to a few registers: a family's
+# kernels land anywhere in a band this wide, capped at the launch bounds' ceiling. The warp-specialized
+# families are not here: setmaxnreg kernels report the ceiling itself.
+PTXAS_REGISTER_SPREAD = {            # the measured extremes, 8 registers wider each side
+    "fa1": (3, 121),
+    "fa2": (-17, 61),
+    "fa2_wgmma": (-48, 35),
+    "decode": (-1, 116),
+    "backward": (15, 77),
+    "backward_wgmma": (-82, -26),   # the estimate adds lines whose lifetimes never overlap
+}
+SETMAXNREG_FAMILIES = ("hopper", "backward_ws")
+PTXAS_REGISTER_TOLERANCE = 8   # a range no wider than this either side is printed as the estimate alone
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class Layout:
     keys_per_warp: int = 0
     q_in_registers: bool = False
     generated: bool = True     # False: the graph model of a family or dtype with no template
+    register_ceiling: int = 0  # the most registers ptxas may give a thread under the kernel's __launch_bounds__
 
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
@@ -66,6 +85,38 @@ class Layout:
     @property
     def accumulator_registers(self) -> int:
         return sum(r.amount for r in self.registers if r.accumulator)
+
+    @property
+    def ptxas_registers(self) -> tuple[int, int] | None:
+        """(fewest, most) registers per thread ptxas's report will show for this kernel: the ceiling itself
+        for a setmaxnreg kernel (its warpgroups re-balance after entry: the estimate is a consumer's, held
+        against its setmaxnreg count, not a number ptxas reports), else the estimate moved by the family's
+        PTXAS_REGISTER_SPREAD and capped at the ceiling. None: no template, so no ptxas."""
+        if not self.generated or not self.register_ceiling:
+            return None
+        if self.family in SETMAXNREG_FAMILIES:
+            return self.register_ceiling, self.register_ceiling
+        below, above = PTXAS_REGISTER_SPREAD[self.family]
+        return (min(self.register_ceiling, self.register_estimate + below),
+                min(self.register_ceiling, self.register_estimate + above))
+
+    @property
+    def register_text(self) -> str:
+        """What check and explain print about ptxas's count: a number where the range is that narrow, else
+        the range and who decides."""
+        found = self.ptxas_registers
+        if found is None:
+            return f"~{self.register_estimate} registers per thread (graph model: no template, no ptxas)"
+        low, high = found
+        if self.family in SETMAXNREG_FAMILIES:
+            return (f"ptxas: {low} registers per thread (the launch bounds' ceiling: setmaxnreg re-balances the "
+                    "warpgroups' registers after entry, and their estimates are held against their counts)")
+        below, above = PTXAS_REGISTER_SPREAD[self.family]
+        if -PTXAS_REGISTER_TOLERANCE <= below and above <= PTXAS_REGISTER_TOLERANCE:
+            return f"~{self.register_estimate} registers per thread (ptxas within {low}..{high})"
+        spill = "; at the ceiling ptxas may spill" if high >= self.register_ceiling else ""
+        return (f"~{self.register_estimate} registers per thread live in the loop; ptxas decides the count: "
+                f"{low}..{high} of {self.register_ceiling}{spill}")
 
 
 # The hint of a size refusal that names no fix; the checker replaces it by edits that check.
@@ -182,7 +233,8 @@ def finish(spec: KernelSpec, family: str, limits: DeviceLimits, buffers: list[Bu
     layout = Layout(family, limits.arch, tuple(buffers), smem, limits.max_shared_per_block, tuple(registers), estimate,
                     register_limit or thread_register_limit(threads, limits), threads, min_blocks,
                     *resident_blocks(limits, launch_registers or estimate, threads, smem),
-                    limits.shared_per_sm // (smem + SMEM_RESERVED_PER_BLOCK), **extra)
+                    limits.shared_per_sm // (smem + SMEM_RESERVED_PER_BLOCK),
+                    register_ceiling=register_ceiling(limits, threads, min_blocks), **extra)
     hopper = spec.family is Family.HOPPER
     if threads > limits.max_threads_per_block:
         refuse(spec, "warpgroups" if hopper else "warps",
