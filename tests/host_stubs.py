@@ -9,6 +9,9 @@ cuLaunchKernel is the real code: the prepared calls, their parameter buffers and
         q = device.tensor((1, 8, 128, 64))
         tiledsl.attention(q, q, q)
         device.launches[-1]           # (function name, grid, threads, smem, parameter values)
+
+`stub_device(tmp, real_torch=True)` keeps the installed (CPU) torch instead of the fake one: its host tensors
+stand in for device 0's, so the real autograd engine runs the backward (bench/backward_host_cpu.py).
 """
 from __future__ import annotations
 
@@ -205,17 +208,21 @@ class StubDevice:
     """What a stubbed run saw: every launch (function name, grid, threads, smem, parameter values) and
     the calls to the entry points a warm call must not reach."""
 
-    def __init__(self, torch):
-        self.torch = torch
+    def __init__(self, torch, real_torch: bool = False):
+        self.torch, self.real_torch = torch, real_torch
         self.launches: list = []
         self.functions: dict[int, str] = {}
 
     def tensor(self, shape, dtype="bfloat16", strides=None, host=None):
+        if self.real_torch:   # a host tensor standing in for a device one (its data is never read)
+            return self.torch.empty(shape, dtype=getattr(self.torch, dtype))
         return FakeTensor(shape, getattr(self.torch, dtype), FakeDevice("cuda", 0), strides, None, host)
 
     def index(self, values) -> FakeTensor:
         """An int32 device vector or matrix holding `values` (its host copy answers .cpu().numpy())."""
         array = np.asarray(values, dtype=np.int32)
+        if self.real_torch:
+            return self.torch.from_numpy(array)
         return FakeTensor(array.shape, self.torch.int32, FakeDevice("cuda", 0), None, None, array)
 
     def launch_kernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -255,10 +262,25 @@ def patch_everywhere(module, name: str, replacement, undo: list) -> None:
             setattr(mod, name, replacement)
 
 
+def _host_tensor_as_device_zero(original):
+    """tensors._from_torch that reads a host torch tensor as if it lived on GPU 0 (real_torch mode)."""
+    def from_torch(x, name, slot):
+        if x.device.type != "cpu":
+            return original(x, name, slot)
+        dtype = original.__globals__["torch_dtypes"]().get(x.dtype)
+        if dtype is None:
+            raise original.__globals__["RuntimeInputError"](f"{name}: unsupported dtype {x.dtype}")
+        return original.__globals__["TensorView"](name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, 0,
+                                                  x, slot)
+    return from_torch
+
+
 @contextlib.contextmanager
-def stub_device(tmp: Path, counts: dict | None = None):
+def stub_device(tmp: Path, counts: dict | None = None, real_torch: bool = False):
     """Install the fake torch and CuPy and the stubs (module docstring) until the block ends; `counts`
-    (a dict) receives the number of calls of each guarded entry point."""
+    (a dict) receives the number of calls of each guarded entry point. `real_torch`: keep the installed
+    torch (its autograd engine is the one timed) and take its host tensors for device 0's."""
+    import importlib
     import os
 
     import tiledsl  # noqa: F401
@@ -274,8 +296,13 @@ def stub_device(tmp: Path, counts: dict | None = None):
     from tiledsl.serving import paged, prefill, varlen  # noqa: F401
 
     saved = {name: sys.modules.get(name) for name in ("torch", "cupy", "cupy.cuda", "cupy.cuda.driver")}
-    torch = fake_torch()
-    device = StubDevice(torch)
+    if real_torch:
+        import torch
+        if autograd.OPS is None:
+            importlib.reload(autograd)   # torch was imported after tiledsl: register the ops now
+    else:
+        torch = fake_torch()
+    device = StubDevice(torch, real_torch)
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "stub"
     cuda = types.ModuleType("cupy.cuda")
@@ -287,9 +314,9 @@ def stub_device(tmp: Path, counts: dict | None = None):
     cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
     cupy.cuda = cuda
     sys.modules.update({"torch": torch, "cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.driver": driver})
-    import importlib
     autograd_state = dict(autograd.__dict__)
-    importlib.reload(autograd)   # its ops and EagerAttention over the fake torch
+    if not real_torch:
+        importlib.reload(autograd)   # its ops and EagerAttention over the fake torch
     old_cache = os.environ.get("TILEDSL_CACHE_DIR")
     os.environ["TILEDSL_CACHE_DIR"] = str(tmp)
     counts = {} if counts is None else counts
@@ -337,6 +364,9 @@ def stub_device(tmp: Path, counts: dict | None = None):
         patch_everywhere(device_module, "device_limits", lambda device_id: H200, undo)
         patch_everywhere(device_module, "capturing", lambda x: False, undo)
         patch_everywhere(tensor_maps, "encode", encode, undo)
+        if real_torch:
+            patch_everywhere(tensors, "_from_torch", _host_tensor_as_device_zero(tensors._from_torch), undo)
+            patch_everywhere(device_module, "stream_reader", lambda x: lambda: 0x5000, undo)
         undo.append((launch, "LAUNCH_BACKEND", launch.LAUNCH_BACKEND))
         launch.LAUNCH_BACKEND = "driver"
         tensors._torch_dtypes.clear()
