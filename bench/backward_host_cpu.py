@@ -6,7 +6,7 @@ Without --gpu (no GPU, no CuPy; a CPU build of torch is enough): the launches ar
 real_torch mode: host tensors stand in for GPU 0's, cuLaunchKernel records and returns), so what is timed is the
 Python and torch work between the call and the launches. Each stage is the calling thread's CPU time
 (time.thread_time: robust to other processes sharing the cores; the engine runs a CPU graph on the calling
-thread), the least of 7 rounds of N calls. glibc is told to keep freed memory (mallopt), so a host allocation
+thread), the least of 7 rounds of N calls (the stages take turns in each round). glibc is told to keep freed memory (mallopt), so a host allocation
 reuses a block the way the caching allocator does instead of mapping fresh pages.
 
 With --gpu: the same stages on the GPU (nothing stubbed), wall time per call of N back-to-back calls with one
@@ -126,20 +126,24 @@ def check_gradients(torch) -> None:
         raise SystemExit(f"dQ, dK, dV errors {errors} against the float64 reference")
 
 
-def time_stage(call, calls: int, sync) -> tuple[float, float]:
-    """(least CPU µs, least wall µs) per call over ROUNDS rounds of `calls` calls, `sync` after each round."""
-    for _ in range(20):
-        call()
-    sync()
-    cpu, wall = [], []
-    for _ in range(ROUNDS):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        for _ in range(calls):
+def time_stages(stages_by_name: dict, calls: int, sync) -> dict:
+    """name -> (least CPU µs, least wall µs) per call over ROUNDS rounds of `calls` calls, `sync` after each
+    round; the stages take turns within each round, so all of them see the same load on shared cores."""
+    for call in stages_by_name.values():
+        for _ in range(20):
             call()
-        sync()
-        cpu.append((time.thread_time() - start_cpu) / calls * 1e6)
-        wall.append((time.perf_counter() - start) / calls * 1e6)
-    return min(cpu), min(wall)
+    sync()
+    cpu = {name: [] for name in stages_by_name}
+    wall = {name: [] for name in stages_by_name}
+    for _ in range(ROUNDS):
+        for name, call in stages_by_name.items():
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            for _ in range(calls):
+                call()
+            sync()
+            cpu[name].append((time.thread_time() - start_cpu) / calls * 1e6)
+            wall[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: (min(cpu[name]), min(wall[name])) for name in stages_by_name}
 
 
 def measure(calls: int, profile: bool, warp_specialized: bool, gpu: bool) -> list[dict]:
@@ -166,8 +170,7 @@ def measure(calls: int, profile: bool, warp_specialized: bool, gpu: bool) -> lis
         calls_by_stage = stages(make, torch, warp_specialized, gpu)
         if gpu:
             check_gradients(torch)
-        for name, call in calls_by_stage.items():
-            cpu, wall = time_stage(call, calls, sync)
+        for name, (cpu, wall) in time_stages(calls_by_stage, calls, sync).items():
             shown = f"{wall:8.1f} us/call wall" if gpu else f"{cpu:8.1f} us/call CPU"
             print(f"{name:38s} {shown}", flush=True)
             rows.append({"stage": name, "host_us": round(wall if gpu else cpu, 2), "calls": calls})

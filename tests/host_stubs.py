@@ -100,6 +100,10 @@ class FakeTensor:
     def detach(self):
         return self
 
+    def requires_grad_(self, requires_grad=True):
+        self.requires_grad = requires_grad
+        return self
+
     def cpu(self):
         return self
 
@@ -137,6 +141,31 @@ def _compact(shape):
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+class FakeContext:
+    """What an autograd.Function's forward and backward use of their ctx."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
+
+class FakeAutogradFunction:
+    """torch.autograd.Function as far as EagerAttention needs it: `apply` runs forward with a fresh context
+    and hangs (the Function, its context) on the first output, which StubDevice.backward runs."""
+
+    @classmethod
+    def apply(cls, *args):
+        ctx = FakeContext()
+        outputs = cls.forward(ctx, *args)
+        (outputs[0] if isinstance(outputs, tuple) else outputs).grad_fn = (cls, ctx)
+        return outputs
 
 
 def fake_torch() -> types.ModuleType:
@@ -199,7 +228,7 @@ def fake_torch() -> types.ModuleType:
             pass
 
     torch.library = types.SimpleNamespace(custom_op=lambda name, mutates_args=(): Op)
-    torch.autograd = types.SimpleNamespace(Function=type("Function", (), {}))
+    torch.autograd = types.SimpleNamespace(Function=FakeAutogradFunction)
     torch.ops = types.SimpleNamespace()
     return torch
 
@@ -213,10 +242,11 @@ class StubDevice:
         self.launches: list = []
         self.functions: dict[int, str] = {}
 
-    def tensor(self, shape, dtype="bfloat16", strides=None, host=None):
+    def tensor(self, shape, dtype="bfloat16", strides=None, host=None, requires_grad=False):
         if self.real_torch:   # a host tensor standing in for a device one (its data is never read)
-            return self.torch.empty(shape, dtype=getattr(self.torch, dtype))
-        return FakeTensor(shape, getattr(self.torch, dtype), FakeDevice("cuda", 0), strides, None, host)
+            return self.torch.empty(shape, dtype=getattr(self.torch, dtype), requires_grad=requires_grad)
+        return FakeTensor(shape, getattr(self.torch, dtype), FakeDevice("cuda", 0), strides, None,
+                          host).requires_grad_(requires_grad)
 
     def index(self, values) -> FakeTensor:
         """An int32 device vector or matrix holding `values` (its host copy answers .cpu().numpy())."""
@@ -224,6 +254,12 @@ class StubDevice:
         if self.real_torch:
             return self.torch.from_numpy(array)
         return FakeTensor(array.shape, self.torch.int32, FakeDevice("cuda", 0), None, None, array)
+
+    def backward(self, output, grad):
+        """The gradients of the inputs of the fake autograd.Function that made `output` (first output), given
+        its gradient `grad` (the other outputs get none)."""
+        function, ctx = output.grad_fn
+        return function.backward(ctx, grad, None)
 
     def launch_kernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         self.launches.append((handle, (gx, gy, gz), bx, smem, params, stream))

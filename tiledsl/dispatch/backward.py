@@ -160,13 +160,41 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     tensors = (q, k, v, o, lse, do, kv_lens)
+    return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized)(*tensors)
+
+
+def prepared_backward(tensors: tuple, causal: bool, window: tuple[int, int] | None, scale: float | None,
+                      deterministic: bool, mma: str | None = None, validate: bool | None = None,
+                      warp_specialized: bool | None = None):
+    """The PreparedCall of attention_backward on `tensors` (q, k, v, o, lse, do, kv_lens) with checked scalars
+    (runtime/arguments.mask_arguments): `call(*tensors)` -> (dq, dk, dv)."""
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate, warp_specialized,
            BACKWARD_WS)
     call = _calls.get(key)
     if call is None:
         call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate,
                                                  warp_specialized))
-    return call(*tensors)
+    return call
+
+
+# (the forward's PreparedCall, its scalars, dO's signature, BACKWARD_WS) -> the backward's PreparedCall: what
+# EagerAttention's backward looks up. The forward's call is one object per signature of q, k, v and kv_lens and
+# allocates O and the LSE alike every time, so it stands for five of the seven signatures prepared_backward reads.
+_after_forward = SignatureCache()
+
+
+def backward_after_forward(forward_call, scalars: tuple, q, k, v, o, lse, do, kv_lens):
+    """(dq, dk, dv) of attention_backward with the defaults of `mma` and `warp_specialized`, for O and the LSE
+    that `forward_call` (tuned.forward_call) returned; `scalars` (causal, window, scale, deterministic,
+    validate) as the forward's call checked them."""
+    key = (forward_call, scalars, signature(do), BACKWARD_WS)
+    call = _after_forward.get(key)
+    if call is None:
+        tensors = (q, k, v, o, lse, do, kv_lens)
+        causal, window, scale, deterministic, validate = scalars
+        call = _after_forward.put(key, prepared_backward(tensors, causal, window, scale, deterministic, None,
+                                                         validate))
+    return call(q, k, v, o, lse, do, kv_lens)
 
 
 def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized):
