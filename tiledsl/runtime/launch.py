@@ -152,17 +152,16 @@ class DriverLaunch:
             function = driver.CUfunction(handle)
             streams: dict = {}
 
-            def call(stream: int, params: int) -> None:
+            def call(stream: int, params: int, extra: int) -> None:
                 s = streams.get(stream)
                 if s is None:
                     s = streams[stream] = driver.CUstream(stream)
-                err, = driver.cuLaunchKernel(function, gx, gy, gz, launch.threads, 1, 1, launch.smem, s, params, 0)
+                err, = driver.cuLaunchKernel(function, gx, gy, gz, launch.threads, 1, 1, launch.smem, s, params, extra)
                 if err != driver.CUresult.CUDA_SUCCESS:
                     raise RuntimeError(f"cuLaunchKernel: {err}")
-        else:
+        else:   # CuPy's binding itself, its leading arguments bound: (stream, params, extra) complete the call
             from cupy.cuda import driver
-            call = functools.partial(_cupy_driver_launch, driver.launchKernel, handle, gx, gy, gz, launch.threads,
-                                     launch.smem)
+            call = functools.partial(driver.launchKernel, handle, gx, gy, gz, launch.threads, 1, 1, launch.smem)
         self.call = call
 
     def __call__(self, stream: int, pointers: list) -> None:
@@ -170,7 +169,7 @@ class DriverLaunch:
         with buffer.lock:
             buffer.fill(pointers)
             try:
-                self.call(stream, buffer.address)
+                self.call(stream, buffer.address, 0)
             except Exception as err:
                 if "CONTEXT" not in str(err).upper():
                     raise LaunchError(f"{self.launch.describe()}: launch failed: {err}") from None
@@ -178,13 +177,9 @@ class DriverLaunch:
                 # runtime makes the device's primary context current, then the launch goes again.
                 device.make_context_current()
                 try:
-                    self.call(stream, buffer.address)
+                    self.call(stream, buffer.address, 0)
                 except Exception as again:
                     raise LaunchError(f"{self.launch.describe()}: launch failed: {again}") from None
-
-
-def _cupy_driver_launch(launch_kernel, handle, gx, gy, gz, threads, smem, stream, params):
-    launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
 
 
 class CupyLaunch:
