@@ -111,10 +111,18 @@ class FakeTensor:
         return self.host
 
     def contiguous(self):
-        return self
+        if self.stride() == _compact(self.shape):
+            return self
+        return FakeTensor(self.shape, self.dtype, self.device)   # a copy: new memory
 
     def __getitem__(self, index):
-        """A slice [start:stop] of the first axis (the plan's views of its metadata buffer, a batch's rows)."""
+        """A slice [start:stop] of the first axis (the plan's views of its metadata buffer, a batch's rows), or
+        [..., :stop] of the last (the first columns, a view)."""
+        if isinstance(index, tuple):
+            ellipsis, columns = index
+            assert ellipsis is Ellipsis and columns.start is None and columns.step is None
+            return FakeTensor(self.shape[:-1] + (min(columns.stop, self.shape[-1]),), self.dtype, self.device,
+                              self.stride(), self._address)
         start, stop, _ = index.indices(self.shape[0])
         strides = self.stride()
         host = None if self.host is None else self.host[start:stop]
@@ -204,7 +212,12 @@ def fake_torch() -> types.ModuleType:
     def as_tensor(x, device=None):
         return x if isinstance(x, FakeTensor) else from_numpy(np.asarray(x, np.int32)).to(device)
 
+    def pad(x, widths):   # torch.nn.functional.pad of the last axis: a new contiguous tensor
+        before, after = widths
+        return FakeTensor(x.shape[:-1] + (x.shape[-1] + before + after,), x.dtype, x.device)
+
     torch.empty = torch.zeros = empty
+    torch.nn = types.SimpleNamespace(functional=types.SimpleNamespace(pad=pad))
     torch.full = full
     torch.from_numpy = from_numpy
     torch.as_tensor = as_tensor

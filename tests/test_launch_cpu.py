@@ -10,6 +10,8 @@ launch is the right one: each call's own pointers reach the kernel's parameters,
 prepares a new launch, a misaligned tensor is refused by name."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -199,11 +201,46 @@ def test_the_backward_takes_its_scratch_in_one_allocation_per_call(device, warp_
         rows = batch * heads * (-(-q_len // tile) * tile if warp_specialized else q_len)   # whole q tiles (ws)
         sizes = (rows * 4, rows * 4) if warp_specialized else (rows * 4,)
         up = lambda n: -(-n // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT   # noqa: E731
-        assert [b - a for a, b in zip(parts, parts[1:])] == [up(n) for n in sizes]
+        assert [b - a for a, b in itertools.pairwise(parts)] == [up(n) for n in sizes]
         assert all(p % WORKSPACE_ALIGNMENT == 0 for p in parts)
         bases.add(parts[0])
     assert len(bases) == 2   # each call's own, from the allocator
     assert len(next(reversed(backward._calls.values())).allocations) == 4   # dq, dk, dv, the workspace
+
+
+@pytest.mark.parametrize("d, dv", [(40, 40), (72, 40), (64, 24)])
+def test_head_dims_of_multiples_of_8_run_zero_padded_to_16(device, monkeypatch, d, dv):
+    """attention_backward pads a head dim that is a multiple of 8 but not of 16 (dispatch/backward.PaddedBackward):
+    the kernels get padded copies, the padded problem keeps the unpadded head dim's softmax scale, the gradients
+    come back contiguous in the inputs' shapes, and a warm call reaches no front end or compiler."""
+    from tiledsl.dispatch import backward
+    from tiledsl.spec import default_softmax_scale
+    chosen = []
+    real = backward.chosen_backward_spec
+
+    def record(arch, dtype, head_dim, mask, head_dim_v=None, window=None, scale=None, *rest):
+        chosen.append((head_dim, head_dim_v, scale))
+        return real(arch, dtype, head_dim, mask, head_dim_v, window, scale, *rest)
+    monkeypatch.setattr(backward, "chosen_backward_spec", record)
+
+    def fresh():
+        q, k = (device.tensor((2, 4, 300, d)) for _ in range(2))
+        v, o, do = (device.tensor((2, 4, 300, dv)) for _ in range(3))
+        return q, k, v, o, device.tensor((2, 4, 300), "float32"), do
+    outputs = []
+    call = lambda *t: outputs.append(tiledsl.attention_backward(*t, causal=True))   # noqa: E731
+    _, hot, _, (q, k, v, o, lse, do) = warm(device, call, fresh)
+    up = lambda n: -(-n // 16) * 16   # noqa: E731
+    assert hot == {} and chosen == [(up(d), up(dv), default_softmax_scale(d))]
+    for grad, like in zip(outputs[-1], (q, k, v)):
+        assert grad.shape == like.shape and grad.stride() == like.stride()
+    (*_, pre_values), (main, *_, main_values) = device.last(3), device.last(2)
+    assert main.endswith("backward_main") and main_values[4] == lse.data_ptr()   # the mma.sync module's order
+    assert not {o.data_ptr(), do.data_ptr()} & set(pre_values[:2]) and v.data_ptr() != main_values[2]
+    assert (main_values[:2] == [q.data_ptr(), k.data_ptr()]) == (d % 16 == 0)   # only what needs it is copied
+    with pytest.raises(RuntimeInputError, match="head dims must be multiples of 8, got q 36"):
+        tiledsl.attention_backward(*(device.tensor((2, 4, 300, 36)) for _ in range(4)), lse,
+                                   device.tensor((2, 4, 300, 36)))
 
 
 def test_a_new_shape_of_a_known_configuration_prepares_without_the_front_end_or_a_graph(device):
