@@ -17,9 +17,9 @@ calls the forward directly: a warm call is then a dictionary lookup and a launch
 Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
 imports torch._dynamo on the op's first call (seconds: bench/NOTES.md), more than the rest of a warm
 first call. So outside
-torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same two
-implementations (`run_forward`, `run_backward`) the ops call; under torch.compile (dynamo has been
-imported by then) it calls the forward op, which dynamo traces as one node.
+torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same forward and
+backward the ops call (their prepared calls: tuned.forward_call, backward.backward_after_forward); under
+torch.compile (dynamo has been imported by then) it calls the forward op, which dynamo traces as one node.
 
 `import tiledsl` does not import torch; this module imports it when torch is installed and
 registers the ops then (api.attention imports this module on its first torch call, and under
@@ -76,15 +76,15 @@ def eager_scalars(causal, window, scale, deterministic, validate) -> tuple:
 
 
 def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic, validate):
-    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation (the
-    runtime reads the tensors' pointers itself: no detach needed)."""
+    """(O, LSE) by tuned.forward: the forward op's implementation (the runtime reads the tensors' pointers
+    itself: no detach needed)."""
     return tuned.forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale, kv_lens,
                          validate=validate)
 
 
 def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
                  validate):
-    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation."""
+    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's implementation."""
     grads = backward.attention_backward(q, k, v, o, lse, do, causal=causal,
                                         window=decode_window(has_window, window_left, window_right), scale=scale,
                                         kv_lens=kv_lens, deterministic=deterministic, validate=validate)
