@@ -27,16 +27,20 @@ sys.path.insert(0, str(ROOT))
 HEADS, KV_HEADS, D = 32, 8, 128   # the decode model (Llama-3-8B's attention)
 
 
-def per_call_us(torch, fn, calls: int) -> float:
-    """Wall microseconds per call of `calls` back-to-back calls, one sync at the end (after warm-up)."""
+def per_call_us(torch, fn, calls: int, rounds: int = 1) -> float:
+    """Wall microseconds per call of `calls` back-to-back calls, one sync at the end (after warm-up); the
+    least of `rounds` such rounds."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    best = math.inf
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
 
 
 def host_syncs(torch, fn) -> int:
@@ -125,14 +129,14 @@ def call_rows(torch, calls: int) -> list[dict]:
     cudnn, flash, fa = sdpa(torch, "cudnn"), sdpa(torch, "flash"), fa4()
     rows = []
 
-    def row(api, shape, fn, check, peers, kernel, seqlen, causal, graphable=True):
+    def row(api, shape, fn, check, peers, kernel, seqlen, causal, graphable=True, family="", rounds=1):
         out = fn()
         torch.cuda.synchronize()
         error = check(out)
         if not error < 2e-2:
             raise SystemExit(f"{api} {shape}: error {error} against the float64 reference")
-        us = per_call_us(torch, fn, calls)
-        entry = {"api": api, "shape": shape, "kernel": kernel(), "family": "", "dtype": "bf16", "head_dim": D,
+        us = per_call_us(torch, fn, calls, rounds)
+        entry = {"api": api, "shape": shape, "kernel": kernel(), "family": family, "dtype": "bf16", "head_dim": D,
                  "seqlen": seqlen, "causal": causal, "tiledsl_us": round(us, 2), "host_syncs": host_syncs(torch, fn),
                  "tiledsl_graph_us": round(graph_us(torch, fn), 2) if graphable else None, "error": error,
                  "peers": {k: (None if v is None else round(v, 2)) for k, v in peers_of(torch, peers).items()}}
@@ -211,14 +215,27 @@ def call_rows(torch, calls: int) -> list[dict]:
             o.backward(do)
             return o
         return run
-    want_g = ref.attention(qg.double(), kg.double(), vg.double(), causal=True)[0]
-    row("fwd_bwd", "b1 h16 n128 d128 causal", step(lambda q, k, v: tiledsl.attention(q, k, v, causal=True)),
-        lambda o: err(o, want_g),
-        {"sdpa_cudnn_us": lambda: per_call_us(torch, step(lambda q, k, v: cudnn(q, k, v, True)), calls),
-         "sdpa_flash_us": lambda: per_call_us(torch, step(lambda q, k, v: flash(q, k, v, True)), calls),
-         "fa4_us": None if fa is None else lambda: per_call_us(torch, step(
-             lambda q, k, v: fa[0](*(x.transpose(1, 2) for x in (q, k, v)), causal=True)[0].transpose(1, 2)), calls)},
-        lambda: last_kernel(dispatch_backward._calls), 128, True, graphable=False)
+    want_o, _, *want_grads = ref.gradients(qg, kg, vg, do, causal=True)
+
+    def first_step_error(o):   # O and the gradients of a row's first step (its .grad start empty)
+        return max([err(o, want_o)] + [err(x.grad, want) for x, want in zip((qg, kg, vg), want_grads)])
+    # Both backward families the autograd path takes on Hopper; the least of 5 rounds, peers alike (the
+    # step's time swings with the autograd engine's thread handoffs).
+    default_ws = dispatch_backward.BACKWARD_WS
+    for ws in (True, False):
+        dispatch_backward.BACKWARD_WS = ws
+        for x in (qg, kg, vg):
+            x.grad = None
+        row("fwd_bwd", "b1 h16 n128 d128 causal", step(lambda q, k, v: tiledsl.attention(q, k, v, causal=True)),
+            first_step_error,
+            {"sdpa_cudnn_us": lambda: per_call_us(torch, step(lambda q, k, v: cudnn(q, k, v, True)), calls, 5),
+             "sdpa_flash_us": lambda: per_call_us(torch, step(lambda q, k, v: flash(q, k, v, True)), calls, 5),
+             "fa4_us": None if fa is None else lambda: per_call_us(torch, step(
+                 lambda q, k, v: fa[0](*(x.transpose(1, 2) for x in (q, k, v)), causal=True)[0].transpose(1, 2)),
+                 calls, 5)},
+            lambda: last_kernel(dispatch_backward._calls), 128, True, graphable=False,
+            family="warp-specialized backward" if ws else "wgmma backward", rounds=5)
+    dispatch_backward.BACKWARD_WS = default_ws
     return rows
 
 

@@ -78,9 +78,10 @@ def memcheck(script) -> None:
 
 def poison_outputs(monkeypatch) -> None:
     """Every floating array a prepared call allocates (its outputs, scratch) starts as NaN, filled on
-    the launch stream before the kernel: an element a kernel fails to write shows up. Prepared calls
-    are rebuilt so that they allocate through the poisoning allocator (call `launch.clear_prepared()`
-    again when the test is done)."""
+    the launch stream before the kernel: an element a kernel fails to write shows up. A workspace
+    (CallBuilder.workspace's bytes) starts as all ones: NaN in its fp32 parts, -1 in its int32 ones.
+    Prepared calls are rebuilt so that they allocate through the poisoning allocator (call
+    `launch.clear_prepared()` again when the test is done)."""
     from tiledsl.runtime import launch
     real = launch.allocator
 
@@ -88,10 +89,11 @@ def poison_outputs(monkeypatch) -> None:
         make = real(like, shape, dtype, zero)
         if zero or dtype == "int32":
             return make
+        value = 255 if dtype == "uint8" else float("nan")
 
         def poisoned():
             x = make()
-            x.fill_(float("nan")) if hasattr(x, "fill_") else x.fill(float("nan"))
+            x.fill_(value) if hasattr(x, "fill_") else x.fill(value)
             return x
         return poisoned
     monkeypatch.setattr(launch, "allocator", allocator)

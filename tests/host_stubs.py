@@ -9,6 +9,9 @@ cuLaunchKernel is the real code: the prepared calls, their parameter buffers and
         q = device.tensor((1, 8, 128, 64))
         tiledsl.attention(q, q, q)
         device.launches[-1]           # (function name, grid, threads, smem, parameter values)
+
+`stub_device(tmp, real_torch=True)` keeps the installed (CPU) torch instead of the fake one: its host tensors
+stand in for device 0's, so the real autograd engine runs the backward (bench/backward_host_cpu.py).
 """
 from __future__ import annotations
 
@@ -97,6 +100,10 @@ class FakeTensor:
     def detach(self):
         return self
 
+    def requires_grad_(self, requires_grad=True):
+        self.requires_grad = requires_grad
+        return self
+
     def cpu(self):
         return self
 
@@ -104,10 +111,18 @@ class FakeTensor:
         return self.host
 
     def contiguous(self):
-        return self
+        if self.stride() == _compact(self.shape):
+            return self
+        return FakeTensor(self.shape, self.dtype, self.device)   # a copy: new memory
 
     def __getitem__(self, index):
-        """A slice [start:stop] of the first axis (the plan's views of its metadata buffer, a batch's rows)."""
+        """A slice [start:stop] of the first axis (the plan's views of its metadata buffer, a batch's rows), or
+        [..., :stop] of the last (the first columns, a view)."""
+        if isinstance(index, tuple):
+            ellipsis, columns = index
+            assert ellipsis is Ellipsis and columns.start is None and columns.step is None
+            return FakeTensor(self.shape[:-1] + (min(columns.stop, self.shape[-1]),), self.dtype, self.device,
+                              self.stride(), self._address)
         start, stop, _ = index.indices(self.shape[0])
         strides = self.stride()
         host = None if self.host is None else self.host[start:stop]
@@ -134,6 +149,31 @@ def _compact(shape):
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+class FakeContext:
+    """What an autograd.Function's forward and backward use of their ctx."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
+
+class FakeAutogradFunction:
+    """torch.autograd.Function as far as EagerAttention needs it: `apply` runs forward with a fresh context
+    and hangs (the Function, its context) on the first output, which StubDevice.backward runs."""
+
+    @classmethod
+    def apply(cls, *args):
+        ctx = FakeContext()
+        outputs = cls.forward(ctx, *args)
+        (outputs[0] if isinstance(outputs, tuple) else outputs).grad_fn = (cls, ctx)
+        return outputs
 
 
 def fake_torch() -> types.ModuleType:
@@ -172,7 +212,12 @@ def fake_torch() -> types.ModuleType:
     def as_tensor(x, device=None):
         return x if isinstance(x, FakeTensor) else from_numpy(np.asarray(x, np.int32)).to(device)
 
+    def pad(x, widths):   # torch.nn.functional.pad of the last axis: a new contiguous tensor
+        before, after = widths
+        return FakeTensor(x.shape[:-1] + (x.shape[-1] + before + after,), x.dtype, x.device)
+
     torch.empty = torch.zeros = empty
+    torch.nn = types.SimpleNamespace(functional=types.SimpleNamespace(pad=pad))
     torch.full = full
     torch.from_numpy = from_numpy
     torch.as_tensor = as_tensor
@@ -196,7 +241,7 @@ def fake_torch() -> types.ModuleType:
             pass
 
     torch.library = types.SimpleNamespace(custom_op=lambda name, mutates_args=(): Op)
-    torch.autograd = types.SimpleNamespace(Function=type("Function", (), {}))
+    torch.autograd = types.SimpleNamespace(Function=FakeAutogradFunction)
     torch.ops = types.SimpleNamespace()
     return torch
 
@@ -205,18 +250,29 @@ class StubDevice:
     """What a stubbed run saw: every launch (function name, grid, threads, smem, parameter values) and
     the calls to the entry points a warm call must not reach."""
 
-    def __init__(self, torch):
-        self.torch = torch
+    def __init__(self, torch, real_torch: bool = False):
+        self.torch, self.real_torch = torch, real_torch
         self.launches: list = []
         self.functions: dict[int, str] = {}
 
-    def tensor(self, shape, dtype="bfloat16", strides=None, host=None):
-        return FakeTensor(shape, getattr(self.torch, dtype), FakeDevice("cuda", 0), strides, None, host)
+    def tensor(self, shape, dtype="bfloat16", strides=None, host=None, requires_grad=False):
+        if self.real_torch:   # a host tensor standing in for a device one (its data is never read)
+            return self.torch.empty(shape, dtype=getattr(self.torch, dtype), requires_grad=requires_grad)
+        return FakeTensor(shape, getattr(self.torch, dtype), FakeDevice("cuda", 0), strides, None,
+                          host).requires_grad_(requires_grad)
 
     def index(self, values) -> FakeTensor:
         """An int32 device vector or matrix holding `values` (its host copy answers .cpu().numpy())."""
         array = np.asarray(values, dtype=np.int32)
+        if self.real_torch:
+            return self.torch.from_numpy(array)
         return FakeTensor(array.shape, self.torch.int32, FakeDevice("cuda", 0), None, None, array)
+
+    def backward(self, output, grad):
+        """The gradients of the inputs of the fake autograd.Function that made `output` (first output), given
+        its gradient `grad` (the other outputs get none)."""
+        function, ctx = output.grad_fn
+        return function.backward(ctx, grad, None)
 
     def launch_kernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         self.launches.append((handle, (gx, gy, gz), bx, smem, params, stream))
@@ -255,10 +311,25 @@ def patch_everywhere(module, name: str, replacement, undo: list) -> None:
             setattr(mod, name, replacement)
 
 
+def _host_tensor_as_device_zero(original):
+    """tensors._from_torch that reads a host torch tensor as if it lived on GPU 0 (real_torch mode)."""
+    def from_torch(x, name, slot):
+        if x.device.type != "cpu":
+            return original(x, name, slot)
+        dtype = original.__globals__["torch_dtypes"]().get(x.dtype)
+        if dtype is None:
+            raise original.__globals__["RuntimeInputError"](f"{name}: unsupported dtype {x.dtype}")
+        return original.__globals__["TensorView"](name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, 0,
+                                                  x, slot)
+    return from_torch
+
+
 @contextlib.contextmanager
-def stub_device(tmp: Path, counts: dict | None = None):
+def stub_device(tmp: Path, counts: dict | None = None, real_torch: bool = False):
     """Install the fake torch and CuPy and the stubs (module docstring) until the block ends; `counts`
-    (a dict) receives the number of calls of each guarded entry point."""
+    (a dict) receives the number of calls of each guarded entry point. `real_torch`: keep the installed
+    torch (its autograd engine is the one timed) and take its host tensors for device 0's."""
+    import importlib
     import os
 
     import tiledsl  # noqa: F401
@@ -274,8 +345,13 @@ def stub_device(tmp: Path, counts: dict | None = None):
     from tiledsl.serving import paged, prefill, varlen  # noqa: F401
 
     saved = {name: sys.modules.get(name) for name in ("torch", "cupy", "cupy.cuda", "cupy.cuda.driver")}
-    torch = fake_torch()
-    device = StubDevice(torch)
+    if real_torch:
+        import torch
+        if autograd.OPS is None:
+            importlib.reload(autograd)   # torch was imported after tiledsl: register the ops now
+    else:
+        torch = fake_torch()
+    device = StubDevice(torch, real_torch)
     cupy = types.ModuleType("cupy")
     cupy.__version__ = "stub"
     cuda = types.ModuleType("cupy.cuda")
@@ -287,9 +363,9 @@ def stub_device(tmp: Path, counts: dict | None = None):
     cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
     cupy.cuda = cuda
     sys.modules.update({"torch": torch, "cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.driver": driver})
-    import importlib
     autograd_state = dict(autograd.__dict__)
-    importlib.reload(autograd)   # its ops and EagerAttention over the fake torch
+    if not real_torch:
+        importlib.reload(autograd)   # its ops and EagerAttention over the fake torch
     old_cache = os.environ.get("TILEDSL_CACHE_DIR")
     os.environ["TILEDSL_CACHE_DIR"] = str(tmp)
     counts = {} if counts is None else counts
@@ -337,6 +413,9 @@ def stub_device(tmp: Path, counts: dict | None = None):
         patch_everywhere(device_module, "device_limits", lambda device_id: H200, undo)
         patch_everywhere(device_module, "capturing", lambda x: False, undo)
         patch_everywhere(tensor_maps, "encode", encode, undo)
+        if real_torch:
+            patch_everywhere(tensors, "_from_torch", _host_tensor_as_device_zero(tensors._from_torch), undo)
+            patch_everywhere(device_module, "stream_reader", lambda x: lambda: 0x5000, undo)
         undo.append((launch, "LAUNCH_BACKEND", launch.LAUNCH_BACKEND))
         launch.LAUNCH_BACKEND = "driver"
         tensors._torch_dtypes.clear()

@@ -61,9 +61,10 @@ def test_scale_encoding():
 
 @pytest.fixture
 def torch_stubbed(monkeypatch):
-    """torch, with tuned.forward and tiledsl.dispatch.backward.attention_backward computing in float64 on the
-    CPU: what the ops call, so everything between attention() and the kernels is the real code.
-    Calls are recorded to check the arguments that arrive."""
+    """torch, with tuned.forward and tiledsl.dispatch.backward.attention_backward (what the ops call) and
+    tuned.forward_call and backward.backward_after_forward (what EagerAttention calls) computing in float64 on
+    the CPU, so everything between attention() and the kernels is the real code. Calls are recorded to check
+    the arguments that arrive."""
     torch = pytest.importorskip("torch")
     from tiledsl.dispatch import tuned
     calls = []
@@ -81,8 +82,22 @@ def torch_stubbed(monkeypatch):
         dq, dk, dv = _analytic_gradients(q, k, v, do, causal=causal, window=window, scale=scale, kv_lens=kv_lens)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    def forward_call(q, k, v, causal=False, window=None, scale=None, kv_lens=None, validate=None):
+        def call(q, k, v, kv_lens, out, lse):   # the PreparedCall's arguments
+            assert out is None and lse is None
+            return forward(q, k, v, causal, window, scale, kv_lens, validate)
+        return call
+
+    def backward_after_forward(forward_call, scalars, q, k, v, o, lse, do, kv_lens):
+        causal, window, scale, deterministic, validate = scalars
+        assert callable(forward_call)
+        return attention_backward(q, k, v, o, lse, do, causal=causal, window=window, scale=scale, kv_lens=kv_lens,
+                                  deterministic=deterministic, validate=validate)
+
     monkeypatch.setattr(tuned, "forward", forward)
+    monkeypatch.setattr(tuned, "forward_call", forward_call)
     monkeypatch.setattr(autograd.backward, "attention_backward", attention_backward)
+    monkeypatch.setattr(autograd.backward, "backward_after_forward", backward_after_forward)
     torch.manual_seed(0)
     return torch, calls
 
@@ -158,8 +173,9 @@ def test_eager_training_step_does_not_import_dynamo():
     done = _python("""
 import sys, types, torch, tiledsl
 from tiledsl.dispatch import tuned
-tuned.forward = lambda q, k, v, *a, **kw: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
-sys.modules["tiledsl.dispatch.backward"] = types.SimpleNamespace(attention_backward=lambda q, k, v, *a, **kw: (q, k, v))
+tuned.forward_call = lambda *a, **kw: lambda q, k, v, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3]))
+sys.modules["tiledsl.dispatch.backward"] = types.SimpleNamespace(
+    backward_after_forward=lambda call, scalars, q, k, v, *a: (q, k, v))
 q = torch.randn(1, 2, 4, 8, requires_grad=True)
 tiledsl.attention(q, q, q, causal=True).sum().backward()
 print(q.grad is not None, "torch._dynamo" in sys.modules)
@@ -231,6 +247,7 @@ def test_eager_errors_come_from_inside_the_op_unchanged(torch_stubbed, monkeypat
     def refuse(*args, **kwargs):
         raise RuntimeInputError("q: is on the host (DLPack device type 1); move it to the GPU")
     monkeypatch.setattr(tuned, "forward", refuse)
+    monkeypatch.setattr(tuned, "forward_call", refuse)
     q, k, v = _inputs(torch)
     with pytest.raises(RuntimeInputError, match="q: is on the host"):
         tiledsl.attention(q, k, v)

@@ -176,3 +176,24 @@ def test_graph_has_the_backward_ops_in_each_order():
 def test_no_backward_schedule_is_an_error():
     with pytest.raises(ValueError, match="no backward schedule"):
         build_backward_graph(KernelSpec("fwd", Problem(8, 8), Schedule()))
+
+
+@pytest.mark.parametrize("d,dv", [(40, 40), (24, 8), (8, 72)])
+@pytest.mark.parametrize("mask", [Mask.NONE, Mask.CAUSAL])
+def test_zero_padded_head_dims_give_the_unpadded_gradients(d, dv, mask):
+    """attention_backward's padding (dispatch/backward.PaddedBackward): q, k, v, dO zero-padded to the next multiple
+    of 16, at the unpadded head dim's softmax scale, give the unpadded problem's gradients in their leading columns
+    and exact zeros in the padded ones."""
+    from tiledsl.layout.backward import BACKWARD_DIM_MULTIPLE
+    from tiledsl.spec import default_softmax_scale
+    padded_d, padded_dv = (-(-n // BACKWARD_DIM_MULTIPLE) * BACKWARD_DIM_MULTIPLE for n in (d, dv))
+    q, k, v, do = inputs(2, 4, 2, 9, 13, d, dv)
+
+    def pad(x, width):
+        return np.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+    spec = KernelSpec("bwd", Problem(padded_d, padded_dv, mask=mask, softmax_scale=default_softmax_scale(d)),
+                      Schedule(), backward=BackwardSchedule())
+    got = reference_backward(spec, pad(q, padded_d), pad(k, padded_d), pad(v, padded_dv), pad(do, padded_dv))
+    want = analytic_grads(q, k, v, do, mask)
+    assert_close([got[0][..., :d], got[1][..., :d], got[2][..., :dv]], want)
+    assert not got[0][..., d:].any() and not got[1][..., d:].any() and not got[2][..., dv:].any()

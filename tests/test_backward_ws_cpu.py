@@ -269,7 +269,7 @@ def _launch_args(spec, q_len=200, kv_len=333, heads=4, kv_heads=2, monkeypatch=N
         def allocate(self, name, shape, dtype):
             self.slots += 1
             return tv(name, tuple(shape), dtype, self.slots - 1)
-        new_output = allocate
+        new_output = workspace = allocate
 
         def launch(self, fn, grid, threads, smem, args, label):
             self.launches.append((fn, grid, threads, smem, args))

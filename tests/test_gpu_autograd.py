@@ -53,6 +53,8 @@ CROSS = [  # q_len != kv_len both ways (causal and window rows that see nothing 
     _case(300, 517, "causal", torch.bfloat16, 128, kv_heads=2), _case(517, 300, "causal", torch.float16, 64),
     _case(300, 517, "window", torch.float16, 128), _case(517, 300, "window", torch.bfloat16, 64, kv_heads=1),
     _case(1, 1000, "causal", torch.bfloat16, 128, kv_heads=2), _case(1000, 17, "none", torch.float16, 64),
+    # head dims the backward's kernels take zero-padded to 16 (dispatch/backward.PaddedBackward)
+    _case(300, 517, "causal", torch.bfloat16, 40, kv_heads=2), _case(200, 200, "window", torch.float16, 72),
 ]
 KV_LENS = [  # a sequence with no keys, one with all, one with 37 (its causal rows mostly blind)
     _case(200, 300, "causal", torch.bfloat16, 128, batch=3, kv_heads=2, kv_lens=(0, 300, 37)),

@@ -57,7 +57,7 @@ def rel(x, ref):
 
 def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=128, causal=False, window=None,
         kv_lens=None, deterministic=False, from_forward=False, seed=0, mma=None, poison=False, warp_specialized=None,
-        kernel=None):
+        kernel=None, dv=None):
     import torch
     from tiledsl.dispatch.backward import attention_backward
     torch.manual_seed(seed)
@@ -65,8 +65,8 @@ def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=1
     kv_heads = kv_heads or heads
     q = torch.randn(batch, heads, q_len, d, device="cuda", dtype=dt)
     k = torch.randn(batch, kv_heads, kv_len, d, device="cuda", dtype=dt)
-    v = torch.randn(batch, kv_heads, kv_len, d, device="cuda", dtype=dt)
-    do = torch.randn(batch, heads, q_len, d, device="cuda", dtype=dt)
+    v = torch.randn(batch, kv_heads, kv_len, dv or d, device="cuda", dtype=dt)
+    do = torch.randn(batch, heads, q_len, dv or d, device="cuda", dtype=dt)
     lens = torch.tensor(kv_lens, device="cuda", dtype=torch.int32) if kv_lens is not None else None
     o_ref, lse_ref, *grads = reference(q, k, v, do, causal, window, kv_lens=lens)
     if from_forward:
@@ -85,7 +85,7 @@ def run(dtype="bf16", d=64, batch=1, heads=2, kv_heads=None, q_len=128, kv_len=1
                                  deterministic=deterministic, mma=mma, warp_specialized=warp_specialized)
     torch.cuda.synchronize()
     for x, like in zip(out, (q, k, v)):
-        assert x.shape == like.shape and x.dtype == like.dtype
+        assert x.shape == like.shape and x.dtype == like.dtype and x.is_contiguous()
     return [rel(x, ref) for x, ref in zip(out, grads)], out
 
 
@@ -145,6 +145,20 @@ def test_deterministic_is_correct_and_bit_identical(dtype, d, mask):
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_from_the_forward_kernel(mask):
     check(run("bf16", 128, batch=2, heads=4, kv_heads=2, q_len=513, kv_len=513, from_forward=True, **MASKS[mask])[0])
+
+
+@pytest.mark.parametrize("d,dv", [(40, 40), (72, 72), (72, 40), (64, 24)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_head_dims_of_multiples_of_8_run_zero_padded(d, dv, mask):
+    """Head dims the forward serves but the kernels do not (multiples of 8, not of 16): zero-padded to 16 around
+    the kernels (dispatch/backward.PaddedBackward), exact against float64 like the others."""
+    check(run("bf16", d, dv=dv, batch=2, heads=4, kv_heads=2, q_len=200, kv_len=300, poison=True, **MASKS[mask])[0])
+
+
+@pytest.mark.parametrize("d", [40, 72])
+def test_padded_head_dims_from_the_forward_kernel(d):
+    check(run("fp16", d, batch=2, heads=4, q_len=257, kv_len=257, causal=True, from_forward=True,
+              deterministic=True)[0])
 
 
 def test_bad_inputs_name_the_tensor():

@@ -4,10 +4,13 @@ real code).
 
 After the first call of a configuration, no call parses DSL, builds a scheduler graph, renders a
 template, compiles or encodes a TMA map from scratch: for attention (prefill, decode, FP8 KV),
-paged_attention (decode and chunked prefill), varlen_attention and the backward. And the prepared
+paged_attention (decode and chunked prefill), varlen_attention, the backward and a training step through
+autograd (EagerAttention on tests/host_stubs.py's fake autograd.Function). And the prepared
 launch is the right one: each call's own pointers reach the kernel's parameters, a new signature
 prepares a new launch, a misaligned tensor is refused by name."""
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -135,6 +138,109 @@ def test_backward(device):
     assert pre_values[:2] == [o.data_ptr(), do.data_ptr()]
     assert main_values[:5] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse.data_ptr()]
     assert convert_values[0] == pre_values[3] and convert_values[0] == main_values[6]   # one dQ accumulator
+
+
+@pytest.mark.parametrize("warp_specialized", [True, False], ids=["ws", "wgmma"])
+def test_autograd_step(device, monkeypatch, warp_specialized):
+    """A training step through tiledsl.attention (EagerAttention) and its backward: warm steps reach no front
+    end, graph, renderer or compiler, and the backward's launches read that step's O, LSE and dO."""
+    from tiledsl.dispatch import backward
+    monkeypatch.setattr(backward, "BACKWARD_WS", warp_specialized)
+    outputs = []
+
+    def fresh():
+        return tuple(device.tensor((2, 4, 300, 64), requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        o, lse = tiledsl.attention(q, k, v, causal=True, return_lse=True)
+        do = device.tensor(o.shape)
+        outputs[:] = [o, lse, do, device.backward(o, do)]
+
+    assert warm(device, step, fresh)[1] == {}
+    o, lse, do, (dq, dk, dv, *no_grads) = outputs
+    assert no_grads == [None, None]   # kv_lens and the scalars
+    (pre, *_, pre_values), (main, *_, main_values), (convert, *_, convert_values) = (device.last(b) for b in (3, 2, 1))
+    assert pre.endswith("preprocess") and convert.endswith("convert")
+    assert main.endswith("tma_reduce_backward_main" if warp_specialized else "wgmma_atomic_backward_main")
+    assert pre_values[:2] == [o.data_ptr(), do.data_ptr()]
+    if warp_specialized:   # the preprocess copies the LSE into whole q tiles; dK, dV after the five maps
+        assert pre_values[2] == lse.data_ptr() and [dk.data_ptr(), dv.data_ptr()] == main_values[9:11]
+    else:
+        assert main_values[4] == lse.data_ptr() and [dk.data_ptr(), dv.data_ptr()] == main_values[7:9]
+    assert convert_values[1] == dq.data_ptr()
+
+
+def test_the_backward_after_a_forward_takes_that_forwards_shapes(device):
+    """EagerAttention's backward finds its launches by the forward's prepared call: two key counts under the
+    same queries (so O, the LSE and dO alike), stepped in turn, each get their own main-kernel grid."""
+    grids = {}
+    for kv_len in (300, 128, 300, 128):
+        q = device.tensor((2, 4, 128, 64), requires_grad=True)
+        k, v = (device.tensor((2, 4, kv_len, 64), requires_grad=True) for _ in range(2))
+        o = tiledsl.attention(q, k, v)
+        device.backward(o, device.tensor(o.shape))
+        grids.setdefault(kv_len, set()).add(device.last(2)[1])
+    assert len(grids[300]) == len(grids[128]) == 1 and grids[300] != grids[128]
+
+
+@pytest.mark.parametrize("warp_specialized", [True, False], ids=["ws", "wgmma"])
+def test_the_backward_takes_its_scratch_in_one_allocation_per_call(device, warp_specialized):
+    """The backward's workspace parts (D and dQ_accum; LSE rows too for the warp-specialized one) are one
+    allocation per call, each part 256-byte aligned after the one before; dQ, dK, dV are the others."""
+    from tiledsl.dispatch import backward
+    from tiledsl.runtime.launch import WORKSPACE_ALIGNMENT
+    batch, heads, q_len, d = 2, 4, 300, 64
+    q, k, v, o, do = (device.tensor((batch, heads, q_len, d)) for _ in range(5))
+    lse = device.tensor((batch, heads, q_len), "float32")
+    bases = set()
+    for _ in range(2):
+        tiledsl.attention_backward(q, k, v, o, lse, do, causal=True, warp_specialized=warp_specialized)
+        pre = device.last(3)[5]
+        parts = pre[3:6] if warp_specialized else pre[2:4]
+        tile = backward.BACKWARD_WS_TUNED[d].tile_q
+        rows = batch * heads * (-(-q_len // tile) * tile if warp_specialized else q_len)   # whole q tiles (ws)
+        sizes = (rows * 4, rows * 4) if warp_specialized else (rows * 4,)
+        up = lambda n: -(-n // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT   # noqa: E731
+        assert [b - a for a, b in itertools.pairwise(parts)] == [up(n) for n in sizes]
+        assert all(p % WORKSPACE_ALIGNMENT == 0 for p in parts)
+        bases.add(parts[0])
+    assert len(bases) == 2   # each call's own, from the allocator
+    assert len(next(reversed(backward._calls.values())).allocations) == 4   # dq, dk, dv, the workspace
+
+
+@pytest.mark.parametrize("d, dv", [(40, 40), (72, 40), (64, 24)])
+def test_head_dims_of_multiples_of_8_run_zero_padded_to_16(device, monkeypatch, d, dv):
+    """attention_backward pads a head dim that is a multiple of 8 but not of 16 (dispatch/backward.PaddedBackward):
+    the kernels get padded copies, the padded problem keeps the unpadded head dim's softmax scale, the gradients
+    come back contiguous in the inputs' shapes, and a warm call reaches no front end or compiler."""
+    from tiledsl.dispatch import backward
+    from tiledsl.spec import default_softmax_scale
+    chosen = []
+    real = backward.chosen_backward_spec
+
+    def record(arch, dtype, head_dim, mask, head_dim_v=None, window=None, scale=None, *rest):
+        chosen.append((head_dim, head_dim_v, scale))
+        return real(arch, dtype, head_dim, mask, head_dim_v, window, scale, *rest)
+    monkeypatch.setattr(backward, "chosen_backward_spec", record)
+
+    def fresh():
+        q, k = (device.tensor((2, 4, 300, d)) for _ in range(2))
+        v, o, do = (device.tensor((2, 4, 300, dv)) for _ in range(3))
+        return q, k, v, o, device.tensor((2, 4, 300), "float32"), do
+    outputs = []
+    call = lambda *t: outputs.append(tiledsl.attention_backward(*t, causal=True))   # noqa: E731
+    _, hot, _, (q, k, v, o, lse, do) = warm(device, call, fresh)
+    up = lambda n: -(-n // 16) * 16   # noqa: E731
+    assert hot == {} and chosen == [(up(d), up(dv), default_softmax_scale(d))]
+    for grad, like in zip(outputs[-1], (q, k, v)):
+        assert grad.shape == like.shape and grad.stride() == like.stride()
+    (*_, pre_values), (main, *_, main_values) = device.last(3), device.last(2)
+    assert main.endswith("backward_main") and main_values[4] == lse.data_ptr()   # the mma.sync module's order
+    assert not {o.data_ptr(), do.data_ptr()} & set(pre_values[:2]) and v.data_ptr() != main_values[2]
+    assert (main_values[:2] == [q.data_ptr(), k.data_ptr()]) == (d % 16 == 0)   # only what needs it is copied
+    with pytest.raises(RuntimeInputError, match="head dims must be multiples of 8, got q 36"):
+        tiledsl.attention_backward(*(device.tensor((2, 4, 300, 36)) for _ in range(4)), lse,
+                                   device.tensor((2, 4, 300, 36)))
 
 
 def test_a_new_shape_of_a_known_configuration_prepares_without_the_front_end_or_a_graph(device):

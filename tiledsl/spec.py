@@ -213,7 +213,12 @@ class Problem:
 
     @property
     def scale(self) -> float:
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim_qk)
+        return self.softmax_scale if self.softmax_scale is not None else default_softmax_scale(self.head_dim_qk)
+
+
+def default_softmax_scale(head_dim_qk: int) -> float:
+    """The softmax scale of a problem that sets none: 1 / sqrt(head dim)."""
+    return 1.0 / math.sqrt(head_dim_qk)
 
 
 KV_PAGE_SIZES = tuple(1 << i for i in range(9))   # keys per page, 1..256: a key's page and slot are a shift and a mask

@@ -17,9 +17,9 @@ calls the forward directly: a warm call is then a dictionary lookup and a launch
 Eager calls skip the ops: torch's custom_op wraps every implementation in a dynamo-disable that
 imports torch._dynamo on the op's first call (seconds: bench/NOTES.md), more than the rest of a warm
 first call. So outside
-torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same two
-implementations (`run_forward`, `run_backward`) the ops call; under torch.compile (dynamo has been
-imported by then) it calls the forward op, which dynamo traces as one node.
+torch.compile, `tiledsl.attention` runs EagerAttention, an autograd.Function over the same forward and
+backward the ops call (their prepared calls: tuned.forward_call, backward.backward_after_forward); under
+torch.compile (dynamo has been imported by then) it calls the forward op, which dynamo traces as one node.
 
 `import tiledsl` does not import torch; this module imports it when torch is installed and
 registers the ops then (api.attention imports this module on its first torch call, and under
@@ -63,24 +63,28 @@ def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None
         o, lse = torch.ops.tiledsl.attention_forward(q, k, v, kv_lens, bool(causal), has_window, left, right,
                                                      encode_scale(scale), bool(deterministic), validate)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        has_window, left, right = encode_window(window)
-        o, lse = EagerAttention.apply(q, k, v, kv_lens, bool(causal), has_window, left, right, encode_scale(scale),
-                                      bool(deterministic), validate)
+        o, lse = EagerAttention.apply(q, k, v, kv_lens, eager_scalars(causal, window, scale, deterministic, validate))
     else:
         o, lse = tuned.forward(q, k, v, causal, window, scale, kv_lens, validate=validate)
     return (o, lse) if return_lse else o
 
 
+def eager_scalars(causal, window, scale, deterministic, validate) -> tuple:
+    """EagerAttention's one non-tensor argument: (causal, window, scale, deterministic, validate), each as
+    api.attention checked it (window a pair of ints or None, scale a float or None)."""
+    return bool(causal), None if window is None else tuple(window), encode_scale(scale), bool(deterministic), validate
+
+
 def run_forward(q, k, v, kv_lens, causal, has_window, window_left, window_right, scale, deterministic, validate):
-    """(O, LSE) by tuned.forward: the forward op's and EagerAttention's implementation (the
-    runtime reads the tensors' pointers itself: no detach needed)."""
+    """(O, LSE) by tuned.forward: the forward op's implementation (the runtime reads the tensors' pointers
+    itself: no detach needed)."""
     return tuned.forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale, kv_lens,
                          validate=validate)
 
 
 def run_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left, window_right, scale, deterministic,
                  validate):
-    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's and EagerAttention's implementation."""
+    """(dQ, dK, dV) by tiledsl.dispatch.backward: the backward op's implementation."""
     grads = backward.attention_backward(q, k, v, o, lse, do, causal=causal,
                                         window=decode_window(has_window, window_left, window_right), scale=scale,
                                         kv_lens=kv_lens, deterministic=deterministic, validate=validate)
@@ -134,27 +138,38 @@ def _register(torch):
         ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, deterministic, validate
         ctx.mark_non_differentiable(lse)
 
-    def backward(ctx, grad_o, grad_lse):
+    def op_backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse, kv_lens = ctx.saved_tensors
         dq, dk, dv = torch.ops.tiledsl.attention_backward(q, k, v, o, lse, grad_o.contiguous(), kv_lens, *ctx.scalars)
         return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))   # kv_lens and the scalars: no gradient
 
-    attention_forward.register_autograd(backward, setup_context=setup_context)
+    attention_forward.register_autograd(op_backward, setup_context=setup_context)
 
     class EagerAttention(torch.autograd.Function):
-        """The forward op's autograd formula without the op (see the module docstring: why)."""
+        """The forward op's autograd formula without the op (see the module docstring: why), for the eager
+        call's host cost: one non-tensor argument (eager_scalars) instead of the op's seven, no zero gradient
+        made for the LSE (it gets none), and the backward's launches found by the forward's prepared call
+        (backward.backward_after_forward) instead of by reading every tensor's signature again."""
 
         @staticmethod
-        def forward(ctx, q, k, v, kv_lens, *scalars):
-            o, lse = run_forward(q, k, v, kv_lens, *scalars)
-            setup_context(ctx, (q, k, v, kv_lens, *scalars), (o, lse))
+        def forward(ctx, q, k, v, kv_lens, scalars):
+            causal, window, scale, _, validate = scalars
+            call = tuned.forward_call(q, k, v, causal, window, scale, kv_lens, validate)
+            o, lse = call(q, k, v, kv_lens, None, None)
+            ctx.save_for_backward(q, k, v, o, lse, kv_lens)
+            ctx.forward_call, ctx.scalars = call, scalars
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)   # grad_lse stays None: no zeros allocated and filled per call
             return o, lse
 
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
+            if grad_o is None:   # nothing reached O (the LSE carries no gradient)
+                return None, None, None, None, None
             q, k, v, o, lse, kv_lens = ctx.saved_tensors
-            dq, dk, dv = run_backward(q, k, v, o, lse, grad_o.contiguous(), kv_lens, *ctx.scalars)
-            return (dq, dk, dv) + (None,) * (1 + len(ctx.scalars))
+            dq, dk, dv = backward.backward_after_forward(ctx.forward_call, ctx.scalars, q, k, v, o, lse,
+                                                         grad_o.contiguous(), kv_lens)
+            return dq, dk, dv, None, None
 
     return attention_forward, attention_backward, EagerAttention
 

@@ -17,11 +17,12 @@ import functools
 from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
-from ..layout.backward import backward_layout
+from ..layout.backward import BACKWARD_DIM_MULTIPLE, backward_layout
 from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
-from ..runtime.tensors import signature, view
-from ..spec import BackwardSchedule, CopyVia, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule
+from ..runtime.tensors import leading_columns, signature, view, zero_padded
+from ..spec import (BackwardSchedule, CopyVia, DqAccumulate, DType, KernelSpec, Mask, Mma, Problem, Schedule,
+                    default_softmax_scale)
 
 # (head dim) -> (tile q, tile kv, warps, stages) of the mma.sync kernel, dq atomic: the fastest measured
 # at 4k on the H200 (bench/NOTES.md, "Why the tables hold what they hold"). fp16 has the same shapes.
@@ -160,13 +161,41 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     tensors = (q, k, v, o, lse, do, kv_lens)
+    return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized)(*tensors)
+
+
+def prepared_backward(tensors: tuple, causal: bool, window: tuple[int, int] | None, scale: float | None,
+                      deterministic: bool, mma: str | None = None, validate: bool | None = None,
+                      warp_specialized: bool | None = None):
+    """The PreparedCall of attention_backward on `tensors` (q, k, v, o, lse, do, kv_lens) with checked scalars
+    (runtime/arguments.mask_arguments): `call(*tensors)` -> (dq, dk, dv)."""
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate, warp_specialized,
            BACKWARD_WS)
     call = _calls.get(key)
     if call is None:
         call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate,
                                                  warp_specialized))
-    return call(*tensors)
+    return call
+
+
+# (the forward's PreparedCall, its scalars, dO's signature, BACKWARD_WS) -> the backward's PreparedCall: what
+# EagerAttention's backward looks up. The forward's call is one object per signature of q, k, v and kv_lens and
+# allocates O and the LSE alike every time, so it stands for five of the seven signatures prepared_backward reads.
+_after_forward = SignatureCache()
+
+
+def backward_after_forward(forward_call, scalars: tuple, q, k, v, o, lse, do, kv_lens):
+    """(dq, dk, dv) of attention_backward with the defaults of `mma` and `warp_specialized`, for O and the LSE
+    that `forward_call` (tuned.forward_call) returned; `scalars` (causal, window, scale, deterministic,
+    validate) as the forward's call checked them."""
+    key = (forward_call, scalars, signature(do), BACKWARD_WS)
+    call = _after_forward.get(key)
+    if call is None:
+        tensors = (q, k, v, o, lse, do, kv_lens)
+        causal, window, scale, deterministic, validate = scalars
+        call = _after_forward.put(key, prepared_backward(tensors, causal, window, scale, deterministic, None,
+                                                         validate))
+    return call(q, k, v, o, lse, do, kv_lens)
 
 
 def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized):
@@ -182,11 +211,55 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
         raise RuntimeInputError(f"attention_backward: q and v must be 4-d (batch, heads, seqlen, head_dim), got "
                                 f"shapes {qv.shape} and {vv.shape}")
     d, dv = qv.shape[-1], vv.shape[-1]
-    if d % 16 or dv % 16:
-        raise RuntimeInputError(f"attention_backward: head dims must be multiples of 16, got q {d}, v {dv}")
+    if d % HEAD_DIM_MULTIPLE or dv % HEAD_DIM_MULTIPLE:
+        raise RuntimeInputError(f"attention_backward: head dims must be multiples of {HEAD_DIM_MULTIPLE}, got q {d}, "
+                                f"v {dv}")
+    padded_d, padded_dv = (-(-n // BACKWARD_DIM_MULTIPLE) * BACKWARD_DIM_MULTIPLE for n in (d, dv))
+    if (padded_d, padded_dv) != (d, dv):
+        return PaddedBackward.prepare(tensors, d, dv, padded_d, padded_dv, causal, window, scale, deterministic, mma,
+                                      validate, warp_specialized)
     spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, scale, deterministic, mma,
                                 warp_specialized)
     return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
+
+
+HEAD_DIM_MULTIPLE = 8   # the head dims attention_backward takes: the forward's (fa2 pads them on chip)
+
+
+class PaddedBackward:
+    """attention_backward where a head dim is a multiple of 8 but not of BACKWARD_DIM_MULTIPLE: q, k (the qk
+    dim) and v, O, dO (the v dim) zero-padded to the next multiple, in their framework on the caller's stream
+    (arrays from its allocator, per call); the padded problem's prepared backward with the softmax scale of the
+    unpadded head dim; dQ, dK, dV cut back to their columns (contiguous). Exact: zero columns add nothing to
+    S = Q K^T, D = rowsum(dO o O) or dP = dO V^T, and the gradients' padded columns are dropped."""
+
+    def __init__(self, call, d: int, dv: int, padded_d: int, padded_dv: int):
+        self.call, self.d, self.dv = call, d, dv
+        self.extra_d, self.extra_dv = padded_d - d, padded_dv - dv
+
+    @classmethod
+    def prepare(cls, tensors, d, dv, padded_d, padded_dv, causal, window, scale, deterministic, mma, validate,
+                warp_specialized):
+        padded = cls(None, d, dv, padded_d, padded_dv)
+        scale = default_softmax_scale(d) if scale is None else scale   # the unpadded head dim's default
+        try:
+            padded.call = prepared_backward(padded.pad(tensors), causal, window, scale, deterministic, mma, validate,
+                                            warp_specialized)
+        except RuntimeInputError as err:
+            raise RuntimeInputError(f"{err} (head dims {d}/{dv} padded to {padded_d}/{padded_dv})") from None
+        return padded
+
+    def pad(self, tensors: tuple) -> tuple:
+        q, k, v, o, lse, do, kv_lens = tensors
+        qk, vo = self.extra_d, self.extra_dv
+        return (zero_padded(q, qk) if qk else q, zero_padded(k, qk) if qk else k, *(
+            zero_padded(x, vo) if vo else x for x in (v, o)), lse, zero_padded(do, vo) if vo else do, kv_lens)
+
+    def __call__(self, *tensors):
+        dq, dk, dv = self.call(*self.pad(tensors))
+        if self.extra_d:
+            dq, dk = leading_columns(dq, self.d), leading_columns(dk, self.d)
+        return dq, dk, leading_columns(dv, self.dv) if self.extra_dv else dv
 
 
 def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,

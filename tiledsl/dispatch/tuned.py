@@ -238,6 +238,22 @@ def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None
     on the host (runtime/index_checks.py). The first call of a signature resolves the kernel and
     prepares the launch; later ones only launch (runtime/launch.py)."""
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
+    call, scaled = _prepared(q, k, v, kv_lens, ks, vs, k_scale, v_scale, causal, window, scale, validate)
+    if scaled:
+        return call(q, k, v, kv_lens, None, None, ks, vs)
+    return call(q, k, v, kv_lens, None, None)
+
+
+def forward_call(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+                 kv_lens=None, validate: bool | None = None):
+    """The PreparedCall forward() runs without FP8 scales: `call(q, k, v, kv_lens, None, None)` -> (O, LSE). One
+    object per call signature, so it also stands for the signatures of the O and LSE it allocates (EagerAttention's
+    backward keys on it)."""
+    return _prepared(q, k, v, kv_lens, None, None, None, None, causal, window, scale, validate)[0]
+
+
+def _prepared(q, k, v, kv_lens, ks, vs, k_scale, v_scale, causal, window, scale, validate):
+    """(PreparedCall, takes the scales) of a forward call: the cache lookup, or the signature's first call."""
     if window is not None and type(window) is not tuple:
         try:
             window = tuple(window)
@@ -248,10 +264,7 @@ def forward(q, k, v, causal: bool = False, window: tuple[int, int] | None = None
     hit = _calls.get(key)
     if hit is None:
         hit = _calls.put(key, _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate))
-    call, scaled = hit
-    if scaled:
-        return call(q, k, v, kv_lens, None, None, ks, vs)
-    return call(q, k, v, kv_lens, None, None)
+    return hit
 
 
 def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, validate):

@@ -32,6 +32,7 @@ BACKWARD_PRE_THREADS = 256
 BACKWARD_DQ_TILE_KV = 64       # `dq accumulate separate`: keys per kv tile of the q-outer dQ kernel
 
 BACKWARD_MAX_DIM = 256         # preprocess: a warp's lanes take 2 columns per 64 (u32 loads)
+BACKWARD_DIM_MULTIPLE = 16     # head dims: mma m16n8k16's k and n steps (attention_backward pads others to it)
 
 # atomic dQ: fp32 per red.global.add (v4: lane pairs swap halves); the first is the default (v2, the one
 # timed; v4 is validated but untimed: bench/NOTES.md)
@@ -84,8 +85,9 @@ def backward_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> BackwardLa
         return backward_wgmma_layout(spec, limits)
     d, dv, Br, Bc, S = p.head_dim_qk, p.head_dim_v, b.tile_q, b.tile_kv, b.stages
     tile_key = "backward.tile" if spec.span_of("backward.tile") else "backward"
-    require(d % 16 == 0 and dv % 16 == 0 and max(d, dv) <= BACKWARD_MAX_DIM, spec, "head_dim",
-             f"head dim qk {d} / v {dv}: the backward needs multiples of 16 up to {BACKWARD_MAX_DIM}")
+    require(d % BACKWARD_DIM_MULTIPLE == 0 and dv % BACKWARD_DIM_MULTIPLE == 0 and max(d, dv) <= BACKWARD_MAX_DIM,
+            spec, "head_dim", f"head dim qk {d} / v {dv}: the backward needs multiples of {BACKWARD_DIM_MULTIPLE} up "
+            f"to {BACKWARD_MAX_DIM}")
     require(Br % 16 == 0 and Bc % (16 * b.warps) == 0, spec, tile_key,
              f"tile q = {Br}, kv = {Bc} with {b.warps} warps: tile q must be a multiple of 16 and each warp "
              "a multiple of 16 kv rows", f"use tile kv = {16 * b.warps}")

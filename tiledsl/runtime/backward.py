@@ -1,8 +1,8 @@
 """The backward module on the GPU: a spec's preprocess, main and convert (or dQ) kernels compiled once per
-process and launched on the caller's stream, with dQ, dK, dV and the workspaces (D, the fp32 dQ
-accumulator) from the caller's allocator on that stream. Like the forward kernels (runtime/launch.py),
-the three launches of a signature are prepared once: a later call reads pointers, allocates and
-launches."""
+process and launched on the caller's stream, with dQ, dK, dV and the workspace (D and the fp32 dQ
+accumulator in one allocation: CallBuilder.workspace) from the caller's allocator on that stream. Like the
+forward kernels (runtime/launch.py), the three launches of a signature are prepared once: a later call reads
+pointers, allocates and launches."""
 from __future__ import annotations
 
 from ..codegen.render import render
@@ -109,8 +109,8 @@ class BackwardKernel:
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
         atomic = plan.dq_mode == "atomic"
-        d_rows = b.allocate("d_rows", (batch, heads, q_len), "float32")
-        dq_accum = b.allocate("dq_accum", (batch, heads, q_len, p.head_dim_qk), "float32") if atomic else None
+        d_rows = b.workspace("d_rows", (batch, heads, q_len), "float32")   # both written by the preprocess
+        dq_accum = b.workspace("dq_accum", (batch, heads, q_len, p.head_dim_qk), "float32") if atomic else None
         fns = self.functions(b.device_id)
         pairs = batch * heads
         q_blocks = -(-q_len // BACKWARD_PRE_ROWS)

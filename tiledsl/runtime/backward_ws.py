@@ -2,9 +2,10 @@
 kernels, prepared once per call signature like every backward module (runtime/backward.py), with Q, dO, K, V
 (and dQ_accum, the TMA reduce-add's target) handed to the main kernel as TMA tensor maps.
 
-Workspaces, from the inputs' framework on the caller's stream: LSE and D in rows padded to whole q tiles (the
+Workspace, one allocation per call from the inputs' framework on the caller's stream (CallBuilder.workspace), all
+of it written by the preprocess before the main kernel reads it: LSE and D in rows padded to whole q tiles (the
 producer's bulk copies read whole tiles; padded rows hold LSE = +inf, D = 0, so they contribute nothing),
-dQ_accum (fp32, like dQ), and under `dq accumulate ordered` one int32 semaphore per (batch, head, q tile)."""
+dQ_accum (fp32, like dQ, zeroed), and under `dq accumulate ordered` one int32 semaphore per (batch, head, q tile)."""
 from __future__ import annotations
 
 from .backward import BackwardKernel
@@ -25,10 +26,10 @@ class WsBackwardKernel(BackwardKernel):
         pairs, kv_pairs = batch * heads, batch * kv_heads
         tiles = -(-q_len // br)
         q_rows = tiles * br
-        lse_rows = b.allocate("lse_rows", (pairs * q_rows,), "float32")
-        d_rows = b.allocate("d_rows", (pairs * q_rows,), "float32")
-        dq_accum = b.allocate("dq_accum", (batch, heads, q_len, p.head_dim_qk), "float32")
-        semaphores = b.allocate("semaphores", (pairs * tiles,), "int32") if plan.ordered else None
+        lse_rows = b.workspace("lse_rows", (pairs * q_rows,), "float32")
+        d_rows = b.workspace("d_rows", (pairs * q_rows,), "float32")
+        dq_accum = b.workspace("dq_accum", (batch, heads, q_len, p.head_dim_qk), "float32")
+        semaphores = b.workspace("semaphores", (pairs * tiles,), "int32") if plan.ordered else None
         fns = self.functions(b.device_id)
         ptr, st = pointer_arg, strides_args
         if q_rows and pairs:

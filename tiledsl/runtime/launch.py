@@ -37,6 +37,11 @@ from .tensors import TensorView, view
 LAUNCH_BACKENDS = ("driver", "cuda-bindings", "cupy")
 LAUNCH_BACKEND = "driver"    # until the launch benchmark says otherwise (bench/launch_bench.py)
 ALIGNMENT = 16               # bytes: every 16-bit operand's rows are read 16 bytes at a time
+# bytes: where each part of a call's workspace starts (runtime/launch.CallBuilder.workspace): as aligned as a
+# separate allocation's start would be for the bulk copies and TMA maps that read it (they need 16)
+WORKSPACE_ALIGNMENT = 256
+_PART_SLOTS = 1 << 30        # a workspace part's slot until build() numbers it after the call's allocations
+_SCRATCH_BYTES = {"float32": 4, "int32": 4}
 
 
 class MapValue(NamedTuple):
@@ -147,17 +152,16 @@ class DriverLaunch:
             function = driver.CUfunction(handle)
             streams: dict = {}
 
-            def call(stream: int, params: int) -> None:
+            def call(stream: int, params: int, extra: int) -> None:
                 s = streams.get(stream)
                 if s is None:
                     s = streams[stream] = driver.CUstream(stream)
-                err, = driver.cuLaunchKernel(function, gx, gy, gz, launch.threads, 1, 1, launch.smem, s, params, 0)
+                err, = driver.cuLaunchKernel(function, gx, gy, gz, launch.threads, 1, 1, launch.smem, s, params, extra)
                 if err != driver.CUresult.CUDA_SUCCESS:
                     raise RuntimeError(f"cuLaunchKernel: {err}")
-        else:
+        else:   # CuPy's binding itself, its leading arguments bound: (stream, params, extra) complete the call
             from cupy.cuda import driver
-            call = functools.partial(_cupy_driver_launch, driver.launchKernel, handle, gx, gy, gz, launch.threads,
-                                     launch.smem)
+            call = functools.partial(driver.launchKernel, handle, gx, gy, gz, launch.threads, 1, 1, launch.smem)
         self.call = call
 
     def __call__(self, stream: int, pointers: list) -> None:
@@ -165,7 +169,7 @@ class DriverLaunch:
         with buffer.lock:
             buffer.fill(pointers)
             try:
-                self.call(stream, buffer.address)
+                self.call(stream, buffer.address, 0)
             except Exception as err:
                 if "CONTEXT" not in str(err).upper():
                     raise LaunchError(f"{self.launch.describe()}: launch failed: {err}") from None
@@ -173,13 +177,9 @@ class DriverLaunch:
                 # runtime makes the device's primary context current, then the launch goes again.
                 device.make_context_current()
                 try:
-                    self.call(stream, buffer.address)
+                    self.call(stream, buffer.address, 0)
                 except Exception as again:
                     raise LaunchError(f"{self.launch.describe()}: launch failed: {again}") from None
-
-
-def _cupy_driver_launch(launch_kernel, handle, gx, gy, gz, threads, smem, stream, params):
-    launch_kernel(handle, gx, gy, gz, threads, 1, 1, smem, stream, params, 0)
 
 
 class CupyLaunch:
@@ -292,14 +292,15 @@ class PreparedCall:
     the order the call was prepared with (None where absent). See the module docstring."""
 
     __slots__ = ("name", "names", "device_id", "read_pointers", "read_stream", "read_device", "aligned", "allocations",
-                 "pick", "launches", "checks", "keep")
+                 "parts", "pick", "launches", "checks", "keep")
 
     def __init__(self, name, names, device_id, read_pointers, read_stream, aligned, allocations, results,
-                 launches, checks, keep):
+                 launches, checks, keep, parts=()):
         self.name, self.names, self.device_id = name, names, device_id
         self.read_pointers, self.read_stream = read_pointers, read_stream
         self.read_device = device.device_reader()
         self.aligned, self.allocations = aligned, allocations
+        self.parts = parts   # byte offsets of the workspace's parts in the last allocation (slots after it)
         pick = operator.itemgetter(*results) if results else (lambda objects: ())
         self.pick = pick if len(results) != 1 else (lambda objects: (pick(objects),))
         self.launches, self.checks, self.keep = launches, checks, keep
@@ -316,6 +317,9 @@ class PreparedCall:
             made = tuple([allocate() for allocate in self.allocations])
             pointers += self.read_pointers(made)
             tensors += made
+            if self.parts:
+                workspace = pointers[-1]
+                pointers += [workspace + offset for offset in self.parts]
         if self.launches:
             stream = self.read_stream()
             if self.read_device() == self.device_id:
@@ -348,6 +352,8 @@ class CallBuilder:
     launches: list = field(default_factory=list)
     checks: list = field(default_factory=list)
     keep: list = field(default_factory=list)
+    parts: list = field(default_factory=list)         # (name, byte offset) of each part of the workspace
+    workspace_bytes: int = 0
     device_id: int = field(init=False)
 
     def __post_init__(self):
@@ -378,6 +384,23 @@ class CallBuilder:
             return view(array, name)
         slot = len(self.tensors) + len(self.allocations)
         self.allocations.append((name, allocator(self.like, shape, dtype)))
+        return TensorView(name, 0, shape, compact_strides(shape), dtype, self.device_id, None, slot)
+
+    def workspace(self, name: str, shape: tuple, dtype: str) -> TensorView:
+        """A view of a part of the call's workspace: one allocation per call (in the framework of `like`, like
+        allocate's) holding every part, each WORKSPACE_ALIGNMENT-aligned, its bytes as the allocator left them:
+        for scratch ("float32" or "int32") the call's kernels write before they read. Immediate: an array of
+        its own."""
+        shape = tuple(shape)
+        if self.immediate:
+            return self.allocate(name, shape, dtype)
+        offset = -(-self.workspace_bytes // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+        count = 1
+        for n in shape:
+            count *= n
+        self.workspace_bytes = offset + count * _SCRATCH_BYTES[dtype]
+        self.parts.append((name, offset))
+        slot = _PART_SLOTS + len(self.parts) - 1
         return TensorView(name, 0, shape, compact_strides(shape), dtype, self.device_id, None, slot)
 
     def provide(self, name: str, provider, shape: tuple = (2,), dtype="int32") -> TensorView:
@@ -441,9 +464,21 @@ class CallBuilder:
             read = _any_pointers
         allocations = [make for _, make in self.allocations]
         names = tuple(self.names) + tuple(name for name, _ in self.allocations)
+        launches = self.launches
+        if self.parts:   # the workspace is the last allocation, its parts' slots follow it
+            allocations.append(allocator(like, (max(self.workspace_bytes, 1),), "uint8"))
+            names += ("workspace",) + tuple(name for name, _ in self.parts)
+            first = len(self.tensors) + len(allocations) - _PART_SLOTS
+            launches = [_renumbered(launch, first) for launch in launches]
         return PreparedCall(self.name, names, self.device_id, read, device.stream_reader(like), tuple(self.aligned),
-                            allocations, tuple(self.results), [packed(launch, backend) for launch in self.launches],
-                            tuple(self.checks), tuple(self.keep))
+                            allocations, tuple(self.results), [packed(launch, backend) for launch in launches],
+                            tuple(self.checks), tuple(self.keep), tuple(offset for _, offset in self.parts))
+
+
+def _renumbered(launch: Launch, shift: int) -> Launch:
+    """`launch` with its workspace parts' provisional slots (_PART_SLOTS on) moved by `shift`."""
+    args = tuple(a._replace(slot=a.slot + shift) if a.slot >= _PART_SLOTS else a for a in launch.args)
+    return Launch(launch.function, launch.grid, launch.threads, launch.smem, args, launch.label)
 
 
 def check_output(t: TensorView, kernel: str, shape: tuple, dtype: DType, contiguous: bool) -> None:

@@ -178,6 +178,23 @@ def _compact_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def zero_padded(x, extra: int):
+    """`x` (a torch tensor or CuPy array) with `extra` zero columns after its last axis' own: a new contiguous
+    array in x's framework, made on that framework's current stream (torch: detached, so no autograd graph)."""
+    if is_torch(x):
+        return sys.modules["torch"].nn.functional.pad(x.detach(), (0, extra))
+    import cupy
+    return cupy.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def leading_columns(x, count: int):
+    """The first `count` columns of `x`'s last axis as a new contiguous array in x's framework."""
+    if is_torch(x):
+        return x[..., :count].contiguous()
+    import cupy
+    return cupy.ascontiguousarray(x[..., :count])
+
+
 def torch_dtype(dtype: DType):
     """The torch dtype of `dtype` (PyTorch imported here, only when asked)."""
     import torch
