@@ -333,3 +333,41 @@ def test_quantize_model_scales_and_bytes(block, per_tensor):
     err = np.abs(back - x)
     bound = np.maximum(np.abs(x) / 16, 2.0 ** -10 * (descale.max()))
     assert (err <= bound * (1 + 1e-6)).all()
+
+
+# -- quantize_fp8's kernel: launch shapes and nvcc ----------------------------------------------------------------
+from tiledsl.dispatch import quantize_fp8 as quantize  # noqa: E402
+
+
+@pytest.mark.parametrize("d", quantize.HEAD_DIMS)
+def test_quantize_launch_shapes_hold_a_block_in_registers_where_it_fits(d):
+    for rows in (16, 64, 100, 128):
+        threads, iters, resident = quantize.launch_shape(d, rows)
+        covered = quantize.rows_per_thread_block(d, threads, iters)
+        assert resident and rows <= covered and iters <= quantize.ITERS
+        assert covered - quantize.rows_per_thread_block(d, threads, 1) < rows or threads == quantize.THREADS[0]
+    largest = quantize.rows_per_thread_block(d, quantize.THREADS[-1])
+    assert quantize.launch_shape(d, largest)[2] and not quantize.launch_shape(d, largest + 1)[2]
+    assert not quantize.launch_shape(d, None)[2]
+
+
+def _nvcc_or_skip():
+    from tiledsl.codegen import nvcc
+    if nvcc.nvcc_path() is None:
+        pytest.skip("nvcc not on PATH")
+    return nvcc
+
+
+@pytest.mark.parametrize("d", quantize.HEAD_DIMS)
+def test_quantize_kernel_compiles_without_spills_at_every_launch_shape(d, tmp_path):
+    nvcc = _nvcc_or_skip()
+    shapes = {quantize.launch_shape(d, rows)[:2] for rows in (None, 32, 64, 128, 256, 512) if rows is None or
+              rows <= quantize.rows_per_thread_block(d, quantize.THREADS[-1])}
+    for threads, iters in sorted(shapes):
+        for rotate, bf16 in ((True, True), (False, False)):
+            _, report = nvcc.compile_to(quantize.module_source(d, threads, iters, rotate, bf16), "quantize_fp8",
+                                        "cubin", tmp_path / f"{threads}_{iters}_{rotate}")
+            found = nvcc.parse_ptxas(report)
+            for name, info in found.items():
+                assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, report
+                assert info.registers * threads <= 65536, report   # the block fits an SM's register file

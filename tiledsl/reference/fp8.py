@@ -205,27 +205,33 @@ def rotate_rows(x, signs) -> np.ndarray:
 
 
 def quantize_model(x, block: int | None, kv_heads: int | None = None, per_tensor: bool = False):
-    """(e4m3 bytes, float32 descales) of x (batch, heads, seqlen, d) float32: descale = absmax / 448 (1 where a
-    group is all zero), byte = e4m3(x / descale). Groups: per tensor, per (batch, kv head) over its heads (kv_heads
-    of them; Q's heads share their kv head's), or per block of `block` rows of each (batch, head)."""
+    """(e4m3 bytes, float32 descales) of x (batch, heads, seqlen, d) float32: descale = absmax / 448, byte =
+    e4m3(x * (448 / absmax)) (both factors float32, 1 where a group is all zero). Groups: per tensor, per (batch, kv
+    head) over its heads (kv_heads of them; Q's heads share their kv head's), or per block of `block` rows of each
+    (batch, head)."""
     x = np.asarray(x, dtype=np.float32)
     batch, heads, n, d = x.shape
     if per_tensor:
         absmax = np.abs(x).max(initial=0.0).reshape(1)
-        scale = _descale(absmax)
-        return encode_e4m3(x / scale[0]), scale
+        return encode_e4m3(x * _inverse(absmax)[0]), _descale(absmax)
     if block is None:
         group = heads // (kv_heads or heads)
         absmax = np.abs(x).reshape(batch, heads // group, group * n * d).max(axis=-1, initial=0.0)
-        scale = _descale(absmax)
-        return encode_e4m3(x / np.repeat(scale, group, axis=1)[:, :, None, None]), scale
+        return encode_e4m3(x * np.repeat(_inverse(absmax), group, axis=1)[:, :, None, None]), _descale(absmax)
     tiles = -(-n // block)
     padded = np.zeros((batch, heads, tiles * block, d), dtype=np.float32)
     padded[:, :, :n] = np.abs(x)
-    scale = _descale(padded.reshape(batch, heads, tiles, block * d).max(axis=-1))
-    return encode_e4m3(x / np.repeat(scale, block, axis=2)[:, :, :n, None]), scale
+    absmax = padded.reshape(batch, heads, tiles, block * d).max(axis=-1)
+    return encode_e4m3(x * np.repeat(_inverse(absmax), block, axis=2)[:, :, :n, None]), _descale(absmax)
 
 
 def _descale(absmax) -> np.ndarray:
     absmax = np.asarray(absmax, dtype=np.float32)
     return np.where(absmax > 0, absmax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def _inverse(absmax) -> np.ndarray:
+    """448 / absmax in float32 (1 for an all-zero group): what each value is multiplied by before its conversion."""
+    absmax = np.asarray(absmax, dtype=np.float32)
+    safe = np.where(absmax > 0, absmax, np.float32(1.0))
+    return np.where(absmax > 0, np.float32(E4M3_MAX) / safe, np.float32(1.0)).astype(np.float32)
