@@ -6,7 +6,8 @@ Accuracy rows {"kind": "accuracy", "variant": bf16 | fp8_tensor | fp8_block | fp
 "seqlen": 8192, "rmse"}: RMSE of O against float64 attention (on the GPU) of inputs N(0, 1) + N(0, 100) *
 Bernoulli(0.001) (FlashAttention-3's outliers), batch 1, 4 heads. Speed rows (kernel, family, dtype "e4m3",
 head_dim, seqlen, causal, tflops eager and CUDA graph, quantize_ms of quantize_fp8 with per-block descales + the
-rotation, peers {cudnn_fp8, sdpa_cudnn_bf16}); cuDNN FP8 through cudnn-frontend's sdpa_fp8 when `cudnn` imports
+rotation and quantize_gbps its bytes (16-bit in, e4m3 out: 3 per value of q, k, v) per second, peers {cudnn_fp8,
+sdpa_cudnn_bf16}); cuDNN FP8 through cudnn-frontend's sdpa_fp8 when `cudnn` imports
 (else null with the reason in "skipped"). 16k tokens per row (batch 16k / seqlen), 16 heads.
 """
 from __future__ import annotations
@@ -122,7 +123,8 @@ def speed_rows(torch) -> list[dict]:
                            tiledsl.dispatch.tuned.fp8_descale_kind(qs, ks, vs), tiledsl.DType.BF16).kernel_name,
                        "family": "hopper", "dtype": "e4m3", "head_dim": d, "seqlen": seqlen, "batch": batch,
                        "heads": heads, "causal": causal, "tflops": flops / eager / 1e9,
-                       "tflops_graph": flops / graphed / 1e9, "quantize_ms": quant, "attention_ms": eager,
+                       "tflops_graph": flops / graphed / 1e9, "quantize_ms": quant,
+                       "quantize_gbps": 3 * 3 * q.numel() / quant / 1e6, "attention_ms": eager,
                        "peers": {"cudnn_fp8": flops / cudnn_ms / 1e9 if cudnn_ms else None,
                                  "sdpa_cudnn_bf16": flops / bf16 / 1e9}}
                 if why:
