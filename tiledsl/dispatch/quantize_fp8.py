@@ -138,8 +138,9 @@ def _quantize(t, block_rows: int | None, group: int, signs):
         return out.view(torch.float8_e4m3fn), descale
     absmax = None if resident else torch.zeros(descale.shape, dtype=torch.int32, device=t.device)
     pointer = np.uint64   # device addresses as 64-bit kernel arguments
-    common = (pointer(t.data_ptr()), pointer(out.data_ptr()), pointer(descale.data_ptr()),
-              pointer(absmax.data_ptr() if absmax is not None else 0), pointer(signs.data_ptr() if signs is not None else 0),
+    absmax_ptr = pointer(absmax.data_ptr() if absmax is not None else 0)
+    signs_ptr = pointer(signs.data_ptr() if signs is not None else 0)
+    common = (pointer(t.data_ptr()), pointer(out.data_ptr()), pointer(descale.data_ptr()), absmax_ptr, signs_ptr,
               np.int32(n), np.int32(heads), np.int32(group), np.int32(block_rows or 0), np.int32(rows),
               np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2)))
     grid = (-(-n // rows), heads, batch)
@@ -150,6 +151,6 @@ def _quantize(t, block_rows: int | None, group: int, signs):
         else:
             kernel(grid, (threads,), common + (np.int32(1),))
             count = descale.numel()
-            finish((-(-count // 128),), (128,), (pointer(absmax.data_ptr()), pointer(descale.data_ptr()), np.int32(count)))
+            finish((-(-count // 128),), (128,), (absmax_ptr, pointer(descale.data_ptr()), np.int32(count)))
             kernel(grid, (threads,), common + (np.int32(2),))
     return out.view(torch.float8_e4m3fn), descale
