@@ -758,13 +758,18 @@ __device__ __forceinline__ u32 load_shared_b32(u32 address) {
 
 // V (Bc key rows of dv bytes, as TMA landed it) -> V^T (dv rows of Bc key bytes), by `thread` of C::TRANSPOSERS.
 // A unit is 4 keys x 4 columns: four 4-byte loads, a byte transpose, four 4-byte stores. Within each 16 keys,
-// V^T's bytes 4q..4q+3 take V's keys 2q, 2q+1, 8+2q, 9+2q: the order pack_p leaves P's keys in.
+// V^T's bytes 4q..4q+3 take V's keys 2q, 2q+1, 8+2q, 9+2q: the order pack_p leaves P's keys in. A warp's 32 units
+// are 8 quads x 4 column groups: its loads then spread over more of the swizzled rows' 16-byte chunks (fewer
+// bank conflicts than 32 quads of one column group, whose keys share 4 swizzle phases).
 template <class C>
 __device__ __forceinline__ void transpose_v(u32 v_tile, u32 vt_tile, int thread) {
     constexpr int QUADS = C::BC / 4, UNITS = QUADS * (C::DV / 4);
+    static_assert(QUADS % 8 == 0 && C::TRANSPOSERS % 32 == 0, "a warp's units are 8 quads x 4 column groups");
 #pragma unroll 1
     for (int unit = thread; unit < UNITS; unit += C::TRANSPOSERS) {
-        const int quad = unit % QUADS, column = (unit / QUADS) * 4;
+        const int lane_unit = unit % 32, warp_unit = unit / 32;
+        const int quad = (warp_unit % (QUADS / 8)) * 8 + lane_unit % 8;
+        const int column = ((warp_unit / (QUADS / 8)) * 4 + lane_unit / 8) * 4;
         const int group = (quad / 4) * 16, q = quad % 4;
         const int key = group + 2 * q;
         const u32 r0 = load_shared_b32(v_tile + swizzled_offset<C::V_SWIZZLE>(key, column, C::BC));

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "float8_e4m3fn": 1, "int64": 8, "uint8": 1}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "float8_e4m3fn": 1, "int64": 8, "uint8": 1,
+            "float64": 8}
 
 
 class FakeDtype:

@@ -204,6 +204,90 @@ def test_block_dequantization_indexes_rows_by_tile():
             np.testing.assert_array_equal(out[0, h, row], decode_e4m3(raw[0, h, row]) * descale[0, h, row // 128])
 
 
+
+# -- the kernel's arithmetic: P rounded to e4m3 over the kernel's kv tiles ----------------------------------------
+from tiledsl.dispatch.tuned import fp8_spec  # noqa: E402
+from tiledsl.reference.fp8 import dequantize_fp8_inputs, fp8_kernel_attention, round_p_e4m3  # noqa: E402
+from tiledsl.reference.fp8 import quantize_model as _quantize  # noqa: E402
+from tiledsl.spec import Mask  # noqa: E402
+
+KERNEL_CASES = [(64, Mask.CAUSAL, Descale.PER_BLOCK, 300, 300), (128, Mask.NONE, Descale.PER_HEAD, 17, 300),
+                (256, Mask.CAUSAL, Descale.PER_TENSOR, 200, 200), (128, Mask.WINDOW, Descale.PER_BLOCK, 300, 300)]
+
+
+def _fp8_inputs(rng, spec, kind, q_len, kv_len, heads=4, kv_heads=2):
+    """(bytes q, k, v, descales q, k, v) of N(0, 1) inputs, quantized as quantize_fp8 does for this spec's tiles."""
+    d = spec.problem.head_dim_qk
+    per_tensor, blocks = kind is Descale.PER_TENSOR, (spec.schedule.tile_q, spec.schedule.tile_kv)
+    per_block = kind is Descale.PER_BLOCK
+    x = [rng.standard_normal((2, h, n, d)).astype(np.float32) for h, n in ((heads, q_len), (kv_heads, kv_len),
+                                                                           (kv_heads, kv_len))]
+    out = [_quantize(x[0], blocks[0] if per_block else None, kv_heads=kv_heads, per_tensor=per_tensor)]
+    out += [_quantize(t, blocks[1] if per_block else None, per_tensor=per_tensor) for t in x[1:]]
+    return [raw for raw, _ in out] + [descale for _, descale in out]
+
+
+def _window(mask):
+    return (70, 0) if mask is Mask.WINDOW else None
+
+
+def _relative(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("d, mask, kind, q_len, kv_len", KERNEL_CASES)
+def test_kernel_arithmetic_is_the_plain_reference_until_p_is_rounded(d, mask, kind, q_len, kv_len):
+    rng = np.random.default_rng()
+    spec = fp8_spec("sm_90a", d, mask, _window(mask), None, kind, DType.BF16)
+    args = _fp8_inputs(rng, spec, kind, q_len, kv_len)
+    kv_lens = np.array([kv_len, kv_len // 3])
+    blocks = {"block_q": spec.schedule.tile_q, "block_kv": spec.schedule.tile_kv} if kind is Descale.PER_BLOCK else {}
+    window = {"window_left": 70} if mask is Mask.WINDOW else {}
+    plain_o, plain_lse = prefill_attention_fp8(*args, kv_lens=kv_lens, mask=mask.value, **blocks, **window)
+    exact_o, exact_lse = fp8_kernel_attention(spec, *args, kv_lens=kv_lens, round_p=False)
+    np.testing.assert_allclose(exact_o, plain_o, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(exact_lse, plain_lse, rtol=0, atol=1e-12)
+    o, lse = fp8_kernel_attention(spec, *args, kv_lens=kv_lens)
+    # e4m3 keeps 3 mantissa bits: each weight moves by up to 2^-4 of itself, O by ~2e-2 normwise; l is the unrounded
+    # sum, so the LSE does not move
+    assert 5e-3 < _relative(o, plain_o) < 5e-2
+    np.testing.assert_allclose(lse, plain_lse, rtol=0, atol=1e-12)
+
+
+def test_kernel_arithmetic_rounds_p_against_the_running_max_of_each_kv_tile():
+    """An independent loop over d128's kv tiles of 128: the running max m, P = exp(s - m) rounded to e4m3 * 256 for
+    P V, l summing P unrounded, O and l rescaled by exp(m_old - m_new). K's tile descales grow tile by tile, so most
+    rows' max moves on at every tile."""
+    rng = np.random.default_rng()
+    spec = fp8_spec("sm_90a", 128, Mask.NONE, None, None, Descale.PER_BLOCK, DType.BF16)
+    args = _fp8_inputs(rng, spec, Descale.PER_BLOCK, 40, 520, heads=1, kv_heads=1)
+    args[4] = args[4] * np.arange(1, 6)   # K's 5 tiles: descales x1 .. x5
+    q, k, v = (x[0, 0] for x in dequantize_fp8_inputs(*args, block_q=128, block_kv=128))
+    s = q @ k.T / np.sqrt(128)
+    m, l, o = np.full(40, -np.inf), np.zeros(40), np.zeros((40, 128))
+    moved = 0
+    for t in range(0, 520, 128):
+        m_new = np.maximum(m, s[:, t:t + 128].max(axis=1))
+        moved += int((np.isfinite(m) & (m_new > m)).sum())
+        alpha, p = np.exp(m - m_new), np.exp(s[:, t:t + 128] - m_new[:, None])
+        l = l * alpha + p.sum(axis=1)
+        o = o * alpha[:, None] + (decode_e4m3(encode_e4m3(p * 256)) / 256) @ v[t:t + 128]
+        m = m_new
+    assert moved > 40
+    got, lse = fp8_kernel_attention(spec, *args)
+    np.testing.assert_allclose(got[0, 0], o / l[:, None], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse[0, 0], m + np.log(l), rtol=0, atol=1e-12)
+
+
+def test_round_p_keeps_the_max_weight_exact_and_moves_others_by_at_most_half_an_ulp():
+    p = np.concatenate([[1.0], np.random.default_rng().random(10000) ** 8])
+    r = round_p_e4m3(p)
+    assert r[0] == 1.0
+    normal = p * 256 >= 2.0 ** -6     # e4m3's normals: relative half ulp 2^-4; subnormals: 2^-10 / 256 absolute
+    assert (np.abs(r - p)[normal] <= p[normal] / 16).all()
+    assert (np.abs(r - p)[~normal] <= 2.0 ** -10 / 256).all()
+
+
 # -- quantize_fp8's NumPy model ---------------------------------------------------------------------------------
 from tiledsl.reference.fp8 import E4M3_MAX, e4m3_values, encode_e4m3, hadamard_signs, quantize_model, rotate_rows  # noqa: E402
 
@@ -249,3 +333,41 @@ def test_quantize_model_scales_and_bytes(block, per_tensor):
     err = np.abs(back - x)
     bound = np.maximum(np.abs(x) / 16, 2.0 ** -10 * (descale.max()))
     assert (err <= bound * (1 + 1e-6)).all()
+
+
+# -- quantize_fp8's kernel: launch shapes and nvcc ----------------------------------------------------------------
+from tiledsl.dispatch import quantize_fp8 as quantize  # noqa: E402
+
+
+@pytest.mark.parametrize("d", quantize.HEAD_DIMS)
+def test_quantize_launch_shapes_hold_a_block_in_registers_where_it_fits(d):
+    for rows in (16, 64, 100, 128):
+        threads, iters, resident = quantize.launch_shape(d, rows)
+        covered = quantize.rows_per_thread_block(d, threads, iters)
+        assert resident and rows <= covered and iters <= quantize.ITERS
+        assert covered - quantize.rows_per_thread_block(d, threads, 1) < rows or threads == quantize.THREADS[0]
+    largest = quantize.rows_per_thread_block(d, quantize.THREADS[-1])
+    assert quantize.launch_shape(d, largest)[2] and not quantize.launch_shape(d, largest + 1)[2]
+    assert not quantize.launch_shape(d, None)[2]
+
+
+def _nvcc_or_skip():
+    from tiledsl.codegen import nvcc
+    if nvcc.nvcc_path() is None:
+        pytest.skip("nvcc not on PATH")
+    return nvcc
+
+
+@pytest.mark.parametrize("d", quantize.HEAD_DIMS)
+def test_quantize_kernel_compiles_without_spills_at_every_launch_shape(d, tmp_path):
+    nvcc = _nvcc_or_skip()
+    shapes = {quantize.launch_shape(d, rows)[:2] for rows in (None, 32, 64, 128, 256, 512) if rows is None or
+              rows <= quantize.rows_per_thread_block(d, quantize.THREADS[-1])}
+    for threads, iters in sorted(shapes):
+        for rotate, bf16 in ((True, True), (False, False)):
+            _, report = nvcc.compile_to(quantize.module_source(d, threads, iters, rotate, bf16), "quantize_fp8",
+                                        "cubin", tmp_path / f"{threads}_{iters}_{rotate}")
+            found = nvcc.parse_ptxas(report)
+            for name, info in found.items():
+                assert info.spill_stores == 0 and info.spill_loads == 0 and info.stack_bytes == 0, report
+                assert info.registers * threads <= 65536, report   # the block fits an SM's register file

@@ -1,10 +1,14 @@
 """FP8 attention (float8_e4m3fn q, k, v; the hopper family's e4m3 kernels) on the GPU, through tiledsl.attention
 and tiledsl.quantize_fp8:
 
-* against the float64 attention of the dequantized inputs (reference/fp8.prefill_attention_fp8: the bytes the
-  kernel reads, times their descales). The kernel's own rounding is P's e4m3 conversion (at most 2^-4 relative
-  per weight, scaled by 256 first so weights down to 2^-17 keep precision) and fp32 accumulation: O within
-  TOL_O normwise, LSE (from the fp32 weights) within TOL_LSE;
+* against the kernel's arithmetic in float64 (reference/fp8.fp8_kernel_attention: the bytes the kernel reads
+  times their descales, an online softmax over the kernel's kv tiles with P rounded to e4m3 (x 256) before P V,
+  l the unrounded sum): O within TOL_O normwise, LSE within TOL_LSE. What remains is the GPU's own: O rounded to
+  bf16 (~1.7e-3 normwise), fp32 accumulation and ex2.approx (~1e-7 on a weight), and the FP8 tensor cores'
+  accumulators, which keep fewer than fp32's mantissa bits (modelled as e8m13, truncated after each k32 wgmma,
+  they add 4e-3 - 5.5e-3 at these shapes, mostly where a score moves a weight across an e4m3 rounding boundary).
+  TOL_O = 8e-3 holds all of that with ~1.4x to spare and sits 2.5x below what leaving P's rounding out costs
+  (1.8e-2 - 2.7e-2);
 * against float64 attention of the original bf16 inputs (the user's error, loose: Q, K and V each rounded to
   3 mantissa bits): TOL_USER normwise for N(0, 1) inputs;
 * masks none / causal / window, seqlens 1, 17, 1000, 4097, GQA, kv_lens with 0, per tensor / head / block
@@ -25,17 +29,16 @@ import tiledsl
 from tiledsl.dispatch.kernels import kernel_for
 from tiledsl.dispatch.tuned import fp8_descale_kind, fp8_spec
 from tiledsl.runtime.device import device_arch
-from tiledsl.spec import DType, Mask
+from tiledsl.spec import Descale, DType, Mask
 from tiledsl.errors import RuntimeInputError
 from tiledsl.reference.forward import naive_attention
-from tiledsl.reference.fp8 import hadamard_signs, prefill_attention_fp8, quantize_model, rotate_rows
+from tiledsl.reference.fp8 import fp8_kernel_attention, hadamard_signs, quantize_model, rotate_rows
 
 from .gpu_support import memcheck, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-TOL_O, TOL_LSE, TOL_USER = 2e-2, 1e-3, 1e-1
-TILE_KV = {64: 128, 128: 128, 256: 64}   # dispatch/tuned.TUNED_FP8's kv tiles (per-block descales)
+TOL_O, TOL_LSE, TOL_USER = 8e-3, 1e-3, 1e-1
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +81,24 @@ CASES = [  # (d, mask, q_len, kv_len, heads, kv_heads, block)
 @pytest.mark.parametrize("rotate", [None, "hadamard"])
 def test_fp8_attention_against_dequantized_reference(torch, d, mask, q_len, kv_len, heads, kv_heads, block, rotate):
     q, k, v = _inputs(torch, 2, heads, kv_heads, q_len, kv_len, d)
-    blocks = (128, TILE_KV[d]) if block in ("block", 128) else block
+    window = (100, 0) if mask == "window" else None
+    per_block_spec = fp8_spec(device_arch(), d, Mask(mask), window, None, Descale.PER_BLOCK, DType.BF16)
+    tiles = (per_block_spec.schedule.tile_q, per_block_spec.schedule.tile_kv)   # per-block descales: one per tile
+    blocks = tiles if block in ("block", 128) else block
     q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v, block=blocks, rotate=rotate, seed=5)
     kv_lens = torch.tensor([0, kv_len], dtype=torch.int32, device="cuda") if q_len > 1 else None
-    causal, window = mask == "causal", ((100, 0) if mask == "window" else None)
     out = torch.full((2, heads, q_len, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((2, heads, q_len), float("nan"), dtype=torch.float32, device="cuda")
-    kind = fp8_descale_kind(qs, ks, vs)
-    spec = fp8_spec(device_arch(), d, Mask(mask), window, None, kind, DType.BF16)
+    spec = fp8_spec(device_arch(), d, Mask(mask), window, None, fp8_descale_kind(qs, ks, vs), DType.BF16)
     kernel_for(spec)(q8, k8, v8, kv_lens=kv_lens, out=out, lse=lse, q_descale=qs, k_descale=ks, v_descale=vs)
     torch.cuda.synchronize()
-    per_block = isinstance(blocks, tuple)
     mask_kw = {"mask": "window", "window_left": 100} if window else {"mask": mask}
     lens = None if kv_lens is None else kv_lens.cpu().numpy()
-    ref_o, ref_lse = prefill_attention_fp8(_bytes(q8), _bytes(k8), _bytes(v8), qs.cpu().numpy(), ks.cpu().numpy(),
-                                           vs.cpu().numpy(), block_q=128 if per_block else None,
-                                           block_kv=TILE_KV[d] if per_block else None, kv_lens=lens, **mask_kw)
+    ref_o, ref_lse = fp8_kernel_attention(spec, _bytes(q8), _bytes(k8), _bytes(v8), qs.cpu().numpy(),
+                                          ks.cpu().numpy(), vs.cpu().numpy(), kv_lens=lens)
     got = out.float().cpu().numpy()
-    assert _relative(got, ref_o) <= TOL_O
+    error = _relative(got, ref_o)
+    assert error <= TOL_O, f"O is {error:.3e} normwise from the kernel's arithmetic (bound {TOL_O})"
     got_lse, finite = lse.cpu().numpy(), np.isfinite(ref_lse)
     assert (np.isfinite(got_lse) == finite).all()
     assert np.abs(got_lse[finite] - ref_lse[finite]).max(initial=0) <= TOL_LSE

@@ -404,3 +404,16 @@ def test_long_calls_take_the_long_bucket_and_short_ones_keep_the_table(device):
         assert f"q192_{tile_kv}_" in device.last()[0], (n, device.last()[0])
     tiledsl.attention(device.tensor((1, 2, 1, 64)), device.tensor((1, 2, 4096, 64)), device.tensor((1, 2, 4096, 64)))
     assert device.last()[0].startswith("decode_")
+
+
+def test_attention_fp8_prefill_descales(device):
+    def fresh():
+        return tuple(device.tensor((1, 2, 300, 128), "float8_e4m3fn") for _ in range(3))
+    descales = {name: device.tensor((1, 2), "float32") for name in ("q_descale", "k_descale", "v_descale")}
+    cold, hot, (name, *_, values), (q, k, v) = warm(device, lambda *t: tiledsl.attention(*t, **descales), fresh)
+    assert hot == {} and "e4m3" in name
+    assert {d.data_ptr() for d in descales.values()} <= set(values)
+    # a descale of another dtype is refused by the descale rule, before the tensor view (which knows no float64)
+    for dtype in ("float64", "bfloat16"):
+        with pytest.raises(RuntimeInputError, match=f"v_descale must be float32, got {dtype}"):
+            tiledsl.attention(q, k, v, **{**descales, "v_descale": device.tensor((1, 2), dtype)})

@@ -3,9 +3,10 @@ tensors, (batch, heads, seqlen, d)) -> e4m3 tensors and float32
 descales for FP8 attention, one kernel per tensor (templates/quantize_fp8.cu, compiled by CuPy's NVRTC).
 
 Per block (block = rows, or (Q's rows, K's and V's rows): the FP8 kernel's tiles) each block's rows are read once
-from HBM: the absmax pass and the quantizing pass run in the same thread block, the second from L2. Per head
-(block None: FlashAttention-3's (batch, kv_heads) descales, Q's shared by its kv head's query heads) and per
-tensor (block "tensor") the absmax is a reduction over the whole head or tensor, so each tensor is read twice.
+from HBM into one thread block's registers (up to RESIDENT_VALUES values per thread), reduced, quantized and
+written from there. Per head (block None: FlashAttention-3's (batch, kv_heads) descales, Q's shared by its kv
+head's query heads), per tensor (block "tensor") and blocks too large for one thread block's registers the absmax
+is a reduction across thread blocks, so each tensor is read twice (absmax, then bytes).
 rotate="hadamard": Q and K are rotated by the same diag(signs) H / sqrt(d) (signs from `seed`) before
 quantization -- Q K^T is unchanged, the outliers spread over the head dim (incoherent processing); V is not.
 reference/fp8.quantize_model and rotate_rows compute the same bytes and descales in NumPy (float32, same order).
@@ -20,8 +21,11 @@ from ..errors import RuntimeInputError
 from ..reference.fp8 import hadamard_signs
 
 HADAMARD = "hadamard"
-HEAD_DIMS = (64, 128, 256)   # the FP8 kernel's (and the rotation's: powers of two from 32 lanes x 2)
-PASS_ROWS = 64               # rows a thread block covers where the descale group is a head or the tensor
+HEAD_DIMS = (64, 128, 256)   # the FP8 kernel's (and the rotation's: powers of two, 16 values on each of 4+ lanes)
+LANE_VALUES = 16             # values a lane loads per row: two 16-byte loads in, one 16-byte store out
+ITERS = 4                    # rows each thread holds (its registers: ITERS * LANE_VALUES floats)
+THREADS = (128, 256, 512)    # thread block sizes; 512 keeps __launch_bounds__ at 128 registers (no spills)
+TWO_PASS_THREADS = 256
 
 
 def _template() -> str:
@@ -29,12 +33,41 @@ def _template() -> str:
     return (template_dir() / "quantize_fp8.cu").read_text()
 
 
+def rows_per_thread_block(d: int, threads: int, iters: int = ITERS) -> int:
+    """Rows one thread block of `threads` holds: a row is d / LANE_VALUES lanes, each thread `iters` rows."""
+    return iters * threads * LANE_VALUES // d
+
+
+def launch_shape(d: int, block_rows: int | None) -> tuple[int, int, bool]:
+    """(threads, iters, resident) for a descale group of block_rows rows (None: a head or the tensor). Resident: the
+    smallest thread block that holds the group; else two passes of TWO_PASS_THREADS x ITERS rows."""
+    if block_rows is not None:
+        for threads in THREADS:
+            if rows_per_thread_block(d, threads) >= block_rows:
+                per_pass = rows_per_thread_block(d, threads, 1)
+                return threads, -(-block_rows // per_pass), True
+    return TWO_PASS_THREADS, ITERS, False
+
+
+def module_source(d: int, threads: int, iters: int, rotate: bool, bf16: bool) -> str:
+    """The CUDA source of one quantize_fp8 configuration: the template behind its defines."""
+    defines = (f"#define D {d}\n#define THREADS {threads}\n#define ITERS {iters}\n#define ROTATE {int(rotate)}\n"
+               f"#define INPUT_BF16 {int(bf16)}\n#define INV_SQRT_D {float(np.float32(1.0 / np.sqrt(d))).hex()}f\n"
+               "#include <cuda_fp16.h>\n")
+    return defines + _template()
+
+
 @functools.lru_cache(maxsize=None)
-def _module(d: int, rows: int, rotate: bool, bf16: bool):
+def _functions(d: int, threads: int, iters: int, rotate: bool, bf16: bool):
     import cupy
-    defines = (f"#define D {d}\n#define ROWS {rows}\n#define ROTATE {int(rotate)}\n#define INPUT_BF16 {int(bf16)}\n"
-               f"#define INV_SQRT_D {float(np.float32(1.0 / np.sqrt(d))).hex()}f\n#include <cuda_fp16.h>\n")
-    return cupy.RawModule(code=defines + _template(), options=("--std=c++17",))
+    module = cupy.RawModule(code=module_source(d, threads, iters, rotate, bf16), options=("--std=c++17",))
+    return module.get_function("quantize_fp8"), module.get_function("descales_from_absmax")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_signs(d: int, seed: int, device_index: int):
+    import torch
+    return torch.from_numpy(hadamard_signs(d, seed)).to(torch.device("cuda", device_index))
 
 
 def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0):
@@ -70,7 +103,13 @@ def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0):
         rows = {"q": block[0], "k": block[1], "v": block[1]}
     else:
         raise RuntimeInputError(f"quantize_fp8: block is None, 'tensor', rows or (q rows, kv rows), got {block!r}")
-    signs = torch.from_numpy(hadamard_signs(d, seed)).to(q.device) if rotate else None
+    for name, r in rows.items():
+        threads, _, resident = launch_shape(d, r)
+        two_pass_rows = rows_per_thread_block(d, TWO_PASS_THREADS)
+        if r is not None and not resident and r % two_pass_rows:
+            raise RuntimeInputError(f"quantize_fp8: {name}'s blocks of {r} rows at head dim {d}: a block is at most "
+                                    f"{rows_per_thread_block(d, THREADS[-1])} rows, or a multiple of {two_pass_rows}")
+    signs = _device_signs(d, seed, q.device.index or 0) if rotate else None
     out = []
     for name, t in tensors.items():
         group = 0 if per_tensor else (heads // kv_heads if name == "q" else 1)
@@ -79,36 +118,39 @@ def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0):
 
 
 def _quantize(t, block_rows: int | None, group: int, signs):
-    """One tensor's (e4m3, descale): one launch per block, or absmax, descales and quantize per head / tensor."""
+    """One tensor's (e4m3, descale): one launch per block (resident), or absmax, descales and bytes."""
     import cupy
     import torch
     batch, heads, n, d = t.shape
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):   # rows of 16-byte loads
+        t = t.clone(memory_format=torch.contiguous_format)
     out = torch.empty((batch, heads, n, d), dtype=torch.uint8, device=t.device)
-    rows = block_rows or PASS_ROWS
-    tiles = -(-n // rows)
-    module = _module(d, rows, signs is not None, t.dtype == torch.bfloat16)
-    kernel = module.get_function("quantize_fp8")
+    threads, iters, resident = launch_shape(d, block_rows)
+    rows = block_rows if resident else rows_per_thread_block(d, threads)
+    kernel, finish = _functions(d, threads, iters, signs is not None, t.dtype == torch.bfloat16)
     if block_rows:
-        descale = torch.empty((batch, heads, tiles), dtype=torch.float32, device=t.device)
+        descale = torch.empty((batch, heads, -(-n // block_rows)), dtype=torch.float32, device=t.device)
     else:
         descale = torch.empty((1,) if group == 0 else (batch, heads // group), dtype=torch.float32, device=t.device)
-    absmax = torch.zeros(descale.shape, dtype=torch.int32, device=t.device)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
+    if not (n and batch and heads):
+        if not block_rows:
+            descale.fill_(1.0)
+        return out.view(torch.float8_e4m3fn), descale
+    absmax = None if resident else torch.zeros(descale.shape, dtype=torch.int32, device=t.device)
     pointer = np.uint64   # device addresses as 64-bit kernel arguments
+    absmax_ptr = pointer(absmax.data_ptr() if absmax is not None else 0)
     signs_ptr = pointer(signs.data_ptr() if signs is not None else 0)
-    common = (pointer(t.data_ptr()), pointer(out.data_ptr()), pointer(descale.data_ptr()), pointer(absmax.data_ptr()),
-              signs_ptr, np.int32(n),
-              np.int32(heads), np.int32(group), np.int32(1 if block_rows else 0), np.int64(t.stride(0)),
-              np.int64(t.stride(1)), np.int64(t.stride(2)))
-    if n and batch and heads:
-        with cupy.cuda.Device(t.device.index), stream:
-            kernel((tiles, heads, batch), (256,), common + (np.int32(1),))
-            if not block_rows:
-                count = descale.numel()
-                module.get_function("descales_from_absmax")((-(-count // 128),), (128,),
-                                                            (pointer(absmax.data_ptr()), pointer(descale.data_ptr()),
-                                                             np.int32(count)))
-                kernel((tiles, heads, batch), (256,), common + (np.int32(2),))
-    elif not block_rows:
-        descale.fill_(1.0)
+    common = (pointer(t.data_ptr()), pointer(out.data_ptr()), pointer(descale.data_ptr()), absmax_ptr, signs_ptr,
+              np.int32(n), np.int32(heads), np.int32(group), np.int32(block_rows or 0), np.int32(rows),
+              np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2)))
+    grid = (-(-n // rows), heads, batch)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
+    with cupy.cuda.Device(t.device.index), stream:
+        if resident:
+            kernel(grid, (threads,), common + (np.int32(0),))
+        else:
+            kernel(grid, (threads,), common + (np.int32(1),))
+            count = descale.numel()
+            finish((-(-count // 128),), (128,), (absmax_ptr, pointer(descale.data_ptr()), np.int32(count)))
+            kernel(grid, (threads,), common + (np.int32(2),))
     return out.view(torch.float8_e4m3fn), descale

@@ -88,21 +88,83 @@ def dequantize_descaled(raw, descale, block: int | None = None) -> np.ndarray:
     return values * descale[:, :, None, None]
 
 
-def prefill_attention_fp8(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, *, block_q: int | None = None,
-                          block_kv: int | None = None, kv_lens=None, mask="none", window_left: int = 0,
-                          window_right: int = 0, scale: float | None = None):
-    """Float64 attention of FP8 prefill inputs (batch, heads, seqlen, d) of e4m3 bytes, dequantized as the kernel
-    reads them: per tensor, per (batch, kv head) (q_descale too, shared by the kv head's query heads), or per
-    block (block_q rows of a query head, block_kv keys of a kv head). (o, lse) as naive_attention's."""
-    from .forward import naive_attention
+def dequantize_fp8_inputs(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, block_q: int | None = None,
+                          block_kv: int | None = None):
+    """(q, k, v) in float64 from FP8 prefill inputs (batch, heads, seqlen, d) of e4m3 bytes, dequantized as the
+    kernel reads them: per tensor, per (batch, kv head) (q_descale too, shared by the kv head's query heads), or per
+    block (block_q rows of a query head, block_kv keys of a kv head)."""
     heads, kv_heads = np.asarray(q_bytes).shape[1], np.asarray(k_bytes).shape[1]
     q_descale = np.asarray(q_descale, dtype=np.float64)
     if block_q is None and q_descale.ndim == 2 and q_descale.size > 1:   # (batch, kv heads) -> (batch, heads)
         q_descale = np.repeat(q_descale, heads // kv_heads, axis=1)
-    q = dequantize_descaled(q_bytes, q_descale, block_q)
-    k = dequantize_descaled(k_bytes, k_descale, block_kv)
-    v = dequantize_descaled(v_bytes, v_descale, block_kv)
+    return (dequantize_descaled(q_bytes, q_descale, block_q), dequantize_descaled(k_bytes, k_descale, block_kv),
+            dequantize_descaled(v_bytes, v_descale, block_kv))
+
+
+def prefill_attention_fp8(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, *, block_q: int | None = None,
+                          block_kv: int | None = None, kv_lens=None, mask="none", window_left: int = 0,
+                          window_right: int = 0, scale: float | None = None):
+    """Float64 attention of FP8 prefill inputs (dequantize_fp8_inputs): exact softmax, P unrounded. (o, lse) as
+    naive_attention's."""
+    from .forward import naive_attention
+    q, k, v = dequantize_fp8_inputs(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, block_q, block_kv)
     return naive_attention(q, k, v, mask, window_left, window_right, scale, kv_lens)
+
+
+def round_p_e4m3(p, p_scale: float | None = None) -> np.ndarray:
+    """The weights the FP8 kernel's P V reads: e4m3(P * P_SCALE) / P_SCALE, P relative to the running max (<= 1),
+    rounded as cvt.rn.satfinite rounds (encode_e4m3)."""
+    from ..lower.hopper import FP8_P_SCALE
+    p_scale = FP8_P_SCALE if p_scale is None else p_scale
+    return decode_e4m3(encode_e4m3(np.asarray(p) * p_scale)) / p_scale
+
+
+def fp8_kernel_attention(spec, q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, kv_lens=None,
+                         round_p: bool = True):
+    """The FP8 kernel's arithmetic in float64, for `spec` (its mask, scale and kv tile; per-block descales of its
+    tiles): the online softmax over kv tiles of tile_kv keys, each tile's P = exp(s - m) against the running max m
+    after it, rounded to e4m3 (round_p_e4m3) for P V while l sums it unrounded, O and l carried to the final max
+    by exp(m_tile - m_final) (the product of the tiles' rescales). What it leaves out is the GPU's fp32 (the tensor
+    cores' accumulation, ex2.approx) and the output's rounding. round_p=False: prefill_attention_fp8's numbers up
+    to summation order. The tiles are evaluated at once (one Q K^T and one P V per chunk of rows). (o, lse)."""
+    from ..schedule.masks import key_bounds
+    from ..spec import Descale
+    from .forward import CHUNK_ELEMENTS, check_inputs
+    problem, tile = spec.problem, spec.schedule.tile_kv
+    blocks = (spec.schedule.tile_q, tile) if problem.descales is Descale.PER_BLOCK else (None, None)
+    q, k, v = dequantize_fp8_inputs(q_bytes, k_bytes, v_bytes, q_descale, k_descale, v_descale, *blocks)
+    q, k, v, lens = check_inputs(q, k, v, kv_lens)
+    batch, heads, nq, _ = q.shape
+    group = heads // k.shape[1]
+    o, lse = np.zeros((batch, heads, nq, v.shape[3])), np.full((batch, heads, nq), -np.inf)
+    for b in range(batch):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        tiles = -(-n // tile)
+        chunk = max(1, CHUNK_ELEMENTS // (tiles * tile))
+        for h in range(heads):
+            for r0 in range(0, nq, chunk):
+                rows = np.arange(r0, min(r0 + chunk, nq))
+                lo, hi = key_bounds(rows, nq, n, problem.mask, problem.window_left, problem.window_right)
+                s = np.full((len(rows), tiles * tile), -np.inf)
+                s[:, :n] = q[b, h, rows] @ k[b, h // group, :n].T * problem.scale
+                keys = np.arange(tiles * tile)
+                s[(keys < lo[:, None]) | (keys >= hi[:, None])] = -np.inf
+                s = s.reshape(len(rows), tiles, tile)
+                running = np.maximum.accumulate(s.max(axis=2), axis=1)   # m after each tile
+                final = running[:, -1]
+                seen = np.isfinite(final)
+                final = np.where(seen, final, 0.0)
+                running = np.where(np.isfinite(running), running, final[:, None])   # no key yet: carried by 1
+                p = np.exp(s - running[..., None])
+                carry = np.exp(running - final[:, None])[..., None]
+                l = (p * carry).sum(axis=(1, 2))
+                weights = (round_p_e4m3(p) if round_p else p) * carry
+                pv = weights.reshape(len(rows), -1)[:, :n] @ v[b, h // group, :n]
+                o[b, h, rows] = np.where(seen[:, None], pv / np.where(seen, l, 1.0)[:, None], 0.0)
+                lse[b, h, rows] = np.where(seen, final + np.log(np.where(seen, l, 1.0)), -np.inf)
+    return o, lse
 
 
 # -- quantize_fp8's model (runtime/quantize_fp8.py computes the same in float32, in the same order) --------
@@ -143,27 +205,33 @@ def rotate_rows(x, signs) -> np.ndarray:
 
 
 def quantize_model(x, block: int | None, kv_heads: int | None = None, per_tensor: bool = False):
-    """(e4m3 bytes, float32 descales) of x (batch, heads, seqlen, d) float32: descale = absmax / 448 (1 where a
-    group is all zero), byte = e4m3(x / descale). Groups: per tensor, per (batch, kv head) over its heads (kv_heads
-    of them; Q's heads share their kv head's), or per block of `block` rows of each (batch, head)."""
+    """(e4m3 bytes, float32 descales) of x (batch, heads, seqlen, d) float32: descale = absmax / 448, byte =
+    e4m3(x * (448 / absmax)) (both factors float32, 1 where a group is all zero). Groups: per tensor, per (batch, kv
+    head) over its heads (kv_heads of them; Q's heads share their kv head's), or per block of `block` rows of each
+    (batch, head)."""
     x = np.asarray(x, dtype=np.float32)
     batch, heads, n, d = x.shape
     if per_tensor:
         absmax = np.abs(x).max(initial=0.0).reshape(1)
-        scale = _descale(absmax)
-        return encode_e4m3(x / scale[0]), scale
+        return encode_e4m3(x * _inverse(absmax)[0]), _descale(absmax)
     if block is None:
         group = heads // (kv_heads or heads)
         absmax = np.abs(x).reshape(batch, heads // group, group * n * d).max(axis=-1, initial=0.0)
-        scale = _descale(absmax)
-        return encode_e4m3(x / np.repeat(scale, group, axis=1)[:, :, None, None]), scale
+        return encode_e4m3(x * np.repeat(_inverse(absmax), group, axis=1)[:, :, None, None]), _descale(absmax)
     tiles = -(-n // block)
     padded = np.zeros((batch, heads, tiles * block, d), dtype=np.float32)
     padded[:, :, :n] = np.abs(x)
-    scale = _descale(padded.reshape(batch, heads, tiles, block * d).max(axis=-1))
-    return encode_e4m3(x / np.repeat(scale, block, axis=2)[:, :, :n, None]), scale
+    absmax = padded.reshape(batch, heads, tiles, block * d).max(axis=-1)
+    return encode_e4m3(x * np.repeat(_inverse(absmax), block, axis=2)[:, :, :n, None]), _descale(absmax)
 
 
 def _descale(absmax) -> np.ndarray:
     absmax = np.asarray(absmax, dtype=np.float32)
     return np.where(absmax > 0, absmax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
+
+
+def _inverse(absmax) -> np.ndarray:
+    """448 / absmax in float32 (1 for an all-zero group): what each value is multiplied by before its conversion."""
+    absmax = np.asarray(absmax, dtype=np.float32)
+    safe = np.where(absmax > 0, absmax, np.float32(1.0))
+    return np.where(absmax > 0, np.float32(E4M3_MAX) / safe, np.float32(1.0)).astype(np.float32)

@@ -39,6 +39,9 @@ def descale_views(b: CallBuilder, first: int, kind: Descale, shapes: Shapes, til
         if len(b.tensors) <= first + i:
             raise RuntimeInputError(f"{kernel}: an FP8 kernel reads q_descale, k_descale and v_descale: call it (or "
                                     "bind it) with them")
+        given = b.tensors[first + i]
+        if given is not None and _dtype_name(given) != "float32":   # before the view, which names no rule
+            raise RuntimeInputError(f"{kernel}: {name} must be float32, got {_dtype_name(given)}")
         t = b.view(first + i)
         if t is None:
             if kind is Descale.PER_BLOCK:
@@ -51,6 +54,11 @@ def descale_views(b: CallBuilder, first: int, kind: Descale, shapes: Shapes, til
             t = view(ones, name)
         views.append(check_descale(t, name, kind, shape, b.device_id, kernel))
     return tuple(views)
+
+
+def _dtype_name(x) -> str:
+    """A tensor's dtype as torch and NumPy/CuPy both spell it without prefix (float32, float64, ...)."""
+    return str(getattr(x, "dtype", type(x).__name__)).removeprefix("torch.")
 
 
 def check_descale(t: TensorView, name: str, kind: Descale, shape: tuple[int, ...], device_id: int,
