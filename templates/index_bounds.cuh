@@ -1,0 +1,93 @@
+// Index bounds: a kernel that reads kv_lens (and a paged cache's block table) checks the entries
+// its block reads before it reads K or V through them. A sequence with a bad entry loads no kv
+// tile (its tile range is empty: `keys_read` = 0), its output rows and LSE become NaN, and the first bad entry goes to
+// the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
+// the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
+// sequence), so every split of a split-KV launch writes NaN partials.
+
+// The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+// Word 0 while the winning report writes the others: the host reads a code only after its fields.
+constexpr int INDEX_REPORT_WRITING = -1;
+
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The first report since the host last cleared the words wins; later ones leave them as they are.
+__device__ __forceinline__ void report_bad_index(int* words, int code, int tensor, int batch, int index, int value,
+                                              int bound) {
+    if (atomicCAS(words, 0, INDEX_REPORT_WRITING) != 0) return;
+    volatile int* fields = words;
+    fields[1] = tensor;
+    fields[2] = batch;
+    fields[3] = index;
+    fields[4] = value;
+    fields[5] = bound;
+    __threadfence_system();
+    atomicExch(words, code);
+}
+
+// Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
+// The entry is the same for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!kv_lens) return false;
+    const int value = kv_lens[batch];
+    if (value >= 0 && value <= kv_len) return false;
+    if (threadIdx.x == 0)
+        report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0,
+                         value, kv_len);
+    return true;
+}
+
+// Paged K and V: is kv_lens[batch] outside [0, table_pages * PAGE_SIZE] (the keys the sequence's
+// block-table row can name), or an entry of its first ceil(kv_len / PAGE_SIZE) pages outside
+// [0, num_pages)? The block's THREADS threads read the entries between them; on a bad one thread 0
+// finds the first again (the rare path) to report it. Called by every thread of the block.
+template <class C>
+__device__ __forceinline__ bool paged_sequence_bad(const int* kv_lens, const int* table, int batch, int table_pages,
+                                                   int num_pages, int* words) {
+    const int value = kv_lens[batch];
+    const i64 capacity = (i64)table_pages * C::PAGE_SIZE;
+    const bool len_bad = value < 0 || value > capacity;
+    const int entries = len_bad ? 0 : (int)(((i64)value + C::PAGE_SIZE - 1) >> C::PAGE_SHIFT);
+    bool entry_bad = false;
+    for (int e = threadIdx.x; e < entries; e += C::THREADS) {
+        const int page = table[e];
+        entry_bad |= page < 0 || page >= num_pages;
+    }
+    if (!__syncthreads_or(entry_bad) && !len_bad) return false;
+    if (threadIdx.x == 0) {
+        if (len_bad) {
+            report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_TABLE, INDEX_TENSOR_KV_LENS,
+                             batch, 0, value, (int)min(capacity, (i64)0x7fffffff));
+        } else {
+            for (int e = 0; e < entries; ++e) {
+                const int page = table[e];
+                if (page < 0 || page >= num_pages) {
+                    report_bad_index(words, INDEX_PAGE_OUT_OF_RANGE, INDEX_TENSOR_BLOCK_TABLE, batch, e, page,
+                                     num_pages);
+                    break;
+                }
+            }
+        }
+    }
+    return true;
+}
+
+// The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
+// initialised so that they store NaN O and LSE: acc = m = NaN and a positive partial row sum.
+// attention.cuh's store (O = acc / l, LSE = m * SCALE + log(l) where l > 0) gives NaN; decode's
+// warp combine makes l NaN too, which its store lets through.
+template <class C>
+__device__ __forceinline__ void poison_rows(float (&acc_o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                            float (&row_sum)[C::M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = QUIET_NAN;
+        row_max[mt][0] = row_max[mt][1] = QUIET_NAN;
+        row_sum[mt][0] = row_sum[mt][1] = 1.f;
+    }
+}
