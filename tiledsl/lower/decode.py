@@ -239,8 +239,8 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
 
 def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:
     """decode.cu.j2's parameters: Q, K, V, O and LSE, the splits' workspace (partial O and LSE, the
-    tickets), kv_lens and the error word (a paged cache's block table, an FP8 cache's scales after it), the sizes and the
-    split count, the strides."""
+    tickets), kv_lens and the error word (a paged cache's block table, an FP8 cache's scales after it),
+    the sizes and the split count, the strides."""
     return ((parameters(IN16, "q", "k", "v"),
              parameters(OUT16, "o") + parameters(OUT32, "lse", "o_part", "lse_part"),
              parameters("int* __restrict__", "split_counters") + parameters(INT32S, "kv_lens") + (INDEX_ERRORS,)
