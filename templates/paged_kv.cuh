@@ -176,3 +176,38 @@ __device__ __forceinline__ void load_paged_slice(u32 tile, const u16* head_rows,
         }
     }
 }
+
+// Paged K and V: is kv_lens[batch] outside [0, table_pages * PAGE_SIZE] (the keys the sequence's
+// block-table row can name), or an entry of its first ceil(kv_len / PAGE_SIZE) pages outside
+// [0, num_pages)? The block's THREADS threads read the entries between them; on a bad one thread 0
+// finds the first again (the rare path) to report it. Called by every thread of the block.
+template <class C>
+__device__ __forceinline__ bool paged_sequence_bad(const int* kv_lens, const int* table, int batch, int table_pages,
+                                                   int num_pages, int* words) {
+    const int value = kv_lens[batch];
+    const i64 capacity = (i64)table_pages * C::PAGE_SIZE;
+    const bool len_bad = value < 0 || value > capacity;
+    const int entries = len_bad ? 0 : (int)(((i64)value + C::PAGE_SIZE - 1) >> C::PAGE_SHIFT);
+    bool entry_bad = false;
+    for (int e = threadIdx.x; e < entries; e += C::THREADS) {
+        const int page = table_entry(table, e);
+        entry_bad |= page < 0 || page >= num_pages;
+    }
+    if (!__syncthreads_or(entry_bad) && !len_bad) return false;
+    if (threadIdx.x == 0) {
+        if (len_bad) {
+            report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_TABLE, INDEX_TENSOR_KV_LENS,
+                             batch, 0, value, (int)min(capacity, (i64)0x7fffffff));
+        } else {
+            for (int e = 0; e < entries; ++e) {
+                const int page = table_entry(table, e);
+                if (page < 0 || page >= num_pages) {
+                    report_bad_index(words, INDEX_PAGE_OUT_OF_RANGE, INDEX_TENSOR_BLOCK_TABLE, batch, e, page,
+                                     num_pages);
+                    break;
+                }
+            }
+        }
+    }
+    return true;
+}

@@ -225,8 +225,8 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     # the graph's loads: each warp its own key slice of a tile (paged: through the block table)
     kv_walk = ("paged_" if walk else "") + ("slice" if graph.op("load_k").scope == "warp" else "tile")
     convert = fp8_convert_of(spec)
-    headers = ((("paged_kv.cuh",) if walk else ()) + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ())
-               + (INDEX_BOUNDS_HEADER,))
+    headers = ((INDEX_BOUNDS_HEADER,) + (("paged_kv.cuh",) if walk else ())
+               + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ()))
     return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
                                                                                        prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,

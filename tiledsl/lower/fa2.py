@@ -143,7 +143,7 @@ def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
                                           f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots
                                           else ", read inline)"))
         paged = {"kv_pages": walk, "kv_load": KvLoad.of("paged_tile", HBM_CHUNKS),
-                 "headers": ("paged_kv.cuh", INDEX_BOUNDS_HEADER),
+                 "headers": (INDEX_BOUNDS_HEADER, "paged_kv.cuh"),
                  "shared": KV_SHARED + (O_SHARED, SharedBuffer("pages", "PAGES_OFFSET")),
                  "parameters": attention_parameters(paged=True, last=ORDER_GROUPS, bounded=True)}
     return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
