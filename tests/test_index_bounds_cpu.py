@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tiledsl.families import lower
-from tiledsl.lower.steps import bounds_indices
+from tiledsl.lower.plan import bounds_indices
 from tiledsl.runtime import device_errors
 from tiledsl.runtime.index_checks import host_validation
 from tiledsl.serving.paged import paged_spec

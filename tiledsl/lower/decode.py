@@ -22,8 +22,9 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
-from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
-from .steps import (BLOCK_TABLE, IN16, INDEX_BOUNDS_HEADER, INDEX_ERRORS, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32,
+from .plan import (INDEX_ERRORS, Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer,
+                   make_plan)
+from .steps import (BLOCK_TABLE, IN16, INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32,
                     graph_loop_body, kv_buffer_constants, page_constants, parameters, require, smem_constants,
                     softmax_constants, spec_line, stride_lines, tile_row_constants)
 

@@ -13,7 +13,7 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..schedule.passes import emission_order
 from ..spec import KernelSpec, Mask
-from .plan import Constant, LoopOp, Parameter, SharedBuffer
+from .plan import INDEX_ERRORS, Constant, LoopOp, Parameter, SharedBuffer
 
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
 
@@ -106,17 +106,8 @@ def stride_lines(*tensors: str) -> tuple[tuple[Parameter, ...], ...]:
 # (the bounds of templates/index_bounds.cuh).
 BLOCK_TABLE = (Parameter("block_table", INT32S), Parameter("table_stride", "i64"), Parameter("table_pages", "int"),
                Parameter("num_pages", "int"))
-# Where a kernel that bounds its index tensors reports the first bad entry (runtime/device_errors.py).
-INDEX_ERRORS = Parameter("index_errors", "int* __restrict__")
-# The device header of that bounding.
+# The device header of a kernel that bounds its index tensors (the error word: plan.INDEX_ERRORS).
 INDEX_BOUNDS_HEADER = "index_bounds.cuh"
-
-
-def bounds_indices(plan) -> bool:
-    """Whether `plan`'s kernel bounds the kv_lens and block-table entries it reads on the device
-    (templates/index_bounds.cuh): it takes the error word. A function of the parameter list alone, so
-    a plan read back from the warm cache has it."""
-    return any(p.name == INDEX_ERRORS.name for line in plan.parameters for p in line)
 
 
 def attention_parameters(paged: bool = False, last: tuple[Parameter, ...] = (),

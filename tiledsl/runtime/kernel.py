@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..device_limits import resident_blocks
 from ..errors import RuntimeInputError
 from ..hw import MAX_GRID_YZ
-from ..lower.steps import bounds_indices
+from ..lower.plan import bounds_indices
 from ..spec import DType, KernelSpec
 from .block_order import order_groups
 from .compile import cached_cubin
