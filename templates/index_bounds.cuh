@@ -4,7 +4,9 @@
 // the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
 // the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
 // sequence), so every split of a split-KV launch writes NaN partials. The paged check is
-// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads.
+// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
+// prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
+// a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
 constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
