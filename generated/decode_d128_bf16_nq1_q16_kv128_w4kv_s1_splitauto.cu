@@ -663,14 +663,24 @@ __device__ __forceinline__ void report_bad_index(int* words, int code, int tenso
 }
 
 // Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
-// The entry is the same for the whole block; thread 0 reports it.
-__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+__device__ __forceinline__ bool contiguous_len_bad(const int* kv_lens, int batch, int kv_len) {
     if (!kv_lens) return false;
     const int value = kv_lens[batch];
-    if (value >= 0 && value <= kv_len) return false;
-    if (threadIdx.x == 0)
-        report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0,
-                         value, kv_len);
+    return value < 0 || value > kv_len;
+}
+
+// The report of a bad contiguous kv_lens entry, by the one thread that makes it.
+__device__ __forceinline__ void report_contiguous_len(const int* kv_lens, int batch, int kv_len, int* words) {
+    const int value = kv_lens[batch];
+    report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0, value,
+                     kv_len);
+}
+
+// Both at once, where the check costs no registers at the kernel's start: the entry is the same
+// for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
+    if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
     return true;
 }
 

@@ -28,9 +28,9 @@ from ..schedule.passes import emission_order
 from ..mods.model import Modifications
 from ..spec import Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
-from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
-from .steps import (INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters, smem_constants,
-                    softmax_constants, spec_line, stride_lines)
+from .plan import INDEX_ERRORS, Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .steps import (INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters,
+                    smem_constants, softmax_constants, spec_line, stride_lines)
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,8 @@ def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parame
                 parameters(INT32S, "cu_seqlens_q", "cu_seqlens_k") + parameters("const int2* __restrict__", "work"),
                 parameters("int", "heads", "kv_group", "total_q") + parameters("i64", "o_head_stride", "o_row_stride")
                 + parameters("int", "items"))
-    return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens"),
+    return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens")
+            + (INDEX_ERRORS,),
             parameters("int", "q_len", "kv_len", "heads", "kv_group") + stride_lines("o")[0],
             parameters("int", "order_groups", "items")
             + (parameters("int* __restrict__", "item_counter") if dynamic else ()))
@@ -160,6 +161,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                  empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
+    varlen = p.seq_layout is SeqLayout.VARLEN
     bars = graph.barriers
     consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
     q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
@@ -242,8 +244,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
                      pingpong=s.pingpong, o_in_q=o_in_q,
                      shared=DYNAMIC_SHARED if s.launch is LaunchKind.DYNAMIC else HOPPER_SHARED,
-                     parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
-                     + mod_parameters(p.mods),
+                     parameters=hopper_parameters(varlen, s.launch is LaunchKind.DYNAMIC) + mod_parameters(p.mods),
+                     headers=(INDEX_BOUNDS_HEADER,),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
                      sinks=p.mods.sinks,
                      launch_kind=s.launch.value if s.launch else "",
