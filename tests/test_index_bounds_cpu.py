@@ -8,14 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from tiledsl.families import lower
+from tiledsl.cli.common import concrete_specs
+from tiledsl.errors import SpecError
+from tiledsl.families import WITH_TEMPLATE, lower
 from tiledsl.lower.plan import bounds_indices
 from tiledsl.runtime import device_errors
 from tiledsl.runtime.index_checks import host_validation
 from tiledsl.serving.paged import paged_spec
 from tiledsl.spec import DType, Mask
 
-HEADER = Path(__file__).resolve().parent.parent / "templates" / "index_bounds.cuh"
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = ROOT / "templates" / "index_bounds.cuh"
 
 
 def test_decode_and_fa2_bound_their_indices_and_skip_the_host_check():
@@ -25,6 +28,25 @@ def test_decode_and_fa2_bound_their_indices_and_skip_the_host_check():
     assert not host_validation(None, bounds_indices(plan))
     assert host_validation(True, True) and not host_validation(False, False)
     assert host_validation(None, False)   # a kernel that does not bound them keeps the host check
+
+
+def test_every_bundled_forward_kernel_that_reads_kv_lens_bounds_it():
+    """Every forward kernel the bundled specs build (fa1, fa2 and fa2 on wgmma, hopper with and without
+    score modifications, decode) takes the error word where it takes kv_lens; varlen reads cu_seqlens."""
+    files = sorted(str(p) for p in (ROOT / "specs").rglob("*.tile"))
+    plans = []
+    for spec in concrete_specs(files):
+        if spec.family in WITH_TEMPLATE:
+            try:
+                plans.append(lower(spec))
+            except SpecError:   # a modification with no template yet
+                continue
+    readers = [p for p in plans if any(q.name == "kv_lens" for line in p.parameters for q in line)]
+    assert {p.family for p in readers} >= {"fa1", "fa2", "hopper", "decode"}
+    assert any(p.mma == "wgmma" and p.family == "fa2" for p in readers)
+    assert any(getattr(p, "score_mods", False) for p in readers)
+    assert [p.kernel_name for p in readers if not bounds_indices(p)] == []
+    assert [p.kernel_name for p in plans if p not in readers and bounds_indices(p)] == []
 
 
 def test_report_being_written_is_not_read_and_a_report_is_read_once(monkeypatch):

@@ -5,26 +5,22 @@ Two places can check them. On the host (`validate=True`): a copy of the indices 
 call) checked by runtime/serving_checks.py, refused with a RuntimeInputError naming the tensor and its
 first bad entry; skipped under CUDA graph capture (nothing may sync there). On the device: the kernel
 bounds every entry it reads and reports a bad one in the error word (runtime/device_errors.py), with
-no sync. Which kernels bound them is their plan's (lower/steps.bounds_indices: the kernel takes the
-error word): decode (contiguous and paged, FP8 K/V included) and fa2 (contiguous kv_lens and the paged
-chunked prefill). A call of such a kernel that does not say `validate=` skips the host check; a call
-of any other kernel (fa1, fa2 on wgmma, hopper, the backward) keeps it: no kernel reads outside its
-inputs, at the price of the sync.
+no sync. Which kernels bound them is their plan's (lower/plan.bounds_indices: the kernel takes the
+error word): every forward kernel that reads kv_lens or a block table -- decode (contiguous and paged,
+FP8 K/V included), fa2 (contiguous kv_lens and the paged chunked prefill), fa2 on wgmma, fa1 and
+hopper (score modifications included). A call of such a kernel that does not say `validate=` skips
+the host check. The backward's kernels read kv_lens unbounded: a backward call given kv_lens keeps the
+host check (and its sync), so that no kernel reads outside its inputs.
 """
 from __future__ import annotations
 
 from .device import capturing
 from .inputs import check_kv_lens
 
-# Whether every template bounds the kv_lens and block-table entries it reads on the device: not yet
-# (fa1, fa2 on wgmma, hopper and the backward read kv_lens unbounded; their calls keep the host check).
-KERNELS_BOUND_INDICES = False
-
-
 def host_validation(validate: bool | None, bounded: bool = False) -> bool:
     """Whether a call checks its index tensors on the host: `validate` when given, else unless its
     kernel bounds them itself (`bounded`)."""
-    return (not (bounded or KERNELS_BOUND_INDICES)) if validate is None else bool(validate)
+    return (not bounded) if validate is None else bool(validate)
 
 
 def add_check(b, check) -> None:
