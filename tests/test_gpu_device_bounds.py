@@ -1,8 +1,11 @@
 """Index tensors bounded on the device (templates/index_bounds.cuh): a bad block-table entry or kv_len
 makes only its sequence's rows NaN, reads nothing through it, and is reported through the error word
 (tiledsl.check_errors(), and the next call of a bounded kernel); the other sequences of the batch are
-bit-identical to an all-good batch and match the float64 reference. The unchecked calls run with
-torch's sync debug mode set to "error"; one launch with bad entries runs under compute-sanitizer.
+bit-identical to an all-good batch and match the float64 reference. Paged: decode (both warp forms,
+split-KV, 4 queries, FP8 K/V) and the chunked prefill; contiguous kv_lens: decode, fa2 (mma.sync and
+wgmma), fa1 and hopper (static, persistent and dynamic launches, score modifications), and the
+tuned `tiledsl.attention` path. The unchecked calls run with torch's sync debug mode set to "error";
+decode, the paged prefill and the hopper prefill with bad entries run under compute-sanitizer.
 
     python -m pytest -m gpu tests/test_gpu_device_bounds.py
 """
@@ -10,19 +13,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tiledsl.errors import RuntimeInputError
-from tiledsl.spec import Axis, DType, KernelSpec, Mask, Problem, Schedule
+from tiledsl.mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes, Modifications
+from tiledsl.spec import (
+    Axis,
+    CopyVia,
+    DType,
+    Family,
+    KernelSpec,
+    LaunchKind,
+    Mask,
+    Mma,
+    Problem,
+    Schedule,
+)
 
 from .gpu_support import TOLERANCE_O, memcheck, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")
 
-import tiledsl  # noqa: E402
+import tiledsl
 
 PAGE, D, HEADS, KV_HEADS, BATCH, BAD = 16, 128, 8, 2, 3, 1   # sequence BAD gets the bad entry
 LENS = (200, 333, 77)
@@ -42,7 +58,7 @@ def prefill_spec():
     return spec(device_arch(0), DType.BF16, D, D, Mask.CAUSAL, PAGE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_for(spec):
     return tiledsl.compile(spec)
 
@@ -118,7 +134,7 @@ def test_paged_bad_entry_poisons_only_its_sequence(name, what):
     kernel = kernel_for(spec)
     q, k, v, table, lens = paged_case(q_len, fp8)
     clear_reports()
-    dev = lambda a: torch.tensor(a, device="cuda")   # noqa: E731
+    dev = lambda a: torch.tensor(a, device="cuda")
     clean_o, clean_lse = run(kernel, q, k, v, dev(table), dev(lens), fp8)
     torch.cuda.synchronize()
     tiledsl.check_errors()   # nothing reported for good indices
@@ -174,11 +190,111 @@ def test_contiguous_kv_lens_bounded(splits, value):
         tiledsl.check_errors()
 
 
+ROOT = Path(__file__).resolve().parent.parent
+PREFILL_Q, PREFILL_KV, PREFILL_LENS = 200, 300, (300, 123, 77)   # sequence BAD's entry is replaced
+
+
+def bundled(name: str, pick=lambda spec: True) -> KernelSpec:
+    from tiledsl.cli.common import concrete_specs
+    return next(s for s in concrete_specs([str(ROOT / "specs" / name)]) if pick(s))
+
+
+def hopper_spec(mask: Mask, mods: Modifications | None = None, launch: LaunchKind | None = None) -> KernelSpec:
+    schedule = Schedule(tile_q=128, tile_kv=128, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA, producer_warpgroups=1,
+                        producer_regs=24, consumer_warpgroups=2, consumer_regs=240, intra_overlap=True, launch=launch)
+    return KernelSpec(f"bounds_hopper_{mask.value}_{launch.value if launch else 'rule'}{'_mods' if mods else ''}",
+                      Problem(D, D, DType.BF16, mask, mods=mods or Modifications()), schedule)
+
+
+CONTIGUOUS_KERNELS = {
+    "hopper_causal": lambda: hopper_spec(Mask.CAUSAL),
+    "hopper_none_persistent": lambda: hopper_spec(Mask.NONE, launch=LaunchKind.PERSISTENT),
+    "hopper_dynamic": lambda: hopper_spec(Mask.CAUSAL, launch=LaunchKind.DYNAMIC),
+    "hopper_softcap_alibi_sinks": lambda: hopper_spec(
+        Mask.CAUSAL, Modifications(softcap=20.0, alibi=AlibiSlopes.GIVEN, sinks=True)),
+    "fa2_wgmma": lambda: bundled("fa2_wgmma_d64_causal.tile"),
+    "fa2_mma_sync": lambda: bundled("fa2_d64_causal.tile"),
+    "fa1_split_q": lambda: bundled("fa1_d64.tile", lambda s: s.schedule.warp_axis is Axis.Q),
+    "fa1_split_kv": lambda: bundled("fa1_d64.tile", lambda s: s.schedule.warp_axis is Axis.KV),
+}
+
+
+def prefill_aux(mods: Modifications) -> dict:
+    aux = {}
+    if mods.alibi is AlibiSlopes.GIVEN:
+        aux[AUX_ALIBI] = torch.rand(HEADS, device="cuda", dtype=torch.float32) * 0.5
+    if mods.sinks:
+        aux[AUX_SINKS] = torch.randn(HEADS, device="cuda", dtype=torch.float32) * 2
+    return aux
+
+
+@pytest.mark.parametrize("value", [-1, PREFILL_KV + 1, HUGE])
+@pytest.mark.parametrize("name", CONTIGUOUS_KERNELS)
+def test_contiguous_prefill_kv_lens_bounded(name, value):
+    from tiledsl.reference.forward import reference_attention
+    spec = CONTIGUOUS_KERNELS[name]()
+    kernel, d, mods = kernel_for(spec), spec.problem.head_dim_qk, spec.problem.mods
+    q = torch.randn(BATCH, HEADS, PREFILL_Q, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(BATCH, KV_HEADS, PREFILL_KV, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    aux = prefill_aux(mods)
+    options = {"aux": aux} if spec.family is Family.HOPPER else {}
+    lens = torch.tensor(PREFILL_LENS, device="cuda", dtype=torch.int32)
+    clear_reports()
+    with no_host_sync():
+        clean_o, clean_lse = kernel(q, k, v, lens, **options)
+    torch.cuda.synchronize()
+    tiledsl.check_errors()   # nothing reported for good lengths
+    bad = lens.clone()
+    bad[BAD] = value
+    with no_host_sync():
+        o, lse = kernel(q, k, v, bad, **options)
+    torch.cuda.synchronize()
+    good = [b for b in range(BATCH) if b != BAD]
+    assert torch.isnan(o[BAD].float()).all() and torch.isnan(lse[BAD]).all()
+    assert torch.equal(o[good], clean_o[good]) and torch.equal(lse[good], clean_lse[good])   # bit for bit
+    q64, k64, v64 = (x.double().cpu().numpy() for x in (q, k, v))
+    ref_o, ref_lse = reference_attention(spec, q64, k64, v64, np.array(PREFILL_LENS),
+                                         aux={n: t.cpu().numpy() for n, t in aux.items()})
+    got_o, got_lse = o.double().cpu().numpy()[good], lse.double().cpu().numpy()[good]
+    assert np.linalg.norm(got_o - ref_o[good]) / np.linalg.norm(ref_o[good]) < TOLERANCE_O
+    seen = np.isfinite(ref_lse[good])
+    assert np.array_equal(seen, np.isfinite(got_lse)) and np.abs(got_lse[seen] - ref_lse[good][seen]).max() < 1e-3
+    with pytest.raises(RuntimeInputError, match=rf"kv_lens\[{BAD}\] = {value}"):
+        tiledsl.check_errors()
+    with no_host_sync():
+        kernel(q, k, v, bad, **options)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeInputError, match=r"kv_lens"):   # the next call raises the report
+        kernel(q, k, v, lens, **options)
+    clear_reports()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_api_bounds_kv_lens_without_a_sync(causal):
+    """The tuned path (hopper at d128 on Hopper) called as a person calls it: no validate=, no sync."""
+    q = torch.randn(BATCH, HEADS, PREFILL_Q, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(BATCH, KV_HEADS, PREFILL_KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor(PREFILL_LENS, device="cuda", dtype=torch.int32)
+    clear_reports()
+    tiledsl.attention(q, k, v, causal=causal, kv_lens=lens)   # compiles (off the no-sync region)
+    with no_host_sync():
+        clean = tiledsl.attention(q, k, v, causal=causal, kv_lens=lens)
+    bad = lens.clone()
+    bad[BAD] = -3
+    with no_host_sync():
+        o = tiledsl.attention(q, k, v, causal=causal, kv_lens=bad)
+    torch.cuda.synchronize()
+    good = [b for b in range(BATCH) if b != BAD]
+    assert torch.isnan(o[BAD].float()).all() and torch.equal(o[good], clean[good])
+    with pytest.raises(RuntimeInputError, match=rf"kv_lens\[{BAD}\] = -3 is negative"):
+        tiledsl.check_errors()
+
+
 def test_validate_true_keeps_the_host_check():
     kernel = kernel_for(decode_spec(4, 5))
     q, k, v, table, lens = paged_case(1)
-    bad_table, bad_lens, named = bad_inputs(table, lens, "middle_page")
-    dev = lambda a: torch.tensor(a, device="cuda")   # noqa: E731
+    bad_table, bad_lens, _ = bad_inputs(table, lens, "middle_page")
+    dev = lambda a: torch.tensor(a, device="cuda")
     with pytest.raises(RuntimeInputError, match=r"block_table\[1, "):
         kernel(q, k, v, dev(bad_table), dev(bad_lens), validate=True)
 
@@ -187,12 +303,9 @@ SANITIZED = r"""
 import torch, tiledsl
 from tiledsl.errors import RuntimeInputError
 pages, page = 5, 16
-q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(pages, page, 2, 64, device="cuda", dtype=torch.bfloat16)
 v = torch.randn_like(k)
-for table, lens in (([[0, 1], [4, 2**31 - 1]], [20, 30]), ([[0, 1], [-7, 3]], [20, 5]), ([[0, 1], [2, 3]], [20, 33])):
-    out = tiledsl.paged_attention(q, k, v, torch.tensor(table, device="cuda", dtype=torch.int32),
-                                  torch.tensor(lens, device="cuda", dtype=torch.int32))
+def expect_report(out):
     torch.cuda.synchronize()
     try:
         tiledsl.check_errors()
@@ -200,6 +313,18 @@ for table, lens in (([[0, 1], [4, 2**31 - 1]], [20, 30]), ([[0, 1], [-7, 3]], [2
     except RuntimeInputError as e:
         print("reported:", e)
     assert torch.isnan(out[1].float()).all() and torch.isfinite(out[0].float()).all()
+bad = (([[0, 1], [4, 2**31 - 1]], [20, 30]), ([[0, 1], [-7, 3]], [20, 5]), ([[0, 1], [2, 3]], [20, 33]))
+for queries in (1, 24):   # decode, then the chunked prefill (fa2 paged)
+    qp = torch.randn(2, queries, 4, 64, device="cuda", dtype=torch.bfloat16)
+    for table, lens in bad:
+        expect_report(tiledsl.paged_attention(qp, k, v, torch.tensor(table, device="cuda", dtype=torch.int32),
+                                              torch.tensor(lens, device="cuda", dtype=torch.int32),
+                                              causal=queries > 1))
+qc = torch.randn(2, 4, 150, 128, device="cuda", dtype=torch.bfloat16)
+kc, vc = (torch.randn(2, 2, 160, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+for lens in ([160, 2**31 - 1], [160, -1], [160, 161]):   # the tuned prefill (hopper) over contiguous K/V
+    expect_report(tiledsl.attention(qc, kc, vc, causal=True, kv_lens=torch.tensor(lens, device="cuda",
+                                                                                   dtype=torch.int32)))
 print("ran")
 """
 
