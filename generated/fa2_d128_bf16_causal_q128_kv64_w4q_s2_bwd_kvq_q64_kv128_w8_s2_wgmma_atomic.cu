@@ -546,6 +546,8 @@ __device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
 // paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
 // prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
 // a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
+// Kernels whose kv range is worked out once (fa1, fa2 on wgmma, hopper) give a bad sequence no key
+// and make its rows NaN where it costs no register (each template says where).
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
 constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;

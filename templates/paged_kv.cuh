@@ -213,7 +213,6 @@ __device__ __forceinline__ bool paged_sequence_bad(const int* kv_lens, const int
     const bool len_bad = value < 0 || value > capacity;
     const int entries = len_bad ? 0 : (int)(((i64)value + C::PAGE_SIZE - 1) >> C::PAGE_SHIFT);
     bool entry_bad = false;
-#pragma unroll 1   // one entry in flight per thread: fa2 runs it with O's accumulators live, at the register limit
     for (int e = threadIdx.x; e < entries; e += C::THREADS) {
         const int page = table_entry(table, e);
         entry_bad |= page < 0 || page >= num_pages;

@@ -179,7 +179,8 @@ class HopperKernel(Kernel):
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
         k_map, v_map = (map_arg(k, tile_kv), map_arg(v, tile_kv)) if shapes.kv_len else (map_arg(q, tile_q),) * 2
         args = (map_arg(q, tile_q), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
-                self.error_word_arg(b.device_id, b.like), i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
+                self.error_word_arg(b.device_id, b.like), i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads),
+                i32(shapes.heads // shapes.kv_heads),
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
