@@ -774,23 +774,23 @@ __device__ __forceinline__ u32 k_empty(u32 bars, int stage) { return bars + C::K
 __device__ __forceinline__ u32 v_empty(u32 bars, int stage) { return bars + C::V_EMPTY_BAR * 8 + stage * 8; }
 
 // O / l once, staged in this warp's rows of the (now free) Q panels, then 16-byte coalesced
-// stores; LSE = scale m + log l. Empty rows give O = 0 and LSE = -inf, a bad sequence's rows
-// (`bad_rows`, index_bounds.cuh) NaN: selected here, since writing the accumulators on a branch
-// of their own would serialise the item's wgmmas.
+// stores; LSE = scale m + log l. Empty rows (l = 0) give O = 0 and LSE = -inf; a NaN l (a bad
+// sequence's rows: index_bounds.cuh) gives NaN O and LSE.
 template <class C>
 __device__ __forceinline__ void store_output_panels(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                                     const float (&row_sum)[C::M_TILES][2], u32 o_tile, int warp_row, int lane,
-                                                    bool bad_rows, u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid) {
+                                                    u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[0][h]);
-        const float inv = bad_rows ? QUIET_NAN : l > 0.f ? 1.f / l : 0.f;
+        const bool saw_keys = !(l <= 0.f);
+        const float inv = saw_keys ? 1.f / l : 0.f;
         const int row = warp_row + (lane >> 2) + 8 * h;
 #pragma unroll
         for (int nd = 0; nd < C::O_TILES; ++nd)
             store_shared_u32(o_tile + panel_offset(row, nd, C::BR) + (lane & 3) * 4, pack2(o[0][nd][2 * h] * inv, o[0][nd][2 * h + 1] * inv));
         if ((lane & 3) == 0 && row < rows_valid)
-            lse_rows[row] = bad_rows ? QUIET_NAN : l > 0.f ? row_max[0][h] * C::SCALE + logf(l) : NEG_INF;
+            lse_rows[row] = saw_keys ? row_max[0][h] * C::SCALE + logf(l) : NEG_INF;
     }
     __syncwarp();
     constexpr int CHUNKS = C::DV / 8, TOTAL = 16 * CHUNKS;
@@ -917,6 +917,10 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
         for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
     row_max[0][0] = row_max[0][1] = NEG_INF;
     row_sum[0][0] = row_sum[0][1] = 0.f;
+    // A bad kv_lens entry's item loads no kv tile; a NaN row sum makes its rows store NaN (the
+    // accumulators, written on a path of their own, would serialise the item's wgmmas).
+    row_sum[0][0] = w.bad ? QUIET_NAN : row_sum[0][0];
+    row_sum[0][1] = w.bad ? QUIET_NAN : row_sum[0][1];
     mbarrier_wait(bars + C::Q_FULL_BAR * 8, q_round & 1);
 
     if (tile_begin < tile_end) {
@@ -1036,7 +1040,7 @@ hopper_d128_bf16_q128_kv128_p1r24_c2r240_intra_s2tma(const __grid_constant__ Ten
     // [hopper_d128.tile:9] O /= l once; LSE = scale m + log l; O staged in this consumer's Q rows, 16-byte stores
     if (lane == 0) mbarrier_arrive(bars + C::Q_EMPTY_BAR * 8);   // Q is read: the producer may load the next item's
     named_barrier_sync(C::EPILOGUE_BAR + consumer, 128);   // every warp of this consumer is past its last Q K^T
-    store_output_panels<C>(acc_o, row_max, row_sum, shared.o(), warp_row, lane, w.bad,
+    store_output_panels<C>(acc_o, row_max, row_sum, shared.o(), warp_row, lane,
                            o + w.batch * o_batch_stride + w.head * o_head_stride + q0 * o_row_stride, o_row_stride,
                            lse + ((i64)w.batch * heads + w.head) * q_len + q0, q_len - q0);
     }
