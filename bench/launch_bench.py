@@ -123,8 +123,6 @@ def call_rows(torch, calls: int) -> list[dict]:
     from tiledsl.dispatch import tuned
     from tiledsl.reference.serving import paged_attention as paged_reference
     from tiledsl.serving import paged
-    from tiledsl.runtime.index_checks import KERNELS_BOUND_INDICES
-    index = {} if KERNELS_BOUND_INDICES else {"validate": False}
     randn = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)   # noqa: E731
     cudnn, flash, fa = sdpa(torch, "cudnn"), sdpa(torch, "flash"), fa4()
     rows = []
@@ -176,7 +174,7 @@ def call_rows(torch, calls: int) -> list[dict]:
         qp.view(8, HEADS, D), k_cache, v_cache, cu_seqlens_q=torch.arange(9, device="cuda", dtype=torch.int32),
         max_seqlen_q=1, page_table=table, seqused_k=lens), calls))
     row("paged_attention", "8 x 1k, page 16, 32/8 heads", lambda: tiledsl.paged_attention(
-        qp, k_cache, v_cache, table, lens, **index), lambda o: err(o, want_p),
+        qp, k_cache, v_cache, table, lens), lambda o: err(o, want_p),
         {"sdpa_cudnn_us": None, "sdpa_flash_us": None, "fa4_us": fa_paged}, lambda: last_kernel(paged._calls), 1024,
         False)
     # the planned run of the same step
@@ -268,8 +266,6 @@ def decode_loop_rows(torch, steps: int) -> list[dict]:
     layers that no layer finds its cache in L2; the contiguous cache is a strided view of the paged one
     (pages in order), so tiledsl (contiguous and paged) and SDPA cuDNN read the same bytes."""
     import tiledsl
-    from tiledsl.runtime.index_checks import KERNELS_BOUND_INDICES
-    index = {} if KERNELS_BOUND_INDICES else {"validate": False}
     cudnn = sdpa(torch, "cudnn")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows, page, layers = [], 16, 32
@@ -293,7 +289,7 @@ def decode_loop_rows(torch, steps: int) -> list[dict]:
 
             def paged_step():
                 for i in range(layers):
-                    tiledsl.paged_attention(q_tok[i], *caches[i % distinct], table, lens, **index)
+                    tiledsl.paged_attention(q_tok[i], *caches[i % distinct], table, lens)
 
             def cudnn_step():
                 for i in range(layers):

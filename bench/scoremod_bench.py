@@ -187,8 +187,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backward", action="store_true", help="also time forward + backward")
     parser.add_argument("--variants", action="store_true",
                         help="only the hopper kernels' variants (softcap's ways, ALiBi, sinks), interleaved")
-
-
     parser.add_argument("--mods", nargs="+", choices=MODS, default=list(MODS), help="the rows to measure")
     args = parser.parse_args(argv)
     if args.variants:

@@ -630,6 +630,80 @@ __device__ __forceinline__ void mask_packed_rows(float (&s)[W::M_TILES][W::S_TIL
                     s[mt][nt][e] = NEG_INF;
 }
 
+// Index bounds: a kernel that reads kv_lens (and a paged cache's block table) checks the entries
+// its block reads before it reads K or V through them. A sequence with a bad entry loads no kv
+// tile (its tile range is empty: `keys_read` = 0), its output rows and LSE become NaN, and the first bad entry goes to
+// the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
+// the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
+// sequence), so every split of a split-KV launch writes NaN partials. The paged check is
+// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
+// prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
+// a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
+// Kernels whose kv range is worked out once (fa1, fa2 on wgmma, hopper) give a bad sequence no key
+// and make its rows NaN where it costs no register (each template says where).
+
+// The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+// Word 0 while the winning report writes the others: the host reads a code only after its fields.
+constexpr int INDEX_REPORT_WRITING = -1;
+
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The first report since the host last cleared the words wins; later ones leave them as they are.
+__device__ __forceinline__ void report_bad_index(int* words, int code, int tensor, int batch, int index, int value,
+                                              int bound) {
+    if (atomicCAS(words, 0, INDEX_REPORT_WRITING) != 0) return;
+    volatile int* fields = words;
+    fields[1] = tensor;
+    fields[2] = batch;
+    fields[3] = index;
+    fields[4] = value;
+    fields[5] = bound;
+    __threadfence_system();
+    atomicExch(words, code);
+}
+
+// Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
+__device__ __forceinline__ bool contiguous_len_bad(const int* kv_lens, int batch, int kv_len) {
+    if (!kv_lens) return false;
+    const int value = kv_lens[batch];
+    return value < 0 || value > kv_len;
+}
+
+// The report of a bad contiguous kv_lens entry, by the one thread that makes it.
+__device__ __forceinline__ void report_contiguous_len(const int* kv_lens, int batch, int kv_len, int* words) {
+    const int value = kv_lens[batch];
+    report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0, value,
+                     kv_len);
+}
+
+// Both at once, where the check costs no registers at the kernel's start: the entry is the same
+// for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
+    if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
+    return true;
+}
+
+// The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
+// initialised so that they store NaN O and LSE: acc = m = NaN and a positive partial row sum.
+// attention.cuh's store (O = acc / l, LSE = m * SCALE + log(l) where l > 0) gives NaN; decode's
+// warp combine makes l NaN too, which its store lets through.
+template <class C>
+__device__ __forceinline__ void poison_rows(float (&acc_o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                            float (&row_sum)[C::M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = QUIET_NAN;
+        row_max[mt][0] = row_max[mt][1] = QUIET_NAN;
+        row_sum[mt][0] = row_sum[mt][1] = 1.f;
+    }
+}
+
 // Merge the splits' partial (O, LSE) of one output row (batch, head, query) with one warp; lane l
 // owns columns 4l..4l+3 (and +128...). lse = max + log(sum exp(lse_i - max)), weights
 // exp(lse_i - lse). Empty or fully masked splits have lse = -inf and weight 0 (their partial O is
@@ -660,7 +734,8 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
     const float own = lane < num_splits ? load_cg(lse_row + lane) : NEG_INF;
     float top = own;
     for (int s = lane + 32; s < num_splits; s += 32) top = fmaxf(top, load_cg(lse_row + s));
-    top = warp_max(top);
+    // fmaxf drops NaN: a bad sequence's splits (NaN LSE, index_bounds.cuh) keep the merged row NaN.
+    top = __any_sync(0xffffffffu, own != own) ? QUIET_NAN : warp_max(top);
     float total = 0.f;
     if (top != NEG_INF) {
         total = expf(own - top);   // own = -inf gives 0
@@ -705,7 +780,7 @@ __device__ __forceinline__ void merge_row(i64 row, int lane, const float* o_part
 extern "C" __global__ void __launch_bounds__(C::THREADS, 2)
 decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
         u16* __restrict__ o, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part,
-        int* __restrict__ split_counters, const int* __restrict__ kv_lens, int q_len, int kv_len, int heads, int kv_group, int row_tiles, int num_splits,
+        int* __restrict__ split_counters, const int* __restrict__ kv_lens, int* __restrict__ index_errors, int q_len, int kv_len, int heads, int kv_group, int row_tiles, int num_splits,
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
         i64 v_batch_stride, i64 v_head_stride, i64 v_row_stride,
@@ -720,6 +795,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     const int kv_head = blockIdx.y / row_tiles, row0 = (blockIdx.y % row_tiles) * C::ROWS;
     const int rows_valid = min(C::ROWS, kv_group * q_len - row0);
     const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
+    const bool bad_sequence = contiguous_sequence_bad(kv_lens, batch, kv_len, index_errors);
+
     const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
     const u16* k_rows = k + batch * k_batch_stride + kv_head * k_head_stride;
     const u16* v_rows = v + batch * v_batch_stride + kv_head * v_head_stride;
@@ -728,7 +805,8 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     int kv_lo = 0;
     if constexpr (C::MASK == MASK_WINDOW) kv_lo = max(0, diag - C::WINDOW_LEFT);   // query 0's first key
     const int first_tile = kv_lo / C::BC;
-    const int num_tiles = seq_kv > kv_lo ? (seq_kv + C::BC - 1) / C::BC - first_tile : 0;
+    const int keys_read = bad_sequence ? 0 : seq_kv;   // a bad sequence loads no kv tile
+    const int num_tiles = keys_read > kv_lo ? (keys_read + C::BC - 1) / C::BC - first_tile : 0;
     const int tile_begin = first_tile + (int)((i64)split * num_tiles / num_splits);
     const int tile_end = first_tile + (int)((i64)(split + 1) * num_tiles / num_splits);
 
@@ -778,6 +856,7 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
         row_max[mt][0] = row_max[mt][1] = NEG_INF;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
+    if (bad_sequence) poison_rows<W>(acc_o, row_max, row_sum);   // it loads no kv tile: its rows store NaN
 
     // [decode_d128.tile:10] each warp: keys [warp * 32, +32) of every tile, its own online softmax state
     for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -849,9 +928,12 @@ decode_d128_bf16_nq1_q16_kv128_w4kv_s1_splitauto(const u16* __restrict__ q, cons
     for (int index = threadIdx.x; index < rows_valid * (C::DV / 4); index += C::THREADS) {
         const int row = index / (C::DV / 4), col = index % (C::DV / 4) * 4;
         const float l = l_all[row];
-        const float inv = l > 0.f ? 1.f / l : 0.f;   // a row that saw no key: O = 0, LSE = -inf
+        // A row that saw no key (l = 0): O = 0, LSE = -inf. l is NaN only for a bad sequence's rows
+        // (index_bounds.cuh poison_rows), and NaN is what they store.
+        const bool saw_keys = !(l <= 0.f);
+        const float inv = saw_keys ? 1.f / l : 0.f;
         const float4 sum = *reinterpret_cast<const float4*>(o_sum + row * C::COMBINE_ROW_FLOATS + col);
-        const float row_lse = l > 0.f ? m_all[row] * C::SCALE + logf(l) : NEG_INF;
+        const float row_lse = saw_keys ? m_all[row] * C::SCALE + logf(l) : NEG_INF;
         const int packed = row0 + row;
         const int head = kv_head * kv_group + packed / q_len, query = packed % q_len;
         const i64 out_row = out_row0 + (i64)head * q_len + query;

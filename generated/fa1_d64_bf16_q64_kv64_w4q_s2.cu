@@ -494,6 +494,80 @@ static_assert(C::KEYS_PER_WARP == C::BC, "split-Q: every warp multiplies the who
 static_assert(C::S_TILES * 8 == C::KEYS_PER_WARP && C::D % 16 == 0 && C::DV % 16 == 0, "mma m16n8k16 and ldmatrix.x4 need multiples of 16");
 static_assert(C::SMEM_BYTES <= C::SMEM_LIMIT, "shared memory over the per-block limit (SMEM_LIMIT)");
 
+// Index bounds: a kernel that reads kv_lens (and a paged cache's block table) checks the entries
+// its block reads before it reads K or V through them. A sequence with a bad entry loads no kv
+// tile (its tile range is empty: `keys_read` = 0), its output rows and LSE become NaN, and the first bad entry goes to
+// the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
+// the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
+// sequence), so every split of a split-KV launch writes NaN partials. The paged check is
+// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
+// prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
+// a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
+// Kernels whose kv range is worked out once (fa1, fa2 on wgmma, hopper) give a bad sequence no key
+// and make its rows NaN where it costs no register (each template says where).
+
+// The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+// Word 0 while the winning report writes the others: the host reads a code only after its fields.
+constexpr int INDEX_REPORT_WRITING = -1;
+
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The first report since the host last cleared the words wins; later ones leave them as they are.
+__device__ __forceinline__ void report_bad_index(int* words, int code, int tensor, int batch, int index, int value,
+                                              int bound) {
+    if (atomicCAS(words, 0, INDEX_REPORT_WRITING) != 0) return;
+    volatile int* fields = words;
+    fields[1] = tensor;
+    fields[2] = batch;
+    fields[3] = index;
+    fields[4] = value;
+    fields[5] = bound;
+    __threadfence_system();
+    atomicExch(words, code);
+}
+
+// Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
+__device__ __forceinline__ bool contiguous_len_bad(const int* kv_lens, int batch, int kv_len) {
+    if (!kv_lens) return false;
+    const int value = kv_lens[batch];
+    return value < 0 || value > kv_len;
+}
+
+// The report of a bad contiguous kv_lens entry, by the one thread that makes it.
+__device__ __forceinline__ void report_contiguous_len(const int* kv_lens, int batch, int kv_len, int* words) {
+    const int value = kv_lens[batch];
+    report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0, value,
+                     kv_len);
+}
+
+// Both at once, where the check costs no registers at the kernel's start: the entry is the same
+// for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
+    if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
+    return true;
+}
+
+// The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
+// initialised so that they store NaN O and LSE: acc = m = NaN and a positive partial row sum.
+// attention.cuh's store (O = acc / l, LSE = m * SCALE + log(l) where l > 0) gives NaN; decode's
+// warp combine makes l NaN too, which its store lets through.
+template <class C>
+__device__ __forceinline__ void poison_rows(float (&acc_o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                            float (&row_sum)[C::M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = QUIET_NAN;
+        row_max[mt][0] = row_max[mt][1] = QUIET_NAN;
+        row_sum[mt][0] = row_sum[mt][1] = 1.f;
+    }
+}
+
 // The kv tiles [begin, end) one q tile of the q loop can see: macros.j2's kv_range. A function, not
 // spelled in place: inside the kv loop nvcc allocates the inlined code's registers differently.
 template <class C>
@@ -632,13 +706,17 @@ __device__ __forceinline__ void store_combined(const float* combine, bool last, 
     }
 }
 
-// Rows that see no key at all: O = 0, LSE = -inf.
+// Rows that see no key at all: O = 0, LSE = -inf; a bad sequence's rows (which see no key either:
+// index_bounds.cuh) NaN.
 template <class C>
-__device__ __forceinline__ void store_empty_rows(u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid) {
+__device__ __forceinline__ void store_empty_rows(u16* o_rows, i64 o_row_stride, float* lse_rows, int rows_valid,
+                                                 bool bad_sequence) {
     constexpr int CHUNKS = C::DV / 8;
+    const u32 pair = bad_sequence ? pack2(QUIET_NAN, QUIET_NAN) : 0u;
+    const float row_lse = bad_sequence ? QUIET_NAN : NEG_INF;
     for (int index = threadIdx.x; index < rows_valid * CHUNKS; index += C::THREADS)
-        *reinterpret_cast<uint4*>(o_rows + (index / CHUNKS) * o_row_stride + index % CHUNKS * 8) = make_uint4(0u, 0u, 0u, 0u);
-    for (int row = threadIdx.x; row < rows_valid; row += C::THREADS) lse_rows[row] = NEG_INF;
+        *reinterpret_cast<uint4*>(o_rows + (index / CHUNKS) * o_row_stride + index % CHUNKS * 8) = make_uint4(pair, pair, pair, pair);
+    for (int row = threadIdx.x; row < rows_valid; row += C::THREADS) lse_rows[row] = row_lse;
 }
 
 // FA1 (the first FlashAttention paper, Algorithm 1): one thread block per (batch, head) walks
@@ -649,7 +727,7 @@ __device__ __forceinline__ void store_empty_rows(u16* o_rows, i64 o_row_stride, 
 // round-trips straight from the mma accumulators.
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
 fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-        u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ kv_lens,
+        u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ kv_lens, int* __restrict__ index_errors,
         int q_len, int kv_len, int heads, int kv_group,
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
@@ -663,7 +741,9 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
     const int warp_key = C::SPLIT_K ? warp * C::KEYS_PER_WARP : 0;   // this warp's first key within a kv tile
 
     const int batch = blockIdx.x / heads, head = blockIdx.x % heads, kv_head = head / kv_group;
-    const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
+    const bool bad_sequence = contiguous_len_bad(kv_lens, batch, kv_len);
+    const int seq_kv = bad_sequence ? 0 : kv_lens ? kv_lens[batch] : kv_len;
+    if (bad_sequence && threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, index_errors);
     const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
     const int q_tiles = (q_len + C::BR - 1) / C::BR;
     const u16* q_rows = q + batch * q_batch_stride + head * q_head_stride;
@@ -683,12 +763,13 @@ fa1_d64_bf16_q64_kv64_w4q_s2(const u16* __restrict__ q, const u16* __restrict__ 
     const int kv_begin = kv_lo / C::BC;
     const int kv_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : kv_begin;
 
-    // [fa1_d64.tile:7] q tiles that see no key at all: O = 0, LSE = -inf
+    // [fa1_d64.tile:7] q tiles that see no key at all: O = 0, LSE = -inf (NaN for a bad kv_lens entry)
     for (int q_block = 0; q_block < q_tiles; ++q_block) {
         const int q0 = q_block * C::BR, rows_valid = min(C::BR, q_len - q0);
         int begin, end;
         visible_tiles<C>(q0, rows_valid, seq_kv, diag, begin, end);
-        if (begin == end) store_empty_rows<C>(o_rows + q0 * o_row_stride, o_row_stride, lse_rows + q0, rows_valid);
+        if (begin == end)
+            store_empty_rows<C>(o_rows + q0 * o_row_stride, o_row_stride, lse_rows + q0, rows_valid, bad_sequence);
     }
 
     // [fa1_d64.tile:12] pipeline prologue: first 1 K/V tiles in flight

@@ -668,6 +668,79 @@ template <class C>
 __device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
     return block_tile_at<C>(block_index_x(), gridDim.x, q_len, order_groups);
 }
+// Index bounds: a kernel that reads kv_lens (and a paged cache's block table) checks the entries
+// its block reads before it reads K or V through them. A sequence with a bad entry loads no kv
+// tile (its tile range is empty: `keys_read` = 0), its output rows and LSE become NaN, and the first bad entry goes to
+// the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
+// the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
+// sequence), so every split of a split-KV launch writes NaN partials. The paged check is
+// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
+// prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
+// a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
+// Kernels whose kv range is worked out once (fa1, fa2 on wgmma, hopper) give a bad sequence no key
+// and make its rows NaN where it costs no register (each template says where).
+
+// The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+// Word 0 while the winning report writes the others: the host reads a code only after its fields.
+constexpr int INDEX_REPORT_WRITING = -1;
+
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The first report since the host last cleared the words wins; later ones leave them as they are.
+__device__ __forceinline__ void report_bad_index(int* words, int code, int tensor, int batch, int index, int value,
+                                              int bound) {
+    if (atomicCAS(words, 0, INDEX_REPORT_WRITING) != 0) return;
+    volatile int* fields = words;
+    fields[1] = tensor;
+    fields[2] = batch;
+    fields[3] = index;
+    fields[4] = value;
+    fields[5] = bound;
+    __threadfence_system();
+    atomicExch(words, code);
+}
+
+// Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
+__device__ __forceinline__ bool contiguous_len_bad(const int* kv_lens, int batch, int kv_len) {
+    if (!kv_lens) return false;
+    const int value = kv_lens[batch];
+    return value < 0 || value > kv_len;
+}
+
+// The report of a bad contiguous kv_lens entry, by the one thread that makes it.
+__device__ __forceinline__ void report_contiguous_len(const int* kv_lens, int batch, int kv_len, int* words) {
+    const int value = kv_lens[batch];
+    report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0, value,
+                     kv_len);
+}
+
+// Both at once, where the check costs no registers at the kernel's start: the entry is the same
+// for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
+    if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
+    return true;
+}
+
+// The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
+// initialised so that they store NaN O and LSE: acc = m = NaN and a positive partial row sum.
+// attention.cuh's store (O = acc / l, LSE = m * SCALE + log(l) where l > 0) gives NaN; decode's
+// warp combine makes l NaN too, which its store lets through.
+template <class C>
+__device__ __forceinline__ void poison_rows(float (&acc_o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                            float (&row_sum)[C::M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = QUIET_NAN;
+        row_max[mt][0] = row_max[mt][1] = QUIET_NAN;
+        row_sum[mt][0] = row_sum[mt][1] = 1.f;
+    }
+}
 // FP8 (e4m3) inputs of the hopper family: both GEMMs on e4m3 wgmma (m64nNk32, fp32 accumulators), whose
 // shared-memory operands are K-major rows of bytes. Q and K land that way by TMA; V lands with keys as rows,
 // so the producer's warps 1.. transpose each V tile into V^T (dv rows of the tile's key bytes). P leaves the
@@ -853,7 +926,8 @@ __device__ __forceinline__ u32 v_empty(u32 bars, int stage) { return bars + C::V
 __device__ __forceinline__ u32 vt_full(u32 bars, int stage) { return bars + C::VT_FULL_BAR * 8 + stage * 8; }
 
 // O / l once, staged in this warp's rows of the (now free) Q panels, then 16-byte coalesced
-// stores; LSE = scale m + log l. Empty rows give O = 0 and LSE = -inf.
+// stores; LSE = scale m + log l. Empty rows (l = 0) give O = 0 and LSE = -inf; a NaN l (a bad
+// sequence's rows: index_bounds.cuh) gives NaN O and LSE.
 template <class C>
 __device__ __forceinline__ void store_output_panels(float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_max)[C::M_TILES][2],
                                                     const float (&row_sum)[C::M_TILES][2], u32 o_tile, int warp_row, int lane,
@@ -861,13 +935,14 @@ __device__ __forceinline__ void store_output_panels(float (&o)[C::M_TILES][C::O_
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[0][h]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const bool saw_keys = !(l <= 0.f);
+        const float inv = saw_keys ? 1.f / l : 0.f;
         const int row = warp_row + (lane >> 2) + 8 * h;
 #pragma unroll
         for (int nd = 0; nd < C::O_TILES; ++nd)
             store_shared_u32(o_tile + panel_offset(row, nd, C::BR) + (lane & 3) * 4, pack2(o[0][nd][2 * h] * inv, o[0][nd][2 * h + 1] * inv));
         if ((lane & 3) == 0 && row < rows_valid)
-            lse_rows[row] = l > 0.f ? row_max[0][h] * C::SCALE + logf(l) : NEG_INF;
+            lse_rows[row] = saw_keys ? row_max[0][h] * C::SCALE + logf(l) : NEG_INF;
     }
     __syncwarp();
     constexpr int CHUNKS = C::DV / 8, TOTAL = 16 * CHUNKS;
@@ -882,14 +957,18 @@ __device__ __forceinline__ void store_output_panels(float (&o)[C::M_TILES][C::O_
 
 // One work item: a (query tile, batch, head) in launch order and the kv tiles it sees. A block
 // takes items blockIdx.x, blockIdx.x + gridDim.x, ... (one each when the grid covers them all).
-struct WorkItem { int q0, batch, head, kv_head, seq_kv, diag, tile_begin, tile_end; };
+// A bad kv_lens entry (index_bounds.cuh) gives the item no kv tile, and its rows are stored NaN;
+// the producer's thread reports it (the check's report on the consumers' path would serialise
+// their wgmmas).
+struct WorkItem { int q0, batch, head, kv_head, seq_kv, diag, tile_begin, tile_end; bool bad; };
 template <class C>
 __device__ __forceinline__ WorkItem work_item(int item, int items, int q_len, int kv_len, int heads, int kv_group,
                                               const int* __restrict__ kv_lens, int order_groups) {
     const BlockTile at = block_tile_at<C>(item, items, q_len, order_groups);
     const int batch = at.pair / heads, head = at.pair % heads;
     const int q0 = at.q_block * C::BR;
-    const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
+    const bool bad_sequence = contiguous_len_bad(kv_lens, batch, kv_len);
+    const int seq_kv = bad_sequence ? 0 : kv_lens ? kv_lens[batch] : kv_len;
     const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
     // [hopper_fp8_d128.tile:21] the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)
     int kv_lo = 0, kv_hi = seq_kv;
@@ -900,7 +979,7 @@ __device__ __forceinline__ WorkItem work_item(int item, int items, int q_len, in
     }
     const int tile_begin = kv_lo / C::BC;
     const int tile_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : tile_begin;
-    return {q0, batch, head, head / kv_group, seq_kv, diag, tile_begin, tile_end};
+    return {q0, batch, head, head / kv_group, seq_kv, diag, tile_begin, tile_end, bad_sequence};
 }
 
 // Warp-specialized FA3-style kernel: one work item (query tile, batch * head) per block, or, with
@@ -912,7 +991,7 @@ __device__ __forceinline__ WorkItem work_item(int item, int items, int q_len, in
 // by arriving on its empty barrier.
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
 hopper_d128_e4m3_causal_dsb_q128_kv128_p1r32_c2r232_s2tma(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-        const __grid_constant__ TensorMap v_map, u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ kv_lens,
+        const __grid_constant__ TensorMap v_map, u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ kv_lens, int* __restrict__ index_errors,
         int q_len, int kv_len, int heads, int kv_group, i64 o_batch_stride, i64 o_head_stride, i64 o_row_stride,
         int order_groups, int items,
         const float* __restrict__ q_descale, const float* __restrict__ k_descale, const float* __restrict__ v_descale) {
@@ -946,6 +1025,7 @@ hopper_d128_e4m3_causal_dsb_q128_kv128_p1r32_c2r232_s2tma(const __grid_constant_
             int it = 0;   // kv tiles this block has loaded so far: the position in the ring
             for (int item = blockIdx.x, q_round = 0; item < items; item += gridDim.x, ++q_round) {
                 const WorkItem w = work_item<C>(item, items, q_len, kv_len, heads, kv_group, kv_lens, order_groups);
+                if (w.bad) report_contiguous_len(kv_lens, w.batch, kv_len, index_errors);
     // [hopper_fp8_d128.tile:24] Q tile (128 x 128) per work item, as 64-column swizzled panels (one TMA box each)
                 if (q_round > 0) mbarrier_wait(bars + C::Q_EMPTY_BAR * 8, (q_round - 1) & 1);
                 mbarrier_arrive_expect_tx(bars + C::Q_FULL_BAR * 8, C::Q_BYTES);
@@ -1007,6 +1087,10 @@ hopper_d128_e4m3_causal_dsb_q128_kv128_p1r32_c2r232_s2tma(const __grid_constant_
         for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
     row_max[0][0] = row_max[0][1] = NEG_INF;
     row_sum[0][0] = row_sum[0][1] = 0.f;
+    // A bad kv_lens entry's item loads no kv tile; a NaN row sum makes its rows store NaN (the
+    // accumulators, written on a path of their own, would serialise the item's wgmmas).
+    row_sum[0][0] = w.bad ? QUIET_NAN : row_sum[0][0];
+    row_sum[0][1] = w.bad ? QUIET_NAN : row_sum[0][1];
     mbarrier_wait(bars + C::Q_FULL_BAR * 8, q_round & 1);
 
     // [hopper_fp8_d128.tile:23] q outer (one block per q tile), kv inner

@@ -20,6 +20,24 @@ __device__ __forceinline__ int page_of_key(const int* table, int key) {
     return table_entry(table, key >> C::PAGE_SHIFT);
 }
 
+// fa2: a page index its loads may follow. An entry outside [0, num_pages) reads page 0 instead (a
+// page the cache holds: keys_in_table walks no key of a cache of no pages); the kernel's end-of-block
+// check (paged_sequence_bad) then turns the sequence's rows NaN and reports the entry. A good entry
+// is itself.
+__device__ __forceinline__ int page_in_cache(int page, int num_pages) {
+    return (unsigned)page < (unsigned)num_pages ? page : 0;
+}
+
+// fa2: the keys its loads may walk of a sequence whose kv_lens entry is `value`: value clamped to
+// [0, table_pages * PAGE_SIZE] (the keys the block-table row names; none where the cache holds no
+// page), so a bad kv_len reads no entry past the row; the end-of-block check makes its rows NaN. A
+// good kv_len is itself.
+template <class C>
+__device__ __forceinline__ int keys_in_table(int value, int table_pages, int num_pages) {
+    const i64 capacity = num_pages > 0 ? min((i64)table_pages * C::PAGE_SIZE, (i64)0x7fffffff) : 0;
+    return (int)min(max((i64)value, (i64)0), capacity);
+}
+
 __device__ __forceinline__ int load_shared_s32(u32 address) {
     int value;
     asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
@@ -29,7 +47,7 @@ __device__ __forceinline__ int load_shared_s32(u32 address) {
 // fa2: where a kv tile's page indices come from. With PAGE_RING the tile's entries (pages first..
 // of this sequence) were copied into its slot of a shared-memory ring a pipeline step before its
 // loads (copy_tile_pages), so the loads never wait on a global read; without, they read the block
-// table row itself.
+// table row itself. Every index it hands out is in the cache (page_in_cache).
 template <class C>
 struct TilePages {
     // Ring entries a thread holds in registers: a tile's few pages (read back to back, one wait for
@@ -38,16 +56,18 @@ struct TilePages {
     const int* table;   // this sequence's block-table row
     u32 slot;           // PAGE_RING: the tile's ring slot (shared-memory address)
     int first;          // the page of the tile's first key (PAGE_RING with PAGE_PER_TILE: the tile's page itself)
+    int num_pages;      // the pages the cache holds
     int held[HELD];
     __device__ __forceinline__ int operator()(int key) const {   // the page of key `key` of this tile
         if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE) return first;
-        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4);
-        else return page_of_key<C>(table, key);
+        else if constexpr (C::PAGE_RING > 0)
+            return page_in_cache(load_shared_s32(slot + ((key >> C::PAGE_SHIFT) - first) * 4), num_pages);
+        else return page_in_cache(page_of_key<C>(table, key), num_pages);
     }
     __device__ __forceinline__ int entry(int index) const {      // the tile's page `index` (a constant after unrolling)
         if constexpr (HELD > 1) return held[index];
-        else if constexpr (C::PAGE_RING > 0) return load_shared_s32(slot + index * 4);
-        else return table_entry(table, first + index);
+        else if constexpr (C::PAGE_RING > 0) return page_in_cache(load_shared_s32(slot + index * 4), num_pages);
+        else return page_in_cache(table_entry(table, first + index), num_pages);
     }
 };
 
@@ -58,13 +78,14 @@ __device__ __forceinline__ u32 page_slot(u32 ring, int tile) {
 }
 
 template <class C>
-__device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 ring, int tile, int seq_kv) {
-    TilePages<C> pages{table, page_slot<C>(ring, tile), (tile * C::BC) >> C::PAGE_SHIFT};
+__device__ __forceinline__ TilePages<C> tile_pages(const int* table, u32 ring, int tile, int seq_kv, int num_pages) {
+    TilePages<C> pages{table, page_slot<C>(ring, tile), (tile * C::BC) >> C::PAGE_SHIFT, num_pages};
     if constexpr (C::PAGE_RING > 0 && C::PAGE_PER_TILE)   // one lookup serves K and V
-        pages.first = tile * C::BC < seq_kv ? load_shared_s32(pages.slot) : 0;
+        pages.first = tile * C::BC < seq_kv ? page_in_cache(load_shared_s32(pages.slot), num_pages) : 0;
     if constexpr (TilePages<C>::HELD > 1) {
 #pragma unroll
-        for (int j = 0; j < TilePages<C>::HELD; ++j) pages.held[j] = load_shared_s32(pages.slot + j * 4);
+        for (int j = 0; j < TilePages<C>::HELD; ++j)
+            pages.held[j] = page_in_cache(load_shared_s32(pages.slot + j * 4), num_pages);
     }
     return pages;
 }
@@ -175,4 +196,42 @@ __device__ __forceinline__ void load_paged_slice(u32 tile, const u16* head_rows,
             cp_async_16(tile + chunk_offset<ROW_BYTES, SWIZZLE>(row, chunk), src, valid);
         }
     }
+}
+
+// Paged K and V: is kv_lens[batch] outside [0, table_pages * PAGE_SIZE] (the keys the sequence's
+// block-table row can name), or an entry of its first ceil(kv_len / PAGE_SIZE) pages outside
+// [0, num_pages)? The block's THREADS threads read the entries between them; on a bad one thread 0
+// finds the first again (the rare path) to report it. Called by every thread of the block: decode
+// before its kv loop (a bad sequence then loads no kv tile), fa2 after it (its loads walked only
+// keys_in_table's keys through page_in_cache's pages: the check before the loop would hold the
+// values it reads through the loop of a kernel at the register limit).
+template <class C>
+__device__ __forceinline__ bool paged_sequence_bad(const int* kv_lens, const int* table, int batch, int table_pages,
+                                                   int num_pages, int* words) {
+    const int value = kv_lens[batch];
+    const i64 capacity = (i64)table_pages * C::PAGE_SIZE;
+    const bool len_bad = value < 0 || value > capacity;
+    const int entries = len_bad ? 0 : (int)(((i64)value + C::PAGE_SIZE - 1) >> C::PAGE_SHIFT);
+    bool entry_bad = false;
+    for (int e = threadIdx.x; e < entries; e += C::THREADS) {
+        const int page = table_entry(table, e);
+        entry_bad |= page < 0 || page >= num_pages;
+    }
+    if (!__syncthreads_or(entry_bad) && !len_bad) return false;
+    if (threadIdx.x == 0) {
+        if (len_bad) {
+            report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_TABLE, INDEX_TENSOR_KV_LENS,
+                             batch, 0, value, (int)min(capacity, (i64)0x7fffffff));
+        } else {
+            for (int e = 0; e < entries; ++e) {
+                const int page = table_entry(table, e);
+                if (page < 0 || page >= num_pages) {
+                    report_bad_index(words, INDEX_PAGE_OUT_OF_RANGE, INDEX_TENSOR_BLOCK_TABLE, batch, e, page,
+                                     num_pages);
+                    break;
+                }
+            }
+        }
+    }
+    return true;
 }

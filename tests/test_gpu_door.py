@@ -20,12 +20,8 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")
 
 import tiledsl  # noqa: E402
-from tiledsl.runtime.index_checks import KERNELS_BOUND_INDICES  # noqa: E402
 from tests import attention_reference as ref  # noqa: E402
 
-# While the kernels do not bound kv_lens and block tables themselves, a call that does not say
-# `validate=False` checks them on the host (a sync); the no-sync tests ask for the device-only path.
-INDEX = {} if KERNELS_BOUND_INDICES else {"validate": False}
 BF16 = torch.bfloat16
 
 
@@ -80,7 +76,7 @@ def warm_then_sync_free(call, fresh, runs: int = 2):
 @pytest.mark.parametrize("with_lens", [False, True], ids=["", "kv_lens"])
 def test_attention_makes_no_host_sync(d, heads, kv_heads, q_len, kv_len, causal, with_lens):
     lens = torch.tensor([kv_len, kv_len // 3], device="cuda", dtype=torch.int32) if with_lens else None
-    options = dict(causal=causal, kv_lens=lens, **(INDEX if with_lens else {}))
+    options = dict(causal=causal, kv_lens=lens)
 
     def fresh():
         return randn(2, heads, q_len, d), randn(2, kv_heads, kv_len, d), randn(2, kv_heads, kv_len, d)
@@ -97,7 +93,7 @@ def test_attention_over_an_fp8_kv_cache_makes_no_host_sync():
         k8, v8 = ((torch.randn(2, 8, 900, 128, device="cuda") * 4).to(torch.float8_e4m3fn) for _ in range(2))
         return randn(2, 32, 1, 128), k8, v8
     (q, k, v), o = warm_then_sync_free(
-        lambda *t: tiledsl.attention(*t, kv_lens=lens, k_scale=k_scale, v_scale=0.25, **INDEX), fresh)
+        lambda *t: tiledsl.attention(*t, kv_lens=lens, k_scale=k_scale, v_scale=0.25), fresh)
     ref_o, _ = attention_fp8(q.double().cpu().numpy(), k.view(torch.uint8).cpu().numpy(),
                              v.view(torch.uint8).cpu().numpy(), k_scale.double().cpu().numpy(), np.asarray(0.25),
                              lens.cpu().numpy())
@@ -150,7 +146,7 @@ def test_paged_attention_makes_no_host_sync(q_len):
     q, k_cache, v_cache, table, lens = paged_inputs(q_len=q_len)
     table_d, lens_d = torch.from_numpy(table).cuda(), torch.from_numpy(lens).cuda()
     (q,), o = warm_then_sync_free(
-        lambda q: tiledsl.paged_attention(q, k_cache, v_cache, table_d, lens_d, causal=q_len > 1, **INDEX),
+        lambda q: tiledsl.paged_attention(q, k_cache, v_cache, table_d, lens_d, causal=q_len > 1),
         lambda: (randn(*q.shape),))
     assert o_error(o, paged_reference(q, k_cache, v_cache, table, lens, q_len > 1)) < TOLERANCE_O
 
@@ -205,7 +201,7 @@ def test_launch_backends_agree_bit_for_bit(backend, monkeypatch):
     qd, kd, vd = randn(4, 32, 1, 128), randn(4, 8, 2000, 128), randn(4, 8, 2000, 128)
     calls = (lambda: tiledsl.attention(q, k, v, causal=True), lambda: tiledsl.attention(qd, kd, vd),
              lambda: tiledsl.paged_attention(qp, k_cache, v_cache, torch.from_numpy(table).cuda(),
-                                             torch.from_numpy(lens).cuda(), **INDEX))
+                                             torch.from_numpy(lens).cuda()))
     launch.clear_prepared()
     expected = [call().clone() for call in calls]
     monkeypatch.setenv("TILEDSL_LAUNCH", backend)

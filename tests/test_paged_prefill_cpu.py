@@ -34,7 +34,8 @@ def test_page_walk_and_constants(page, walk):
     assert constant(plan, "PAGE_SIZE") == page and 1 << constant(plan, "PAGE_SHIFT") == page
     assert constant(plan, "PAGE_MASK") == page - 1 and constant(plan, "PAGE_PER_TILE") == (walk == "slice")
     source = render(plan)
-    assert "const int* __restrict__ kv_lens, const int* __restrict__ block_table, i64 table_stride," in source
+    assert ("const int* __restrict__ kv_lens, int* __restrict__ index_errors, const int* __restrict__ block_table, "
+            "i64 table_stride, int table_pages, int num_pages," in source)
     assert "void load_paged_tile(" in source and source.count("load_paged_tile<") == 4   # prologue, prefetch: K, V
     assert "load_tile_async<C::BC" not in source   # every K/V load goes through the block table
     assert f"{page} keys a page" in source         # the kv_range region says how K/V are found

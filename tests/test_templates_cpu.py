@@ -113,10 +113,11 @@ def test_issue_kv_tile_reads_only_the_load_strategy():
 def test_every_fp8_conversion_path_has_its_header():
     from tiledsl.layout.decode import FP8_CONVERTS
     from tiledsl.lower.decode import FP8_CONVERT_HEADERS, FP8_HEADER
+    from tiledsl.lower.steps import INDEX_BOUNDS_HEADER
     assert set(FP8_CONVERT_HEADERS) == set(FP8_CONVERTS)
     for convert in FP8_CONVERTS:
         plan = lower(_decode(16, convert))
-        assert plan.headers == ("paged_kv.cuh", FP8_HEADER, FP8_CONVERT_HEADERS[convert])
+        assert plan.headers == (INDEX_BOUNDS_HEADER, "paged_kv.cuh", FP8_HEADER, FP8_CONVERT_HEADERS[convert])
         assert all((TEMPLATE_DIR / name).is_file() for name in plan.headers)
 
 
@@ -175,7 +176,7 @@ def test_one_parameter_list_is_the_kernel_signature(what, spec, includes):
         assert "block_table" not in source and "k_scale" not in source
 
 
-def test_the_host_passes_arguments_in_the_parameter_lists_order():
+def test_the_host_passes_arguments_in_the_parameter_lists_order(monkeypatch):
     """runtime/kernel.py builds a prefill kernel's launch arguments from plan.parameters by name: the
     order and kinds follow the signature, and a missing or unknown name is refused."""
     from types import SimpleNamespace
@@ -184,19 +185,24 @@ def test_the_host_passes_arguments_in_the_parameter_lists_order():
     from tiledsl.runtime.kernel import kernel_arguments
     spec = prefill_spec("sm_90a", DType.BF16, 128, 128, Mask.CAUSAL, 16)
     kernel = compile_kernel(spec)   # renders; nothing is compiled or launched
-    tensors = {name: SimpleNamespace(pointer=1000 * (i + 1), strides=(9000 + i, 900 + i, 90 + i, 1), slot=i)
+    from tiledsl.runtime import device_errors
+    monkeypatch.setattr(device_errors, "error_pointer", lambda device_id, like=None: 5000 + device_id)
+    tensors = {name: SimpleNamespace(pointer=1000 * (i + 1), strides=(9000 + i, 900 + i, 90 + i, 1), slot=i,
+                                     device_id=3)
                for i, name in enumerate(("q", "k", "v", "o", "lse", "kv_lens"))}
     table = SimpleNamespace(pointer=77, strides=(5, 1), slot=6)
     args = kernel.attention_args(*tensors.values(), Shapes(2, 8, 4, 100, 300), block_table=table, table_stride=5,
-                                 order_groups=3)
+                                 table_pages=19, num_pages=40, order_groups=3)
     flat = [p for line in kernel.plan.parameters for p in line]
     assert len(args) == len(flat)
     by_name = dict(zip((p.name for p in flat), args))
     assert by_name["block_table"].value == 77 and by_name["block_table"].slot == 6
     assert by_name["table_stride"].value == 5 and by_name["order_groups"].value == 3
+    assert by_name["table_pages"].value == 19 and by_name["num_pages"].value == 40
+    assert by_name["index_errors"].value == 5003   # q's device's error word
     assert by_name["kv_lens"].value == 6000 and by_name["kv_group"].value == 2 and by_name["v_row_stride"].value == 92
     assert all(a.kind == {"pointer": "u64", "i32": "i32", "i64": "i64"}[p.kind] for p, a in zip(flat, args))
-    with pytest.raises(RuntimeError, match=r"missing \['block_table', 'table_stride'\]"):
+    with pytest.raises(RuntimeError, match=r"missing \['block_table', 'table_stride', 'table_pages', 'num_pages'\]"):
         kernel.attention_args(*tensors.values(), Shapes(2, 8, 4, 100, 300), order_groups=3)
     with pytest.raises(RuntimeError, match=r"not parameters \['typo'\]"):
         kernel_arguments(kernel.plan, {**by_name, "typo": 1})

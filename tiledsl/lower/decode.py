@@ -22,9 +22,11 @@ from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_co
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
-from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
-from .steps import (BLOCK_TABLE, IN16, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32, graph_loop_body, kv_buffer_constants,
-    page_constants, parameters, require, smem_constants, softmax_constants, spec_line, stride_lines, tile_row_constants)
+from .plan import (INDEX_ERRORS, Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer,
+                   make_plan)
+from .steps import (BLOCK_TABLE, IN16, INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32,
+                    graph_loop_body, kv_buffer_constants, page_constants, parameters, require, smem_constants,
+                    softmax_constants, spec_line, stride_lines, tile_row_constants)
 
 
 # The device headers of an FP8 KV cache: what every conversion path shares, then each path's own
@@ -224,7 +226,8 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     # the graph's loads: each warp its own key slice of a tile (paged: through the block table)
     kv_walk = ("paged_" if walk else "") + ("slice" if graph.op("load_k").scope == "warp" else "tile")
     convert = fp8_convert_of(spec)
-    headers = (("paged_kv.cuh",) if walk else ()) + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ())
+    headers = ((INDEX_BOUNDS_HEADER,) + (("paged_kv.cuh",) if walk else ())
+               + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ()))
     return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
                                                                                        prefetch_first),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
@@ -237,11 +240,11 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
 
 def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:
     """decode.cu.j2's parameters: Q, K, V, O and LSE, the splits' workspace (partial O and LSE, the
-    tickets), kv_lens (a paged cache's block table, an FP8 cache's scales after it), the sizes and the
-    split count, the strides."""
+    tickets), kv_lens and the error word (a paged cache's block table, an FP8 cache's scales after it),
+    the sizes and the split count, the strides."""
     return ((parameters(IN16, "q", "k", "v"),
              parameters(OUT16, "o") + parameters(OUT32, "lse", "o_part", "lse_part"),
-             parameters("int* __restrict__", "split_counters") + parameters(INT32S, "kv_lens")
+             parameters("int* __restrict__", "split_counters") + parameters(INT32S, "kv_lens") + (INDEX_ERRORS,)
              + (BLOCK_TABLE if paged else ()) + (parameters("const float* __restrict__", "k_scale", "v_scale") if fp8
                                                  else ())
              + parameters("int", "q_len", "kv_len", "heads", "kv_group", "row_tiles", "num_splits"))

@@ -24,8 +24,8 @@ from ..schedule.ops import Op, OpKind
 from ..layout.fa1 import FA1_COMBINE_PAD_FLOATS
 from ..layout.base import Buffer, Layout, cp_async_pending, tile_row_bytes
 from .plan import Constant, KernelPlan, KvLoad, KvRange, Launch, LoopOp, Region, make_plan
-from .steps import (KV_SHARED, O_SHARED, OUT32, attention_parameters, graph_loop_body, kv_buffer_constants, parameters,
-    smem_constants, softmax_constants, spec_line, tile_row_constants)
+from .steps import (INDEX_BOUNDS_HEADER, KV_SHARED, O_SHARED, OUT32, attention_parameters, graph_loop_body,
+                    kv_buffer_constants, parameters, smem_constants, softmax_constants, spec_line, tile_row_constants)
 from ..spec import Axis, Family, KernelSpec
 
 
@@ -143,7 +143,8 @@ def lower_fa1(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
                            "the kv tiles each q tile can see; tiles no q tile sees are never loaded"),
-        "empty_rows": Region(spec_line(spec, "mask"), "q tiles that see no key at all: O = 0, LSE = -inf"),
+        "empty_rows": Region(spec_line(spec, "mask"), "q tiles that see no key at all: O = 0, LSE = -inf "
+                             "(NaN for a bad kv_lens entry)"),
         "prologue": Region(spec_line(spec, "pipeline"), f"pipeline prologue: first {s.stages - 1} K/V tiles in flight"),
         "kv_loop": Region(order, "kv outer: one block per (batch, head) walks every kv tile once"),
         "q_loop": Region(order, "q inner: every q tile that sees a key of K_j (others are skipped)"),
@@ -157,5 +158,7 @@ def lower_fa1(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
                      lay.register_estimate,
                      plan_class=Fa1Plan, notes=notes, pass_body=per_pass, kv_step=kv_step, split_k=split_k,
                      kv_load=KvLoad.of(commit_each=False), shared=KV_SHARED + (O_SHARED,),
-                     parameters=attention_parameters(more=(parameters(OUT32, "o_state", "m_state", "l_state"),)),
+                     parameters=attention_parameters(more=(parameters(OUT32, "o_state", "m_state", "l_state"),),
+                                                     bounded=True),
+                     headers=(INDEX_BOUNDS_HEADER,),
                      kv_range=KvRange(q0="0", rows="q_len", begin="kv_begin", end="kv_end"))

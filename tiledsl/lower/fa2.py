@@ -13,6 +13,7 @@ from .plan import Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Regio
 from .steps import (
     KV_SHARED,
     LOOP_TEXT,
+    INDEX_BOUNDS_HEADER,
     attention_parameters,
     O_SHARED,
     graph_loop_body,
@@ -125,7 +126,7 @@ def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
     ]
     regions = fa2_regions(spec)
     paged = {"kv_load": KvLoad.of("tile", HBM_CHUNKS), "shared": KV_SHARED + (O_SHARED,),
-             "parameters": attention_parameters(last=ORDER_GROUPS)}
+             "headers": (INDEX_BOUNDS_HEADER,), "parameters": attention_parameters(last=ORDER_GROUPS, bounded=True)}
     if p.kv_page_size is not None:
         walk = fa2_page_walk(p.kv_page_size, s.tile_kv)
         slots, entries = fa2_page_ring(p.kv_page_size, s.tile_kv, s.stages)
@@ -141,9 +142,10 @@ def lower_fa2(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: str
                                           else "one entry per page of the tile") + (
                                           f", copied to shared memory {s.stages - 1} tile(s) ahead)" if slots
                                           else ", read inline)"))
-        paged = {"kv_pages": walk, "kv_load": KvLoad.of("paged_tile", HBM_CHUNKS), "headers": ("paged_kv.cuh",),
+        paged = {"kv_pages": walk, "kv_load": KvLoad.of("paged_tile", HBM_CHUNKS),
+                 "headers": (INDEX_BOUNDS_HEADER, "paged_kv.cuh"),
                  "shared": KV_SHARED + (O_SHARED, SharedBuffer("pages", "PAGES_OFFSET")),
-                 "parameters": attention_parameters(paged=True, last=ORDER_GROUPS)}
+                 "parameters": attention_parameters(paged=True, last=ORDER_GROUPS, bounded=True)}
     return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate, **paged)

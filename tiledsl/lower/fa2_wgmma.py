@@ -20,8 +20,8 @@ from ..schedule.ops import Op
 from ..spec import Family, KernelSpec
 from .fa2 import ORDER_GROUPS, fa2_loop_body, fa2_regions
 from .plan import Constant, KernelPlan, KvLoad, Launch, make_plan
-from .steps import (KV_SHARED, O_SHARED, attention_parameters, kv_buffer_constants, mma_instruction, smem_constants,
-                    softmax_constants)
+from .steps import (INDEX_BOUNDS_HEADER, KV_SHARED, O_SHARED, attention_parameters, kv_buffer_constants,
+                    mma_instruction, smem_constants, softmax_constants)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ def lower_fa2_wgmma(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, templat
     return make_plan(spec, Family.FA2, template, consts, regions, fa2_loop_body(spec, graph, s.stages),
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), lay.min_blocks_per_sm,
                      lay.register_estimate, kv_load=KvLoad.of(panels=True), shared=KV_SHARED + (O_SHARED,),
-                     parameters=attention_parameters(last=ORDER_GROUPS), mma=mma_qk.mma,
+                     parameters=attention_parameters(last=ORDER_GROUPS, bounded=True),
+                     headers=(INDEX_BOUNDS_HEADER,), mma=mma_qk.mma,
                      wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5))

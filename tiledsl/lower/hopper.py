@@ -31,9 +31,9 @@ from ..mods.model import Documents, Modifications
 from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
-from .plan import Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
-from .steps import (INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters, smem_constants,
-                    softmax_constants, spec_line, stride_lines)
+from .plan import INDEX_ERRORS, Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .steps import (INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters,
+                    smem_constants, softmax_constants, spec_line, stride_lines)
 
 
 @dataclass(frozen=True)
@@ -210,8 +210,10 @@ def fp8_plan_fields(spec: KernelSpec) -> dict:
             "wgmma_inputs": f'"{DTYPE_PTX[p.dtype]}"', "wgmma_qk_tail": "", "wgmma_pv_tail": "",
             "p_fragments": "C::BC / 32", "qk_panel_columns": fp8_swizzle(p.head_dim_qk),
             "v_panel_columns": fp8_swizzle(p.head_dim_v), "v_slot_free": "vt_full", "v_ready": "vt_full",
-            "pv_operand": "vt", "q_row_bytes": fp8_swizzle(p.head_dim_qk),
-            "headers": ("hopper_fp8.cuh",)}
+            "pv_operand": "vt", "q_row_bytes": fp8_swizzle(p.head_dim_qk)}
+
+
+FP8_HEADERS = ("hopper_fp8.cuh",)   # the e4m3 path's device helpers (V's transpose, P's packing)
 
 
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
@@ -224,7 +226,8 @@ def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parame
                 parameters(INT32S, "cu_seqlens_q", "cu_seqlens_k") + parameters("const int2* __restrict__", "work"),
                 parameters("int", "heads", "kv_group", "total_q") + parameters("i64", "o_head_stride", "o_row_stride")
                 + parameters("int", "items"))
-    return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens"),
+    return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens")
+            + (INDEX_ERRORS,),
             parameters("int", "q_len", "kv_len", "heads", "kv_group") + stride_lines("o")[0],
             parameters("int", "order_groups", "items")
             + (parameters("int* __restrict__", "item_counter") if dynamic else ()))
@@ -256,6 +259,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                  empty_arrivals: int | None = None) -> HopperPlan:
     """`empty_arrivals` overrides the arrivals that free a slot (tests: a wrong count must hang, and be caught)."""
     p, s = spec.problem, spec.schedule
+    varlen = p.seq_layout is SeqLayout.VARLEN
     bars = graph.barriers
     consumers, threads, smem = s.consumer_warpgroups, lay.threads, lay.smem_bytes
     q, k, v, o, mbarriers = (lay.buffer(name) for name in ("Q", "K", "V", "O staging", "mbarriers"))
@@ -359,6 +363,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
+                     headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ()),
                      score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
                      sinks=p.mods.sinks, softcap_via=via.value if via else "",
                      softcap_terms=terms, softcap_degree=max(len(terms) - 1, 0),

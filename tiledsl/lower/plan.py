@@ -235,6 +235,17 @@ def spec_lines(spec: KernelSpec) -> tuple[str, ...]:
     return tuple(line.rstrip() for line in lines)
 
 
+# Where a kernel that bounds its index tensors reports the first bad entry (runtime/device_errors.py).
+INDEX_ERRORS = Parameter("index_errors", "int* __restrict__")
+
+
+def bounds_indices(plan) -> bool:
+    """Whether `plan`'s kernel bounds the kv_lens and block-table entries it reads on the device
+    (templates/index_bounds.cuh): it takes the error word. A function of the parameter list alone, so
+    a plan read back from the warm cache has it (and the runtime asks it without the lowering's imports)."""
+    return any(p.name == INDEX_ERRORS.name for line in plan.parameters for p in line)
+
+
 def make_plan(spec: KernelSpec, family: Family, template: str, constants, regions: dict, loop_body, launch: Launch,
               min_blocks_per_sm: int, register_estimate: int, kernel_name: str | None = None,
               plan_class: type = None, **extra) -> KernelPlan:

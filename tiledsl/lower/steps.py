@@ -13,7 +13,7 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..schedule.passes import emission_order
 from ..spec import KernelSpec, Mask
-from .plan import Constant, LoopOp, Parameter, SharedBuffer
+from .plan import INDEX_ERRORS, Constant, LoopOp, Parameter, SharedBuffer
 
 MASK_KIND = {Mask.NONE: "MASK_NONE", Mask.CAUSAL: "MASK_CAUSAL", Mask.WINDOW: "MASK_WINDOW"}
 
@@ -102,18 +102,25 @@ def stride_lines(*tensors: str) -> tuple[tuple[Parameter, ...], ...]:
     return tuple(parameters("i64", f"{t}_batch_stride", f"{t}_head_stride", f"{t}_row_stride") for t in tensors)
 
 
-BLOCK_TABLE = (Parameter("block_table", INT32S), Parameter("table_stride", "i64"))   # a paged cache's
+# A paged cache's block table, its row stride, the pages a row names and the pages the cache holds
+# (the bounds of templates/index_bounds.cuh).
+BLOCK_TABLE = (Parameter("block_table", INT32S), Parameter("table_stride", "i64"), Parameter("table_pages", "int"),
+               Parameter("num_pages", "int"))
+# The device header of a kernel that bounds its index tensors (the error word: plan.INDEX_ERRORS).
+INDEX_BOUNDS_HEADER = "index_bounds.cuh"
 
 
 def attention_parameters(paged: bool = False, last: tuple[Parameter, ...] = (),
-                         more: tuple[tuple[Parameter, ...], ...] = ()) -> tuple[tuple[Parameter, ...], ...]:
+                         more: tuple[tuple[Parameter, ...], ...] = (),
+                         bounded: bool = False) -> tuple[tuple[Parameter, ...], ...]:
     """The parameters every one-block-per-query-tile kernel starts with (fa2, fa1): Q, K, V, O, LSE,
-    kv_lens (a paged cache's block table after it), the lengths and head counts, the four tensors'
-    strides; `last` ends the strides' line, `more` are further lines."""
+    kv_lens (the error word after it where the kernel bounds its indices, a paged cache's block table
+    after that), the lengths and head counts, the four tensors' strides; `last` ends the strides'
+    line, `more` are further lines."""
     strides = stride_lines("q", "k", "v", "o")
     return ((parameters(IN16, "q", "k", "v"),
              parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens")
-             + (BLOCK_TABLE if paged else ()),
+             + ((INDEX_ERRORS,) if bounded else ()) + (BLOCK_TABLE if paged else ()),
              parameters("int", "q_len", "kv_len", "heads", "kv_group"))
             + strides[:-1] + (strides[-1] + last,) + more)
 

@@ -184,12 +184,14 @@ class DecodeKernel(Kernel):
             b.keep.extend((o_part, lse_part, counters))
             parts = tuple(view(x, name) for x, name in ((o_part, "o_part"), (lse_part, "lse_part"),
                                                         (counters, "counters")))
+        num_pages = k.shape[0]   # paged: the cache's pages (k is (pages, page size, kv heads, d))
         if self.spec.problem.kv_fp8:
             from .kv_fp8 import kernel_strides
             k, v = kernel_strides(k), kernel_strides(v)
         args = (pointer_arg(q), pointer_arg(k), pointer_arg(v), pointer_arg(o), pointer_arg(lse),
-                *(pointer_arg(t) for t in parts), pointer_arg(kv_lens),
-                *((pointer_arg(table), i64(table.strides[0])) if table is not None else ()),
+                *(pointer_arg(t) for t in parts), pointer_arg(kv_lens), self.error_word_arg(b.device_id, b.like),
+                *((pointer_arg(table), i64(table.strides[0]), i32(table.shape[1]), i32(num_pages))
+                  if table is not None else ()),
                 *(pointer_arg(s) for s in scales),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),

@@ -9,7 +9,9 @@ a sync. `tiledsl.check_errors()` synchronises the device first, so it sees every
 checked call reads the words as they are (reports of launches still running may come later).
 Either raises the RuntimeInputError once and clears the words.
 
-Layout (int32): [code, tensor, batch index, entry index, value, bound, 0, 0]; code 0 means no error.
+Layout (int32): [code, tensor, batch index, entry index, value, bound, 0, 0]; code 0 means no error,
+a negative code a report still being written (the kernel claims word 0, writes the fields, then the
+code: templates/index_bounds.cuh spells the same codes and tensors).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def take(device_id: int) -> RuntimeInputError | None:
     if have is None:
         return None
     host = have[1]
-    if int(host[0]) == NO_ERROR:
+    if int(host[0]) <= NO_ERROR:   # none, or one still being written (a later look sees it)
         return None
     error = RuntimeInputError(describe(host) + " (reported by the kernel; its sequence's output rows are NaN)")
     host[:] = 0

@@ -31,7 +31,7 @@ class Fa1Kernel(Kernel):
         rows = (shapes.batch, shapes.heads, shapes.q_len)
         workspace = (b.allocate("o_partial", rows + (self.spec.problem.head_dim_v,), "float32"),
                      b.allocate("m", rows, "float32"), b.allocate("l", rows, "float32"))
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes,
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes, like=b.like,
                                    **dict(zip(("o_state", "m_state", "l_state"), workspace)))
         launch = self.plan.launch
         b.launch(self.function(b.device_id), self.grid(shapes), launch.threads, launch.smem_bytes, args, self.name)

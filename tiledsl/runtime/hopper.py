@@ -251,7 +251,8 @@ class HopperKernel(Kernel):
         k_map, v_map = ((map_arg(k, tile_kv, qk_element), map_arg(v, tile_kv, v_element)) if shapes.kv_len
                         else (map_arg(q, tile_q, qk_element),) * 2)
         args = (map_arg(q, tile_q, qk_element), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),
-                i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
+                self.error_word_arg(b.device_id, b.like), i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads),
+                i32(shapes.heads // shapes.kv_heads),
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)

@@ -5,23 +5,22 @@ Two places can check them. On the host (`validate=True`): a copy of the indices 
 call) checked by runtime/serving_checks.py, refused with a RuntimeInputError naming the tensor and its
 first bad entry; skipped under CUDA graph capture (nothing may sync there). On the device: the kernel
 bounds every entry it reads and reports a bad one in the error word (runtime/device_errors.py), with
-no sync. Until every template bounds its indices (KERNELS_BOUND_INDICES), a call that does not say
-`validate=` keeps the host check: no kernel reads outside its inputs, at the price of the sync.
+no sync. Which kernels bound them is their plan's (lower/plan.bounds_indices: the kernel takes the
+error word): every forward kernel that reads kv_lens or a block table -- decode (contiguous and paged,
+FP8 K/V included), fa2 (contiguous kv_lens and the paged chunked prefill), fa2 on wgmma, fa1 and
+hopper (score modifications included). A call of such a kernel that does not say `validate=` skips
+the host check. The backward's kernels read kv_lens unbounded: a backward call given kv_lens keeps the
+host check (and its sync), so that no kernel reads outside its inputs.
 """
 from __future__ import annotations
 
 from .device import capturing
 from .inputs import check_kv_lens
 
-# Whether the templates bound every kv_len and block-table entry they read on the device (the
-# default then skips the host check).
-KERNELS_BOUND_INDICES = False
-
-
-def host_validation(validate: bool | None) -> bool:
-    """Whether a call checks its index tensors on the host: `validate` when given, else while the
-    kernels do not bound them themselves."""
-    return (not KERNELS_BOUND_INDICES) if validate is None else bool(validate)
+def host_validation(validate: bool | None, bounded: bool = False) -> bool:
+    """Whether a call checks its index tensors on the host: `validate` when given, else unless its
+    kernel bounds them itself (`bounded`)."""
+    return (not bounded) if validate is None else bool(validate)
 
 
 def add_check(b, check) -> None:
@@ -36,10 +35,10 @@ def add_check(b, check) -> None:
         b.checks.append(guarded)
 
 
-def add_device_report(b) -> None:
+def add_device_report(b, bounded: bool) -> None:
     """On every call, raise what a kernel of this device reported since the last look (device_errors:
-    an O(1) read of host memory, no sync); only where the kernels report."""
-    if not KERNELS_BOUND_INDICES:
+    an O(1) read of host memory, no sync); only where the kernel reports (`bounded`)."""
+    if not bounded:
         return
     from .device_errors import raise_pending
     device_id = b.device_id
@@ -49,24 +48,24 @@ def add_device_report(b) -> None:
         b.checks.append(lambda tensors: raise_pending(device_id))
 
 
-def add_kv_lens_check(b, index: int, kv_len: int, validate: bool | None) -> None:
+def add_kv_lens_check(b, index: int, kv_len: int, validate: bool | None, bounded: bool = False) -> None:
     """The host check of contiguous kv_lens (call position `index`) against the keys k holds, or the
-    kernels' report of them."""
+    report of a kernel that bounds them (`bounded`)."""
     if b.tensors[index] is None:
         return
-    if not host_validation(validate):
-        add_device_report(b)
+    if not host_validation(validate, bounded):
+        add_device_report(b, bounded)
         return
     name = b.name
     add_check(b, lambda tensors: check_kv_lens(tensors[index], kv_len, name))
 
 
 def add_paged_check(b, table_index: int, lens_index: int, num_pages: int, page_size: int,
-                    validate: bool | None) -> None:
-    """The host check of a block table and its kv_lens (serving_checks.check_paged), or the kernels'
-    report of them."""
-    if not host_validation(validate):
-        add_device_report(b)
+                    validate: bool | None, bounded: bool = False) -> None:
+    """The host check of a block table and its kv_lens (serving_checks.check_paged), or the report of
+    a kernel that bounds them (`bounded`)."""
+    if not host_validation(validate, bounded):
+        add_device_report(b, bounded)
         return
     from .serving_checks import check_paged
     add_check(b, lambda tensors: check_paged(tensors[table_index], tensors[lens_index], num_pages, page_size))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..device_limits import resident_blocks
 from ..errors import RuntimeInputError
 from ..hw import MAX_GRID_YZ
+from ..lower.plan import bounds_indices
 from ..spec import DType, KernelSpec
 from .block_order import order_groups
 from .compile import cached_cubin
@@ -21,7 +22,7 @@ from .device import current_device, device_arch, device_limits, load_functions
 from .index_checks import add_kv_lens_check
 from .inputs import Shapes, check_int32_vector, check_operand
 from .availability import require_gpu
-from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
+from .launch import Arg, CallBuilder, SignatureCache, address_arg, i32, i64, pointer_arg
 from .tensors import TensorView, signature
 
 if TYPE_CHECKING:
@@ -33,10 +34,11 @@ BATCHED = "(batch, heads, seqlen, head_dim)"
 def kernel_arguments(plan, values: dict) -> tuple:
     """The launch arguments of `plan`'s kernel: one per parameter of plan.parameters (the list that also
     spells the kernel's signature), taken by its name from `values` and made by its kind: a pointer from
-    its TensorView (None: 0; launch.pointer_arg), an int32 or int64 from its value, a tensor map as it
-    is. A name missing or left over is a bug in the caller."""
+    its TensorView (None: 0; launch.pointer_arg) or as the Arg it is (launch.address_arg), an int32 or
+    int64 from its value, a tensor map as it is. A name missing or left over is a bug in the caller."""
     from ..lower.plan import parameter_kind
-    make = {"pointer": pointer_arg, "i32": i32, "i64": i64, "map": lambda value: value}
+    make = {"pointer": lambda value: value if isinstance(value, Arg) else pointer_arg(value), "i32": i32, "i64": i64,
+            "map": lambda value: value}
     flat = [p for line in plan.parameters for p in line]
     missing, unknown = [p.name for p in flat if p.name not in values], sorted(set(values) - {p.name for p in flat})
     if missing or unknown:
@@ -65,6 +67,8 @@ class Kernel:
             self.source = render(self.plan)
         self.cubin_path: Path | None = None   # the cubin in the disk cache, once known
         self.name = self.plan.kernel_name
+        # whether the kernel bounds its kv_lens and block table itself (the error word is a parameter)
+        self.bounds_indices = bounds_indices(self.plan)
         self.order_groups: int | None = None   # FA2 launch order; None: block_order.order_groups decides
         self._slots: dict[int, int] = {}       # device -> resident blocks (slots())
         self._functions: dict[int, object] = {}
@@ -125,7 +129,7 @@ class Kernel:
         q, k, v, kv_lens = (b.view(i) for i in range(4))
         shapes = self.check_inputs(q, k, v, kv_lens)
         b.require_aligned(q, k, v)
-        add_kv_lens_check(b, 3, shapes.kv_len, validate)
+        add_kv_lens_check(b, 3, shapes.kv_len, validate, self.bounds_indices)
         p = self.spec.problem
         o = b.output(4, (shapes.batch, shapes.heads, shapes.q_len, p.head_dim_v), p.output_dtype)
         lse = b.output(5, (shapes.batch, shapes.heads, shapes.q_len), DType.FP32, contiguous=True)
@@ -183,15 +187,25 @@ class Kernel:
 
     # -- FA2's launch ------------------------------------------------------------------------------------
     def attention_args(self, q: TensorView, k: TensorView, v: TensorView, o: TensorView, lse: TensorView,
-                       kv_lens: TensorView | None, shapes: Shapes, **values) -> tuple:
+                       kv_lens: TensorView | None, shapes: Shapes, like=None, **values) -> tuple:
         """The launch arguments of a one-block-per-query-tile kernel (fa2, fa1), in the order of its plan's
-        parameter list: the tensors, lengths and strides every such kernel takes, and `values` by
+        parameter list: the tensors, lengths and strides every such kernel takes, the error word where
+        the kernel bounds its indices (in the framework of `like`, the call's tensor), and `values` by
         parameter name for the rest (order_groups, a paged cache's block table, FA1's workspace)."""
         named = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "kv_lens": kv_lens, "q_len": shapes.q_len,
                  "kv_len": shapes.kv_len, "heads": shapes.heads, "kv_group": shapes.heads // shapes.kv_heads}
         for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
             named.update(zip((f"{name}_batch_stride", f"{name}_head_stride", f"{name}_row_stride"), t.strides[:3]))
+        if self.bounds_indices:
+            named["index_errors"] = self.error_word_arg(q.device_id, like)
         return kernel_arguments(self.plan, {**named, **values})
+
+    @staticmethod
+    def error_word_arg(device_id: int, like) -> Arg:
+        """The error word of `device_id` (runtime/device_errors.py; allocated on the device's first
+        call, then the same address on every call) as a launch argument."""
+        from .device_errors import error_pointer
+        return address_arg(error_pointer(device_id, like))
 
     def order_groups_for(self, shapes: Shapes, device_id: int) -> int:
         """Launch-order groups of (batch, head) pairs (runtime/block_order.py); `self.order_groups` overrides."""
@@ -218,7 +232,7 @@ class Kernel:
         q_tiles, pairs = (shapes.q_len + tile_q - 1) // tile_q, shapes.batch * shapes.heads
         if q_tiles == 0 or pairs == 0:
             return
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes,
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes, like=b.like,
                                    order_groups=self.order_groups_for(shapes, b.device_id))
         launch = self.plan.launch
         b.launch(self.function(b.device_id), (q_tiles * pairs, 1, 1), launch.threads, launch.smem_bytes, args,

@@ -72,6 +72,11 @@ def pointer_arg(t: TensorView | None) -> Arg:
     return Arg("u64", t.pointer, t.slot)
 
 
+def address_arg(address: int) -> Arg:
+    """A pointer parameter that is the same on every call (not one of the call's tensors)."""
+    return Arg("u64", int(address))
+
+
 def i32(x) -> Arg:
     return Arg("i32", int(x))
 

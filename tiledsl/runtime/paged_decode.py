@@ -31,7 +31,7 @@ class PagedDecodeKernel(DecodeKernel):
                    workspace: DecodeWorkspace | None = None, kv_len: int | None = None) -> None:
         """`kv_len`: the longest sequence the launch is sized for (None: the table's capacity)."""
         from dataclasses import replace
-        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate)
+        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate, self.bounds_indices)
         if kv_len is not None:
             shapes = replace(shapes, kv_len=min(int(kv_len), shapes.kv_len))
         self.check_rows(shapes)

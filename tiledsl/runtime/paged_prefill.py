@@ -37,7 +37,7 @@ class PagedPrefillKernel(Kernel):
 
     def build_call(self, b: CallBuilder, validate: bool | None = None, kv_len: int | None = None) -> None:
         from dataclasses import replace
-        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate)
+        (qv, kv, vv, tv, lens), shapes = paged_views(b, self.spec.problem, validate, self.bounds_indices)
         if kv_len is not None:
             shapes = replace(shapes, kv_len=min(int(kv_len), shapes.kv_len))
         if shapes.batch * shapes.heads > MAX_GRID_YZ:
@@ -52,7 +52,8 @@ class PagedPrefillKernel(Kernel):
         blocks = -(-shapes.q_len // tile_q) * shapes.batch * shapes.heads
         if blocks == 0:
             return
-        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes, block_table=table, table_stride=table.strides[0],
+        args = self.attention_args(q, k, v, o, lse, kv_lens, shapes, like=b.like, block_table=table,
+                                   table_stride=table.strides[0], table_pages=table.shape[1], num_pages=k.shape[0],
                                    order_groups=self.order_groups_for(shapes, b.device_id))
         launch = self.plan.launch
         b.launch(self.function(b.device_id), (blocks, 1, 1), launch.threads, launch.smem_bytes, args, self.name)

@@ -30,10 +30,10 @@ def kernel_order(t: TensorView, shape=None) -> TensorView:
     return replace(t, shape=shape or t.shape, strides=(t.strides[0], t.strides[2], t.strides[1], t.strides[3]))
 
 
-def paged_views(b: CallBuilder, p: Problem, validate: bool | None = None):
+def paged_views(b: CallBuilder, p: Problem, validate: bool | None = None, bounded: bool = False):
     """((q, k, v, block table, kv_lens) views in the kernel's stride order, Shapes) of the call at
     positions 0..4 of `b`, after checking every tensor against the kernel built for `p`; errors
-    name the kernel and the tensor."""
+    name the kernel and the tensor. `bounded`: the kernel bounds the table and kv_lens itself."""
     name = b.name
     qv, kv, vv, tv, lv = (b.view(i) for i in range(5))
     check_operand(qv, name, p.dtype, 4, qv.device_id, TOKEN_MAJOR)
@@ -60,7 +60,7 @@ def paged_views(b: CallBuilder, p: Problem, validate: bool | None = None):
     if tv.device_id != qv.device_id:
         raise RuntimeInputError(f"{name}: block_table and kv_lens must be on q's GPU {qv.device_id}")
     check_int32_vector(lv, name, batch, qv.device_id)
-    add_paged_check(b, 3, 4, num_pages, page_size, validate)
+    add_paged_check(b, 3, 4, num_pages, page_size, validate, bounded)
     shapes = Shapes(batch, heads, kv_heads, q_len, tv.shape[1] * page_size)
     views = (kernel_order(qv, (batch, heads, q_len, dq)), kernel_order(kv), kernel_order(vv), tv, lv)
     return views, shapes
