@@ -49,3 +49,23 @@ def read_error(rendered: str) -> dict:
 def error_parts():
     """The read_error function, for tests that check rendered errors."""
     return read_error
+
+
+@pytest.fixture(autouse=True)
+def no_device_error_left_behind(request):
+    """A GPU test that makes a kernel report a bad index must take the report (tiledsl.check_errors() under
+    pytest.raises); one left behind would be raised by a later, unrelated call in the same process. The report
+    is cleared either way, and the test that left it fails here."""
+    yield
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    import sys
+    errors = sys.modules.get("tiledsl.runtime.device_errors")
+    if errors is None or not getattr(errors, "_words", None):
+        return
+    from tiledsl.errors import RuntimeInputError
+    try:
+        errors.check_errors()
+    except RuntimeInputError as err:
+        pytest.fail(f"the test left a device error report nobody took: {err}")
+

@@ -98,3 +98,16 @@ def poison_outputs(monkeypatch) -> None:
         return poisoned
     monkeypatch.setattr(launch, "allocator", allocator)
     launch.clear_prepared()
+
+
+def refused_on_host_and_by_the_kernel(call, match: str) -> None:
+    """`call(validate=...)` with a bad kv_lens / block-table entry: validate=True refuses it on the host before
+    any launch; left unchecked (validate=None) the kernel bounds it and check_errors() raises the same entry."""
+    import tiledsl
+    from tiledsl.errors import RuntimeInputError
+    with pytest.raises(RuntimeInputError, match=match):
+        call(validate=True)
+    call(validate=None)
+    with pytest.raises(RuntimeInputError, match=match):
+        tiledsl.check_errors()
+

@@ -55,7 +55,7 @@ def decode_spec(warps: int, splits: int, queries: int = 1, page: int | None = PA
 def prefill_spec():
     from tiledsl.runtime.device import device_arch
     from tiledsl.serving.prefill import prefill_spec as spec
-    return spec(device_arch(0), DType.BF16, D, D, Mask.CAUSAL, PAGE)
+    return spec(device_arch(), DType.BF16, D, D, Mask.CAUSAL, PAGE)
 
 
 @functools.cache

@@ -134,8 +134,10 @@ def test_bad_inputs_are_refused_before_launch():
         kernel(q.cpu(), q, q)
     with pytest.raises(RuntimeInputError, match="unit stride"):
         kernel(q.transpose(2, 3), q, q)
-    with pytest.raises(RuntimeInputError, match="kv_lens"):
-        kernel(q, q, q, kv_lens=torch.tensor([65], device="cuda", dtype=torch.int32))
+    from .gpu_support import refused_on_host_and_by_the_kernel
+    refused_on_host_and_by_the_kernel(
+        lambda validate: kernel(q, q, q, kv_lens=torch.tensor([65], device="cuda", dtype=torch.int32),
+                                validate=validate), r"kv_lens\[0\]")
 
 
 def test_memcheck_clean_on_small_shapes(tmp_path):

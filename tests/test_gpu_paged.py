@@ -193,12 +193,13 @@ def test_bad_block_tables_are_refused(torch):
     q, k_cache, v_cache, table, lens = paged_inputs(torch, rng, DType.BF16, 2, 1, 4, 4, 64, 16, [40, 20])
     bad = table.clone()
     bad[1, 1] = k_cache.shape[0]   # one past the last page, inside sequence 1's 2 pages
-    with pytest.raises(RuntimeInputError, match=r"block_table\[1, 1\]"):
-        paged_attention(q, k_cache, v_cache, bad, lens)
+    from .gpu_support import refused_on_host_and_by_the_kernel
+    refused_on_host_and_by_the_kernel(lambda validate: paged_attention(q, k_cache, v_cache, bad, lens,
+                                                                       validate=validate), r"block_table\[1, 1\]")
     over = lens.clone()
     over[0] = table.shape[1] * 16 + 1
-    with pytest.raises(RuntimeInputError, match=r"kv_lens\[0\]"):
-        paged_attention(q, k_cache, v_cache, table, over)
+    refused_on_host_and_by_the_kernel(lambda validate: paged_attention(q, k_cache, v_cache, table, over,
+                                                                       validate=validate), r"kv_lens\[0\]")
     with pytest.raises(RuntimeInputError, match="page size"):
         paged_attention(q, k_cache[:, :12], v_cache[:, :12], table, lens)
 

@@ -154,12 +154,13 @@ def test_bad_inputs_are_refused(torch):
     q, k_cache, v_cache, table, lens = paged_inputs(torch, rng, DType.BF16, 32, 4, 4, 128, 16, [40, 64])
     bad = table.clone()
     bad[1, 2] = k_cache.shape[0]   # one past the last page, inside sequence 1's 4 pages
-    with pytest.raises(RuntimeInputError, match=r"block_table\[1, 2\]"):
-        paged_prefill(q, k_cache, v_cache, bad, lens)
+    from .gpu_support import refused_on_host_and_by_the_kernel
+    refused_on_host_and_by_the_kernel(lambda validate: paged_prefill(q, k_cache, v_cache, bad, lens,
+                                                                     validate=validate), r"block_table\[1, 2\]")
     over = lens.clone()
     over[0] = table.shape[1] * 16 + 1
-    with pytest.raises(RuntimeInputError, match=r"kv_lens\[0\]"):
-        paged_prefill(q, k_cache, v_cache, table, over)
+    refused_on_host_and_by_the_kernel(lambda validate: paged_prefill(q, k_cache, v_cache, table, over,
+                                                                     validate=validate), r"kv_lens\[0\]")
     with pytest.raises(RuntimeInputError, match="page size"):
         paged_prefill(q, k_cache[:, :12], v_cache[:, :12], table, lens)
     with pytest.raises(RuntimeInputError, match="block_table"):

@@ -417,3 +417,9 @@ def test_attention_fp8_prefill_descales(device):
     for dtype in ("float64", "bfloat16"):
         with pytest.raises(RuntimeInputError, match=f"v_descale must be float32, got {dtype}"):
             tiledsl.attention(q, k, v, **{**descales, "v_descale": device.tensor((1, 2), dtype)})
+
+
+def test_a_size_one_dimension_may_carry_any_stride():
+    from tiledsl.runtime.launch import is_compact
+    assert is_compact((1, 18), (0, 1)) and is_compact((1, 18), (18, 1)) and is_compact((2, 1, 3), (3, 99, 1))
+    assert not is_compact((2, 18), (0, 1)) and not is_compact((2, 3), (1, 2))

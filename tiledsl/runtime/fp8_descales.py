@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import RuntimeInputError
 from ..spec import Descale, DType
 from .inputs import Shapes
-from .launch import CallBuilder, allocator, compact_strides
+from .launch import CallBuilder, allocator, is_compact
 from .tensors import TensorView
 
 FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
@@ -75,7 +75,7 @@ def check_descale(t: TensorView, name: str, kind: Descale, shape: tuple[int, ...
         what = {Descale.PER_HEAD: "(batch, kv_heads)",
                 Descale.PER_BLOCK: "(batch, heads, q tiles)" if name == "q_descale" else "(batch, kv_heads, kv tiles)"}
         raise RuntimeInputError(f"{kernel}: {name} must have shape {what[kind]} = {shape}, got {t.shape}")
-    elif t.strides != compact_strides(t.shape):
+    elif not is_compact(t.shape, t.strides):
         raise RuntimeInputError(f"{kernel}: {name} must be contiguous, got strides {t.strides}")
     if t.device_id != device_id:
         raise RuntimeInputError(f"{kernel}: {name} is on GPU {t.device_id}, q on GPU {device_id}")

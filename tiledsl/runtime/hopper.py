@@ -11,7 +11,7 @@ from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
 from .index_checks import add_check, host_validation
-from .launch import CallBuilder, allocator, compact_strides, i32, i64, pointer_arg, strides_args
+from .launch import CallBuilder, allocator, i32, is_compact, i64, pointer_arg, strides_args
 from ..spec import DType, ItemOrder, LaunchKind, Mask
 from .fp8_descales import FP8_DESCALES, descale_views
 from .tensor_maps import e4m3_element, map_arg
@@ -207,7 +207,7 @@ class HopperKernel(Kernel):
         if shapes is not None and t.shape not in shapes:
             raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
                                     f"{' or '.join(map(str, shapes))}")
-        if t.strides != compact_strides(t.shape):
+        if not is_compact(t.shape, t.strides):
             raise RuntimeInputError(f"{self.name}: {name} must be contiguous, got strides {t.strides}")
         if t.device_id != b.device_id:
             raise RuntimeInputError(f"{self.name}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")

@@ -511,6 +511,12 @@ def compact_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def is_compact(shape, strides) -> bool:
+    """Whether a tensor's elements lie packed in row-major order: a dimension of size 1 may carry any stride
+    (frameworks give such dimensions 0 or anything else after an expand or an unsqueeze)."""
+    return all(n == 1 or s == want for n, s, want in zip(shape, strides, compact_strides(shape)))
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
