@@ -100,12 +100,13 @@ def poison_outputs(monkeypatch) -> None:
     launch.clear_prepared()
 
 
-def refused_on_host_and_by_the_kernel(call, match: str) -> None:
+def refused_on_host_and_by_the_kernel(call, match: str, host_match: str | None = None) -> None:
     """`call(validate=...)` with a bad kv_lens / block-table entry: validate=True refuses it on the host before
-    any launch; left unchecked (validate=None) the kernel bounds it and check_errors() raises the same entry."""
+    any launch (its message matching `host_match`, default `match`); left unchecked (validate=None) the kernel
+    bounds it and check_errors() raises the entry, matching `match`."""
     import tiledsl
     from tiledsl.errors import RuntimeInputError
-    with pytest.raises(RuntimeInputError, match=match):
+    with pytest.raises(RuntimeInputError, match=host_match or match):
         call(validate=True)
     call(validate=None)
     with pytest.raises(RuntimeInputError, match=match):

@@ -181,7 +181,8 @@ def test_bad_inputs_are_refused():
         bad = cupy.asarray([5, 101], dtype=cupy.int32)
     from .gpu_support import refused_on_host_and_by_the_kernel
     refused_on_host_and_by_the_kernel(lambda validate: kernel(q, k, v, kv_lens=bad, out=out, lse=lse,
-                                                              validate=validate), r"kv_lens\[1\]")
+                                                              validate=validate), r"kv_lens\[1\] = 101",
+                                      r"kv_lens must lie in \[0, 100\]")
     if torch is not None:
         k3 = torch.randn(2, 3, 100, 128, device="cuda", dtype=q.dtype)
         with pytest.raises(RuntimeInputError, match="multiple"):

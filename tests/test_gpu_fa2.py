@@ -137,7 +137,7 @@ def test_bad_inputs_are_refused_before_launch():
     from .gpu_support import refused_on_host_and_by_the_kernel
     refused_on_host_and_by_the_kernel(
         lambda validate: kernel(q, q, q, kv_lens=torch.tensor([65], device="cuda", dtype=torch.int32),
-                                validate=validate), r"kv_lens\[0\]")
+                                validate=validate), r"kv_lens\[0\] = 65", r"kv_lens must lie in \[0, 64\]")
 
 
 def test_memcheck_clean_on_small_shapes(tmp_path):
