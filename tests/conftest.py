@@ -63,6 +63,9 @@ def no_device_error_left_behind(request):
     errors = sys.modules.get("tiledsl.runtime.device_errors")
     if errors is None or not getattr(errors, "_words", None):
         return
+    from tiledsl.runtime.availability import gpu_missing
+    if gpu_missing():   # a skipped GPU test on a machine without one (a stubbed device may have left words)
+        return
     from tiledsl.errors import RuntimeInputError
     try:
         errors.check_errors()
