@@ -61,7 +61,7 @@ def no_device_error_left_behind(request):
         return
     import sys
     errors = sys.modules.get("tiledsl.runtime.device_errors")
-    if errors is None or not getattr(errors, "_words", None):
+    if errors is None:   # no kernel call made a report buffer
         return
     from tiledsl.runtime.availability import gpu_missing
     if gpu_missing():   # a skipped GPU test on a machine without one (a stubbed device may have left words)

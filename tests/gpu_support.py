@@ -1,6 +1,7 @@
 """Helpers for GPU tests: skip without a GPU, build kernels once, run one validated case."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -111,4 +112,15 @@ def refused_on_host_and_by_the_kernel(call, match: str, host_match: str | None =
     call(validate=None)
     with pytest.raises(RuntimeInputError, match=match):
         tiledsl.check_errors()
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any host synchronisation torch sees (a .item(), a device-to-host copy, a stream sync) raises."""
+    import torch
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 

@@ -33,7 +33,7 @@ from tiledsl.spec import (
     Schedule,
 )
 
-from .gpu_support import TOLERANCE_O, memcheck, requires_gpu
+from .gpu_support import TOLERANCE_O, memcheck, no_host_sync, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")
@@ -61,15 +61,6 @@ def prefill_spec():
 @functools.cache
 def kernel_for(spec):
     return tiledsl.compile(spec)
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def paged_case(q_len: int, fp8: bool = False):

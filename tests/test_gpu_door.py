@@ -9,12 +9,11 @@ Every numeric check is against a float64 reference on fresh random inputs.
 """
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
 
-from .gpu_support import TOLERANCE_O, requires_gpu
+from .gpu_support import TOLERANCE_O, no_host_sync, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 torch = pytest.importorskip("torch")
@@ -23,16 +22,6 @@ import tiledsl  # noqa: E402
 from tests import attention_reference as ref  # noqa: E402
 
 BF16 = torch.bfloat16
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Any host synchronisation torch sees (a .item(), a device-to-host copy, a stream sync) raises."""
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def randn(*shape, dtype=BF16):
