@@ -47,6 +47,9 @@ class HopperPlan(KernelPlan):
     # a global counter (templates/tile_scheduler.cuh); "" leaves the launch to the runtime's choice.
     launch_kind: str = ""
     item_order: str = ""
+    # where a consumer waits for its item's Q: "item" (a dynamic launch: where it reads the item's index), "span"
+    # (a document mask: before it reads the item's document span), else "loop" (before its kv loop)
+    q_wait: str = "loop"
     # Score modifications the kernel spells (families.BUILT_MODS): softcap and ALiBi in the score_mod op,
     # sinks as the softmax's start; score_mods: any of them (templates/score_mods.cuh is pasted).
     score_mods: bool = False
@@ -370,6 +373,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      mask_mods=p.mods.document is not None or p.mods.prefix is not None,
                      documents=p.mods.document.value if p.mods.document else "", prefix=p.mods.prefix is not None,
                      launch_kind=s.launch.value if s.launch else "",
+                     q_wait="item" if s.launch is LaunchKind.DYNAMIC else ("span" if p.mods.document is not None
+                                                                           else "loop"),
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 
