@@ -708,8 +708,10 @@ __device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
 // and make its rows NaN where it costs no register (each template says where).
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
-constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
-constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4,
+              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2, INDEX_TENSOR_CU_SEQLENS_Q = 3,
+              INDEX_TENSOR_CU_SEQLENS_K = 4;
 // Word 0 while the winning report writes the others: the host reads a code only after its fields.
 constexpr int INDEX_REPORT_WRITING = -1;
 
@@ -749,6 +751,43 @@ __device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int 
     if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
     if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
     return true;
+}
+
+// Packed sequences: sequence s is rows start .. end - 1 (cu_seqlens[s], cu_seqlens[s + 1]) of a tensor of
+// `total` rows. Offsets outside the tensor or going down are bad (the rows they name are not the sequence's).
+__device__ __forceinline__ bool offsets_bad(int start, int end, int total) {
+    return start < 0 || end < start || end > total;
+}
+
+// The report of sequence s's bad offsets in `cu_seqlens` (tensor code `tensor`), by the one thread that makes it:
+// the first entry found out of range, or the end below the start.
+__device__ __forceinline__ void report_offsets(const int* cu_seqlens, int s, int total, int tensor, int* words) {
+    const int start = cu_seqlens[s], end = cu_seqlens[s + 1];
+    if (start < 0 || start > total)
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s, start, total);
+    else if (end < start)
+        report_bad_index(words, INDEX_OFFSET_DECREASING, tensor, s, s + 1, end, start);
+    else
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s + 1, end, total);
+}
+
+// Is packed sequence s bad: its query or key offsets, or more queries than the work list covers (`max_q`: a list
+// built from max_seqlen_q holds that many rows of every sequence)?
+__device__ __forceinline__ bool packed_sequence_bad(int q_start, int q_end, int k_start, int k_end, int total_q,
+                                                    int total_k, int max_q) {
+    return offsets_bad(q_start, q_end, total_q) || offsets_bad(k_start, k_end, total_k) || q_end - q_start > max_q;
+}
+
+// The report of a bad packed sequence s, by the one thread that makes it.
+__device__ __forceinline__ void report_packed_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int s,
+                                                       int total_q, int total_k, int max_q, int* words) {
+    const int q_start = cu_seqlens_q[s], q_end = cu_seqlens_q[s + 1];
+    if (offsets_bad(q_start, q_end, total_q))
+        report_offsets(cu_seqlens_q, s, total_q, INDEX_TENSOR_CU_SEQLENS_Q, words);
+    else if (offsets_bad(cu_seqlens_k[s], cu_seqlens_k[s + 1], total_k))
+        report_offsets(cu_seqlens_k, s, total_k, INDEX_TENSOR_CU_SEQLENS_K, words);
+    else
+        report_bad_index(words, INDEX_SEQUENCE_OVER_MAX, INDEX_TENSOR_CU_SEQLENS_Q, s, s + 1, q_end - q_start, max_q);
 }
 
 // The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
@@ -810,15 +849,21 @@ __device__ __forceinline__ void store_output_panels(float (&o)[C::M_TILES][C::O_
 // launch order (the longest first, built on the host); each pair is `heads` consecutive items.
 // Rows of a tile past its sequence's end are the next sequence's (or TMA's zero fill past the
 // tensor's end): keys there are masked as past seq_kv, query rows there are never stored.
-struct WorkItem { int q0, head, kv_head, seq_q, seq_kv, diag, tile_begin, tile_end, q_row, k_row; };
+// A sequence whose offsets leave the packed tensors or go down, or with more queries than the work
+// list covers (index_bounds.cuh), loads no kv tile and stores NaN in the rows it names inside the
+// tensor; the producer's thread reports it.
+struct WorkItem { int q0, sequence, head, kv_head, seq_q, seq_kv, diag, tile_begin, tile_end, q_row, k_row; bool bad; };
 template <class C>
 __device__ __forceinline__ WorkItem work_item(int item, int heads, int kv_group, const int* __restrict__ cu_seqlens_q,
-                                              const int* __restrict__ cu_seqlens_k, const int2* __restrict__ work) {
+                                              const int* __restrict__ cu_seqlens_k, const int2* __restrict__ work,
+                                              int total_q, int total_k, int max_seqlen_q) {
     const int2 entry = work[item / heads];
     const int sequence = entry.x, head = item % heads;
     const int q0 = entry.y * C::BR;
     const int q_start = cu_seqlens_q[sequence], k_start = cu_seqlens_k[sequence];
-    const int seq_q = cu_seqlens_q[sequence + 1] - q_start, seq_kv = cu_seqlens_k[sequence + 1] - k_start;
+    const int q_end = cu_seqlens_q[sequence + 1], k_end = cu_seqlens_k[sequence + 1];
+    const bool bad = packed_sequence_bad(q_start, q_end, k_start, k_end, total_q, total_k, max_seqlen_q);
+    const int seq_q = q_end - q_start, seq_kv = bad ? 0 : k_end - k_start;
     const int diag = seq_kv - seq_q;   // bottom-right per sequence: key j on query i's diagonal when j == i + diag
     // [hopper_varlen_d128_causal.tile:6] the kv tiles this query tile can see (tiles past the diagonal or outside the window are never loaded)
     int kv_lo = 0, kv_hi = seq_kv;
@@ -831,8 +876,9 @@ __device__ __forceinline__ WorkItem work_item(int item, int heads, int kv_group,
     const int tile_end = kv_hi > kv_lo ? (kv_hi + C::BC - 1) / C::BC : tile_begin;
     // A work list built without the lengths holds max_seqlen_q's tiles of every sequence: a tile past
     // its sequence's end loads no keys (and stores no rows).
-    const int tile_stop = q0 < seq_q ? tile_end : tile_begin;
-    return {q0, head, head / kv_group, seq_q, seq_kv, diag, tile_begin, tile_stop, q_start + q0, k_start};
+    const int tile_stop = q0 < seq_q && !bad ? tile_end : tile_begin;
+    return {q0, sequence, head, head / kv_group, seq_q, seq_kv, diag, tile_begin, tile_stop, q_start + q0, k_start,
+            bad};
 }
 
 // Warp-specialized FA3-style kernel: one work item (query tile, batch * head) per block, or, with
@@ -845,8 +891,8 @@ __device__ __forceinline__ WorkItem work_item(int item, int heads, int kv_group,
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
 hopper_d128_bf16_causal_varlen_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
         const __grid_constant__ TensorMap v_map, u16* __restrict__ o, float* __restrict__ lse,
-        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, const int2* __restrict__ work,
-        int heads, int kv_group, int total_q, i64 o_head_stride, i64 o_row_stride, int items) {
+        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, const int2* __restrict__ work, int* __restrict__ index_errors,
+        int heads, int kv_group, int total_q, int total_k, int max_seqlen_q, i64 o_head_stride, i64 o_row_stride, int items) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const Shared shared{shared_address(smem)};   // the buffers (struct Shared, from the layout)
     const u32 q_tile = shared.q(), bars = shared.barriers();
@@ -875,7 +921,10 @@ hopper_d128_bf16_causal_varlen_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(cons
             prefetch_tensor_map(v_map);
             int it = 0;   // kv tiles this block has loaded so far: the position in the ring
             for (int item = blockIdx.x, q_round = 0; item < items; item += gridDim.x, ++q_round) {
-                const WorkItem w = work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work);
+                const WorkItem w = work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work, total_q,
+                                                total_k, max_seqlen_q);
+                if (w.bad) report_packed_sequence(cu_seqlens_q, cu_seqlens_k, w.sequence, total_q, total_k,
+                                                  max_seqlen_q, index_errors);
     // [hopper_varlen_d128_causal.tile:10] Q tile (128 x 128) per work item, as 64-column swizzled panels (one TMA box each)
                 if (q_round > 0) mbarrier_wait(bars + C::Q_EMPTY_BAR * 8, (q_round - 1) & 1);
                 mbarrier_arrive_expect_tx(bars + C::Q_FULL_BAR * 8, C::Q_BYTES);
@@ -912,7 +961,8 @@ hopper_d128_bf16_causal_varlen_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(cons
     u32 p_frag[C::BC / 16][4];
     int it_base = 0;   // ring position of this item's first kv tile (the producer's `it`)
     for (int item = blockIdx.x, q_round = 0; item < items; item += gridDim.x, ++q_round) {
-    const WorkItem w = work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work);
+    const WorkItem w = work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work, total_q, total_k,
+                                    max_seqlen_q);
     const int q0 = w.q0, seq_kv = w.seq_kv, diag = w.diag, tile_begin = w.tile_begin, tile_end = w.tile_end;
     const int row0 = q0 + consumer * 64;   // this consumer's first query row
 #pragma unroll
@@ -921,6 +971,11 @@ hopper_d128_bf16_causal_varlen_q128_kv128_p1r24_c2r240_pingpong_intra_s2tma(cons
         for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
     row_max[0][0] = row_max[0][1] = NEG_INF;
     row_sum[0][0] = row_sum[0][1] = 0.f;
+    // A bad item (its kv_lens or cu_seqlens entries: index_bounds.cuh) loads no kv tile; a NaN row sum
+    // makes its rows store NaN (the accumulators, written on a path of their own, would serialise the
+    // item's wgmmas).
+    row_sum[0][0] = w.bad ? QUIET_NAN : row_sum[0][0];
+    row_sum[0][1] = w.bad ? QUIET_NAN : row_sum[0][1];
     // Ping-pong: consumers take turns issuing their GEMMs (a token passed round the ring of
     // named barriers), so one's softmax runs while the tensor cores work on the other's.
     // The last consumer hands the first its first turn; every item balances its own turns.

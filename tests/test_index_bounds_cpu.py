@@ -32,7 +32,8 @@ def test_decode_and_fa2_bound_their_indices_and_skip_the_host_check():
 
 def test_every_bundled_forward_kernel_that_reads_kv_lens_bounds_it():
     """Every forward kernel the bundled specs build (fa1, fa2 and fa2 on wgmma, hopper with and without
-    score modifications, decode) takes the error word where it takes kv_lens; varlen reads cu_seqlens."""
+    score modifications, decode) takes the error word where it takes kv_lens, and varlen where it takes
+    cu_seqlens."""
     files = sorted(str(p) for p in (ROOT / "specs").rglob("*.tile"))
     plans = []
     for spec in concrete_specs(files):
@@ -41,8 +42,9 @@ def test_every_bundled_forward_kernel_that_reads_kv_lens_bounds_it():
                 plans.append(lower(spec))
             except SpecError:   # a modification with no template yet
                 continue
-    readers = [p for p in plans if any(q.name == "kv_lens" for line in p.parameters for q in line)]
+    readers = [p for p in plans if any(q.name in ("kv_lens", "cu_seqlens_q") for line in p.parameters for q in line)]
     assert {p.family for p in readers} >= {"fa1", "fa2", "hopper", "decode"}
+    assert any(q.name == "cu_seqlens_q" for p in readers for line in p.parameters for q in line)
     assert any(p.mma == "wgmma" and p.family == "fa2" for p in readers)
     assert any(getattr(p, "score_mods", False) for p in readers)
     assert [p.kernel_name for p in readers if not bounds_indices(p)] == []
@@ -64,6 +66,18 @@ def test_template_codes_match_the_host_tables():
     text = HEADER.read_text()
     codes = {int(v): k for k, v in re.findall(r"INDEX_(?!TENSOR_)(\w+) = (\d+)", text)}
     assert codes[1] == "PAGE_OUT_OF_RANGE" and codes[2] == "LEN_OVER_TABLE" and codes[3] == "LEN_NEGATIVE"
-    assert codes[4] == "LEN_OVER_K" and set(device_errors.CODES) == {1, 2, 3, 4}
+    assert codes[4] == "LEN_OVER_K" and codes[5] == "OFFSET_OUT_OF_RANGE" and codes[6] == "OFFSET_DECREASING"
+    assert codes[7] == "SEQUENCE_OVER_MAX" and set(device_errors.CODES) == set(codes)
     tensors = dict(re.findall(r"INDEX_TENSOR_(\w+) = (\d+)", text))
     assert {int(v): k.lower() for k, v in tensors.items()} == device_errors.TENSORS
+
+
+def test_length_bounds_are_non_negative_ints():
+    import pytest
+    from tiledsl.errors import RuntimeInputError
+    from tiledsl.runtime.arguments import length_bound
+    assert length_bound("f", "max_seqlen_q", None) is None
+    assert length_bound("f", "max_seqlen_q", np.int64(7)) == 7 and length_bound("f", "max_seqlen_q", 0) == 0
+    for bad in (-1, 2.5, True, "8", np.float32(3)):
+        with pytest.raises(RuntimeInputError, match=r"f: max_seqlen_q must be a non-negative int, got"):
+            length_bound("f", "max_seqlen_q", bad)

@@ -221,14 +221,16 @@ FP8_HEADERS = ("hopper_fp8.cuh",)   # the e4m3 path's device helpers (V's transp
 
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
     """hopper.cu.j2's parameters: the TMA maps of Q, K, V (by value), O, LSE and the rest; packed
-    sequences (hopper_varlen.cu.j2) read cu_seqlens and the host's work list instead of kv_lens and
-    batched strides; `launch dynamic` takes its work items from a global counter pair."""
+    sequences (hopper_varlen.cu.j2) read cu_seqlens (bounded by the packed tensors' rows and the work
+    list's max_seqlen_q) and the host's work list instead of kv_lens and batched strides; `launch
+    dynamic` takes its work items from a global counter pair."""
     maps = parameters("const __grid_constant__ TensorMap", "q_map", "k_map", "v_map")
     if varlen:
         return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse"),
-                parameters(INT32S, "cu_seqlens_q", "cu_seqlens_k") + parameters("const int2* __restrict__", "work"),
-                parameters("int", "heads", "kv_group", "total_q") + parameters("i64", "o_head_stride", "o_row_stride")
-                + parameters("int", "items"))
+                parameters(INT32S, "cu_seqlens_q", "cu_seqlens_k") + parameters("const int2* __restrict__", "work")
+                + (INDEX_ERRORS,),
+                parameters("int", "heads", "kv_group", "total_q", "total_k", "max_seqlen_q")
+                + parameters("i64", "o_head_stride", "o_row_stride") + parameters("int", "items"))
     return (maps[:2], maps[2:] + parameters(OUT16, "o") + parameters(OUT32, "lse") + parameters(INT32S, "kv_lens")
             + (INDEX_ERRORS,),
             parameters("int", "q_len", "kv_len", "heads", "kv_group") + stride_lines("o")[0],

@@ -33,6 +33,16 @@ def _integer(value) -> int | None:
         return None
 
 
+def length_bound(api: str, name: str, value) -> int | None:
+    """A bound on sequence lengths (max_seqlen_q / max_seqlen_k): None, or a non-negative int."""
+    if value is None:
+        return None
+    bound = _integer(value)
+    if bound is None or bound < 0:
+        raise RuntimeInputError(f"{api}: {name} must be a non-negative int, got {value!r}")
+    return bound
+
+
 def window_sizes(api: str, window) -> tuple[int, int] | None:
     """`window=(left, right)`: two integers in 0..MAX_WINDOW (keys visible before / after the diagonal)."""
     if window is None:

@@ -1,8 +1,9 @@
 """The error word: how a kernel that bounds its index tensors on the device reports the first bad entry
 without the host having read anything.
 
-A kernel that meets a block-table entry outside the cache, or a kv_len over what the table (or k)
-holds, reads nothing through it, writes NaN rows for that sequence, and records the entry here with
+A kernel that meets a block-table entry outside the cache, a kv_len over what the table (or k)
+holds, or packed-sequence offsets (cu_seqlens) outside their tensors or going down, reads nothing
+through it, writes NaN rows for that sequence, and records the entry here with
 an atomic compare-and-swap on word 0 (the first report wins). The words live in pinned host memory,
 which the device writes through its unified address: the host reads them without a copy and without
 a sync. `tiledsl.check_errors()` synchronises the device first, so it sees every launch so far; a
@@ -25,8 +26,11 @@ CODES = {
     2: "{tensor}[{batch}] = {value} is over the cache: block_table gives each sequence {bound} keys",
     3: "{tensor}[{batch}] = {value} is negative",
     4: "{tensor}[{batch}] = {value} is over the {bound} keys k holds",
+    5: "{tensor}[{index}] = {value} is out of range: the packed tensor holds {bound} tokens",
+    6: "{tensor}[{index}] = {value} is below the entry before it ({bound}): offsets must not decrease",
+    7: "sequence {batch} has {value} queries ({tensor}), more than max_seqlen_q = {bound}",
 }
-TENSORS = {1: "block_table", 2: "kv_lens"}
+TENSORS = {1: "block_table", 2: "kv_lens", 3: "cu_seqlens_q", 4: "cu_seqlens_k"}
 
 _words: dict[int, tuple] = {}   # device -> (pinned int32 array, its NumPy view)
 

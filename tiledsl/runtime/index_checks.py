@@ -2,15 +2,16 @@
 block table. A kernel reads K and V where they point, so a bad entry must never be read.
 
 Two places can check them. On the host (`validate=True`): a copy of the indices (a device sync per
-call) checked by runtime/serving_checks.py, refused with a RuntimeInputError naming the tensor and its
-first bad entry; skipped under CUDA graph capture (nothing may sync there). On the device: the kernel
-bounds every entry it reads and reports a bad one in the error word (runtime/device_errors.py), with
-no sync. Which kernels bound them is their plan's (lower/plan.bounds_indices: the kernel takes the
-error word): every forward kernel that reads kv_lens or a block table -- decode (contiguous and paged,
-FP8 K/V included), fa2 (contiguous kv_lens and the paged chunked prefill), fa2 on wgmma, fa1 and
-hopper (score modifications included). A call of such a kernel that does not say `validate=` skips
-the host check. The backward's kernels read kv_lens unbounded: a backward call given kv_lens keeps the
-host check (and its sync), so that no kernel reads outside its inputs.
+call) checked by runtime/serving_checks.py, refused with a RuntimeInputError naming the tensor and
+its first bad entry; skipped under CUDA graph capture (nothing may sync there). On the device: the
+kernel bounds every entry it reads and reports a bad one in the error word
+(runtime/device_errors.py), with no sync. Which kernels bound them is their plan's
+(lower/plan.bounds_indices: the kernel takes the error word): every forward kernel that reads
+kv_lens or a block table -- decode (contiguous and paged, FP8 K/V included), fa2 (contiguous kv_lens
+and the paged chunked prefill), fa2 on wgmma, fa1 and hopper (score modifications included); the
+varlen hopper kernel bounds cu_seqlens (runtime/varlen.py). A call of such a kernel that does not
+say `validate=` skips the host check. The backward's kernels read kv_lens unbounded: a backward call
+given kv_lens keeps the host check (and its sync), so that no kernel reads outside its inputs.
 """
 from __future__ import annotations
 

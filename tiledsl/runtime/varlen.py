@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..errors import RuntimeInputError
+from ..spec import DType, Mask
+from .arguments import length_bound
 from .hopper import PERSISTENT_MASKED_TILES, HopperKernel
+from .index_checks import add_device_report
 from .inputs import check_operand
 from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
 from .serving_checks import check_varlen, host
-from ..spec import DType, Mask
 from .tensor_maps import map_arg
 from .tensors import TensorView, signature, view
 
@@ -103,9 +105,11 @@ class VarlenHopperKernel(HopperKernel):
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None,
                  *, validate: bool | None = None):
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        max_seqlen_q, max_seqlen_k = (length_bound(self.name, name, value) for name, value in (
+            ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
         if max_seqlen_q is not None and max_seqlen_k is not None and not validate:
-            return self.run_call(tensors, (int(max_seqlen_q), int(max_seqlen_k)), max_seqlen_q=int(max_seqlen_q),
-                                 max_seqlen_k=int(max_seqlen_k))
+            return self.run_call(tensors, (max_seqlen_q, max_seqlen_k), max_seqlen_q=max_seqlen_q,
+                                 max_seqlen_k=max_seqlen_k)
         from .device import capturing
         if capturing(q):
             raise RuntimeInputError(f"{self.name}: without max_seqlen_q and max_seqlen_k (or with validate=True) "
@@ -185,12 +189,15 @@ class VarlenHopperKernel(HopperKernel):
             most = max_seqlen_k
         batch = self._device_offsets(cu_qv, batch, qv.device_id)
         self._device_offsets(cu_kv, batch, qv.device_id)
+        total_q = qv.shape[0]
+        # A list from max_seqlen_q covers that many rows of every sequence (no sequence holds more than q's rows;
+        # at least one tile, so that a sequence over the bound has an item to report it).
+        covered_q = min(max_seqlen_q, total_q) if host_offsets is None and planned_work is None else total_q
         if host_offsets is None and planned_work is None:
-            tiles = -(-max_seqlen_q // tile_q)
+            tiles = max(1, -(-covered_q // tile_q))
             work, pairs = self._uploaded(("bounded", batch, tiles, framework, qv.device_id),
                                          lambda: bounded_work_list(batch, tiles), b.like)
         b.keep.append(work)
-        total_q = qv.shape[0]
         ov = b.output(5, (total_q, heads, p.head_dim_v), p.dtype)
         lv = b.output(6, (heads, total_q), DType.FP32, contiguous=True)
         items = pairs * heads
@@ -199,8 +206,10 @@ class VarlenHopperKernel(HopperKernel):
         qp, kp, vp = packed_view(qv), packed_view(kw), packed_view(vv)
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
         k_map, v_map = (map_arg(kp, tile_kv), map_arg(vp, tile_kv)) if kw.shape[0] else (map_arg(qp, tile_q),) * 2
+        add_device_report(b, True)   # the kernel bounds cu_seqlens by the packed rows and covered_q
         args = (map_arg(qp, tile_q), k_map, v_map, pointer_arg(ov), pointer_arg(lv), pointer_arg(cu_qv),
-                pointer_arg(cu_kv), pointer_arg(view(work, "work")), i32(heads), i32(heads // kv_heads), i32(total_q),
+                pointer_arg(cu_kv), pointer_arg(view(work, "work")), self.error_word_arg(qv.device_id, b.like),
+                i32(heads), i32(heads // kv_heads), i32(total_q), i32(kw.shape[0]), i32(covered_q),
                 i64(ov.strides[1]), i64(ov.strides[0]), i32(items))
         persistent = self.persistent
         if persistent is None:   # as HopperKernel: the static walk balances long masked items badly

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..mods.model import NO_MODS
-from ..runtime.arguments import mask_arguments, switch
+from ..runtime.arguments import length_bound, mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
 from ..spec import DType, Family, Mask, SeqLayout
@@ -66,8 +66,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         call = _calls.get(key)
         if call is None:
             kernel = _kernel_of(q, v, causal, window, scale)
-            call = _calls.put(key, kernel.prepare_call(tensors, max_seqlen_q=int(max_seqlen_q),
-                                                       max_seqlen_k=int(max_seqlen_k)))
+            call = _calls.put(key, kernel.prepare_call(
+                tensors, max_seqlen_q=length_bound("varlen_attention", "max_seqlen_q", max_seqlen_q),
+                max_seqlen_k=length_bound("varlen_attention", "max_seqlen_k", max_seqlen_k)))
         out, lse = call(*tensors)
     else:
         out, lse = _kernel_of(q, v, causal, window, scale)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
