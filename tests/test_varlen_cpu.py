@@ -22,20 +22,26 @@ def test_varlen_hopper_spec_renders_the_packed_template():
     plan = lower(spec)
     assert plan.template == "hopper_varlen.cu.j2" and missing_template(spec) == ""
     source = render(plan)
-    assert "cu_seqlens_q[sequence + 1] - q_start" in source
+    assert "const int q_end = cu_seqlens_q[sequence + 1], k_end = cu_seqlens_k[sequence + 1];" in source
+    # bad offsets (or more queries than the work list covers) give the sequence no key and a report
+    assert "packed_sequence_bad(q_start, q_end, k_start, k_end, total_q, total_k, max_seqlen_q)" in source
+    assert "if (w.bad) report_packed_sequence(" in source and "w.bad ? QUIET_NAN" in source
     assert "q_map, p * 64, w.q_row, w.head, 0," in source and "k_map, p * 64, w.k_row + tile * C::BC, w.kv_head, 0," in source
     # rows stored: the tile's rows of its sequence, none before or past the packed tensor
     assert "lse + (i64)w.head * total_q + w.q_row,\n" in source
     assert "w.q_row < 0 ? 0 : min(w.seq_q - q0, total_q - w.q_row)" in source
     # a tile past its sequence's end (a work list built from max_seqlen_q) loads no keys
-    assert "const int tile_stop = q0 < seq_q ? tile_end : tile_begin;" in source
+    assert "const int tile_stop = q0 < seq_q && !bad ? tile_end : tile_begin;" in source
     assert "w.batch" not in source and "order_groups" not in source.split("extern \"C\"")[1]
 
 
 def test_batched_hopper_spec_keeps_its_template():
     (spec,) = load_specs(SPEC.replace("_varlen", ""))
-    source = render(lower(spec))
-    assert lower(spec).template == "hopper.cu.j2" and "cu_seqlens" not in source and "w.batch" in source
+    plan = lower(spec)
+    source = render(plan)
+    assert plan.template == "hopper.cu.j2" and "w.batch" in source
+    assert not [p.name for line in plan.parameters for p in line if p.name.startswith("cu_seqlens")]
+    assert "cu_seqlens" not in source.split('extern "C"')[1]
 
 
 def test_varlen_is_refused_by_families_without_a_varlen_template():
