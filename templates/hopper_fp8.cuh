@@ -159,8 +159,9 @@ __device__ __forceinline__ float score_descale(const Fp8Descales& d, int tile) {
 // in e4m3's range for pack_p with no multiply. l sums the same P, so O / l is unchanged and the epilogue takes
 // P_SCALE out of LSE alone (fp8_finish).
 template <class C>
-__device__ __forceinline__ void fp8_softmax_update(float (&s)[C::M_TILES][C::S_TILES][4], float (&row_max)[C::M_TILES][2],
-                                                   float (&row_sum)[C::M_TILES][2], float (&alpha)[C::M_TILES][2], float qk) {
+__device__ __forceinline__ void fp8_softmax_update(float (&s)[C::M_TILES][C::S_TILES][4],
+                                                   float (&row_max)[C::M_TILES][2], float (&row_sum)[C::M_TILES][2],
+                                                   float (&alpha)[C::M_TILES][2], float qk) {
     const float score_log2 = qk * C::SCALE_LOG2;   // raw score -> log2 units
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

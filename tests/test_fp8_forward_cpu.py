@@ -78,7 +78,8 @@ def test_fp8_overlaps_lower(overlap):
     plan = lower(spec)
     source = render(plan)
     intra = "intra" in overlap
-    assert (plan.loop_start, bool(plan.prologue), bool(plan.epilogue)) == ((1, True, True) if intra else (0, False, False))
+    peeled = (plan.loop_start, bool(plan.prologue), bool(plan.epilogue))
+    assert peeled == ((1, True, True) if intra else (0, False, False))
     registers = {r.name: r.amount for r in layout_of(spec).registers}
     assert registers.get("P fragments") == (128 // 8 if intra else None)
     assert "fp8_softmax_update<C>(acc_s, row_max, row_sum, alpha, score_descale<C>(descales, tile));" in source
