@@ -1,6 +1,8 @@
 """FP8 attention forward on the H200: accuracy (FA3's table) and speed, peers in the same run.
 
     python bench/fp8_forward_bench.py OUT.json
+    python bench/fp8_forward_bench.py --variants OUT.json
+
 
 Accuracy rows {"kind": "accuracy", "variant": bf16 | fp8_tensor | fp8_block | fp8_block_hadamard, "head_dim": 128,
 "seqlen": 8192, "rmse"}: RMSE of O against float64 attention (on the GPU) of inputs N(0, 1) + N(0, 100) *
@@ -10,6 +12,13 @@ rotation and quantize_gbps its bytes (16-bit in, e4m3 out: 3 per value of q, k, 
 sdpa_cudnn_bf16}); cuDNN FP8 through cudnn-frontend's sdpa_fp8 when `cudnn` imports
 (else null with the reason in "skipped"). 16k tokens per row (batch 16k / seqlen), 16 heads. At 16k, d128 and d256
 also tflops_pingpong: the same schedule with `overlap pingpong`.
+
+--variants: every schedule of tiledsl.dispatch.tuned.FP8_VARIANTS side by side at 16k tokens (batch 1, 16 heads,
+seqlen 16384), none and causal, per-head descales: rows {"kind": "variant", "variant", "tuned" (TUNED_FP8's pick),
+kernel, family, dtype, head_dim, seqlen, causal, tflops (eager through tiledsl.attention, TUNED_FP8 pointed at the
+variant), tflops_graph (the same call replayed from a CUDA graph), max_abs_vs_base (O against the "base" variant's on
+the same input), peers {cudnn_fp8, sdpa_cudnn_bf16}}. The kernels compile in parallel first (NVRTC's disk cache), so
+the run is a few minutes.
 """
 from __future__ import annotations
 
@@ -151,17 +160,97 @@ def speed_rows(torch) -> list[dict]:
     return rows
 
 
+def _variant_spec(d: int, causal: bool, schedule, descale):
+    """The spec tiledsl.attention runs for FP8 at head dim d with TUNED_FP8's entry set to `schedule`."""
+    from tiledsl.dispatch import tuned
+    key = ("sm_90", d)
+    kept = tuned.TUNED_FP8[key]
+    tuned.TUNED_FP8[key] = schedule
+    try:
+        return tuned.fp8_spec("sm_90", d, tiledsl.Mask.CAUSAL if causal else tiledsl.Mask.NONE, None, None, descale,
+                              tiledsl.DType.BF16)
+    finally:
+        tuned.TUNED_FP8[key] = kept
+
+
+def _compile_all(specs) -> None:
+    """NVRTC for every spec at once (threads; the cubins land in the disk cache kernel_for loads from)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from tiledsl.families import compile as compile_kernel
+    from tiledsl.runtime.compile import compile_cubin
+    from tiledsl.runtime.device import device_arch
+    arch = device_arch()
+    kernels = [compile_kernel(s) for s in specs]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: compile_cubin(k.source, k.name, arch), kernels))
+
+
+def variant_rows(torch) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from tiledsl.dispatch import tuned
+    from tiledsl.runtime.launch import clear_prepared
+    from tiledsl.spec import Descale
+    batch, heads, seqlen = 1, 16, 16384
+    picked = {d: next(n for n, s in v.items() if s == tuned.TUNED_FP8[("sm_90", d)])
+              for d, v in tuned.FP8_VARIANTS.items()}
+    specs = {(d, causal, name): _variant_spec(d, causal, schedule, Descale.PER_HEAD)   # quantize_fp8 default
+             for d, variants in tuned.FP8_VARIANTS.items() for causal in (False, True)
+             for name, schedule in variants.items()}
+    _compile_all(list(specs.values()))
+    rows = []
+    for d, variants in tuned.FP8_VARIANTS.items():
+        q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda").to(torch.bfloat16) for _ in range(3))
+        q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
+        for causal in (False, True):
+            flops = 4 * batch * heads * seqlen * seqlen * d * (0.5 if causal else 1.0)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                bf16 = _time(torch, lambda: sdpa(q, k, v, is_causal=causal))
+            peer, why = _cudnn_fp8(torch, q8, k8, v8, causal)
+            peers = {"cudnn_fp8": flops / _time(torch, peer) / 1e9 if peer else None,
+                     "sdpa_cudnn_bf16": flops / bf16 / 1e9}
+            base = None
+            for name, schedule in variants.items():
+                key, kept = ("sm_90", d), tuned.TUNED_FP8[("sm_90", d)]
+                tuned.TUNED_FP8[key] = schedule
+                clear_prepared()   # the prepared FP8 call holds the last variant's kernel
+                try:
+                    def run():
+                        return tiledsl.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs)
+                    out = run().float()
+                    eager, graphed = _time(torch, run), _time(torch, run, graph=True)
+                finally:
+                    tuned.TUNED_FP8[key] = kept
+                    clear_prepared()
+                base = out if base is None else base
+                row = {"kind": "variant", "variant": name, "tuned": name == picked[d],
+                       "kernel": specs[(d, causal, name)].kernel_name, "family": "hopper", "dtype": "e4m3",
+                       "head_dim": d, "seqlen": seqlen, "batch": batch, "heads": heads, "causal": causal,
+                       "tflops": flops / eager / 1e9, "tflops_graph": flops / graphed / 1e9,
+                       "max_abs_vs_base": float((out - base).abs().max()), "peers": peers}
+                if why:
+                    row["skipped"] = {"cudnn_fp8": why}
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    variants = "--variants" in argv[1:]
+    args = [a for a in argv[1:] if a != "--variants"]
+    if len(args) != 1:
         print(__doc__)
         return 2
     import torch
     import tiledsl.dispatch.tuned  # noqa: F401  (the kernel names of the rows)
-    rows = accuracy_rows(torch)
-    for r in rows:
-        print(r, flush=True)
-    rows += speed_rows(torch)
-    record(argv[1], " ".join(["python"] + argv), rows)
+    if variants:
+        rows = variant_rows(torch)
+    else:
+        rows = accuracy_rows(torch)
+        for r in rows:
+            print(r, flush=True)
+        rows += speed_rows(torch)
+    record(args[0], " ".join(["python"] + argv), rows)
     return 0
 
 

@@ -1,18 +1,27 @@
 // FP8 (e4m3) inputs of the hopper family: both GEMMs on e4m3 wgmma (m64nNk32, fp32 accumulators), whose
 // shared-memory operands are K-major rows of bytes. Q and K land that way by TMA; V lands with keys as rows,
-// so the producer's warps 1.. transpose each V tile into V^T (dv rows of the tile's key bytes). P leaves the
+// so the producer's warps 1.. transpose each V tile into V^T (dv rows of the tile's key bytes) on chip. P leaves the
 // softmax in S's fp32 accumulators and becomes e4m3 A fragments in registers; the keys of V^T are permuted so
 // that each thread's accumulators already are its fragments' bytes (no shuffle). The float32 descales
-// (value = e4m3 byte * descale) fold into S before the softmax (q * k) and into O at the end (v), or per
+// (value = e4m3 byte * descale) fold into the softmax's scale (q * k) and into O at the end (v), or per
 // block: Q's per query tile, K's and V's per kv tile (V's ratio between tiles rides on the O rescale).
 
 // The byte offset of (row, byte) in a tile of K-major rows swizzled in SWIZZLE-byte rows (128 or 64; a longer
 // row is split into panels of SWIZZLE bytes, `rows` rows each): the 16-byte chunk index XORed with the
 // address bits above it, as TMA's swizzle modes lay a box and a wgmma descriptor of that mode reads it.
+// linear_offset is the address before the XOR and swizzle_bits the XOR: a 1024-byte swizzle atom (8 rows of
+// 128 bytes, 16 of 64) keeps one phase per row within it, so moving by whole atoms and by whole 32-byte pieces
+// of a row (inside a swizzled row) leaves the XOR as it is: offset = (linear a + linear b) ^ bits(b).
 template <int SWIZZLE>
-__device__ __forceinline__ u32 swizzled_offset(int row, int byte, int rows) {
-    const u32 linear = (byte / SWIZZLE) * rows * SWIZZLE + row * SWIZZLE + (byte % SWIZZLE);
-    return linear ^ (((linear >> 7) & (SWIZZLE / 16 - 1)) << 4);
+__device__ __forceinline__ u32 linear_offset(unsigned row, unsigned byte, unsigned rows) {
+    return (byte / SWIZZLE) * rows * SWIZZLE + row * SWIZZLE + (byte % SWIZZLE);
+}
+template <int SWIZZLE>
+__device__ __forceinline__ u32 swizzle_bits(u32 linear) { return ((linear >> 7) & (SWIZZLE / 16 - 1)) << 4; }
+template <int SWIZZLE>
+__device__ __forceinline__ u32 swizzled_offset(unsigned row, unsigned byte, unsigned rows) {
+    const u32 linear = linear_offset<SWIZZLE>(row, byte, rows);
+    return linear ^ swizzle_bits<SWIZZLE>(linear);
 }
 
 // Shared-memory descriptor of a K-major operand in SWIZZLE-byte rows: start address, leading offset unused
@@ -62,57 +71,56 @@ __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
     return (u32)low | ((u32)high << 16);
 }
 
-// P (fp32, in S's accumulators) * P_SCALE -> e4m3 A fragments of the k32 wgmma. An A register holds 4 keys of
-// one row; a thread's accumulators hold keys 2q, 2q+1 of each n8 tile (q = lane % 4), so register 0 of k step kk
-// takes those of tiles 4kk and 4kk+1 (row r), register 1 the same of row r+8, registers 2, 3 tiles 4kk+2, 4kk+3.
-// The A fragment calls them keys 4q..4q+3: V^T's keys are laid out in that order (transpose_v).
+// P (fp32, in S's accumulators, already P_SCALE times the weights: fp8_softmax_update) -> e4m3 A fragments of
+// the k32 wgmma. An A register holds 4 keys of one row; a thread's accumulators hold keys 2q, 2q+1 of each n8
+// tile (q = lane % 4), so register 0 of k step kk takes those of tiles 4kk and 4kk+1 (row r), register 1 the
+// same of row r+8, registers 2, 3 tiles 4kk+2, 4kk+3. The A fragment calls them keys 4q..4q+3: V^T's keys are
+// laid out in that order (transpose_v).
 template <class C>
 __device__ __forceinline__ void pack_p(u32 (&p_frag)[C::BC / 32][4], const float (&p)[C::M_TILES][C::S_TILES][4]) {
-    constexpr float S = C::P_SCALE;
 #pragma unroll
     for (int kk = 0; kk < C::BC / 32; ++kk) {
         const float (&t0)[4] = p[0][4 * kk], (&t1)[4] = p[0][4 * kk + 1];
         const float (&t2)[4] = p[0][4 * kk + 2], (&t3)[4] = p[0][4 * kk + 3];
-        p_frag[kk][0] = e4m3x4(t0[0] * S, t0[1] * S, t1[0] * S, t1[1] * S);
-        p_frag[kk][1] = e4m3x4(t0[2] * S, t0[3] * S, t1[2] * S, t1[3] * S);
-        p_frag[kk][2] = e4m3x4(t2[0] * S, t2[1] * S, t3[0] * S, t3[1] * S);
-        p_frag[kk][3] = e4m3x4(t2[2] * S, t2[3] * S, t3[2] * S, t3[3] * S);
+        p_frag[kk][0] = e4m3x4(t0[0], t0[1], t1[0], t1[1]);
+        p_frag[kk][1] = e4m3x4(t0[2], t0[3], t1[2], t1[3]);
+        p_frag[kk][2] = e4m3x4(t2[0], t2[1], t3[0], t3[1]);
+        p_frag[kk][3] = e4m3x4(t2[2], t2[3], t3[2], t3[3]);
     }
 }
 
-__device__ __forceinline__ u32 load_shared_b32(u32 address) {
-    u32 value;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(address));
-    return value;
+__device__ __forceinline__ void store_matrix_x4(u32 address, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(address), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
-// V (Bc key rows of dv bytes, as TMA landed it) -> V^T (dv rows of Bc key bytes), by `thread` of C::TRANSPOSERS.
-// A unit is 4 keys x 4 columns: four 4-byte loads, a byte transpose, four 4-byte stores. Within each 16 keys,
-// V^T's bytes 4q..4q+3 take V's keys 2q, 2q+1, 8+2q, 9+2q: the order pack_p leaves P's keys in. A warp's 32 units
-// are 8 quads x 4 column groups: its loads then spread over more of the swizzled rows' 16-byte chunks (fewer
-// bank conflicts than 32 quads of one column group, whose keys share 4 swizzle phases).
+// V (Bc key rows of dv bytes, as TMA landed it) -> V^T (dv rows of Bc key bytes), by the C::TRANSPOSERS threads
+// (`thread` of them), a warp at a time on units of 16 keys x 32 columns. One transposed ldmatrix reads a unit as
+// four 8x8 matrices of byte pairs (keys 0-7 / 8-15 x columns 0-15 / 16-31): lane (g = lane / 4, t = lane % 4)
+// gets, per matrix, keys 2t and 2t+1 of columns 2g and 2g+1. Two byte permutes per column pair give V^T's rows
+// 2g and 2g+1 their bytes 4t..4t+3 = keys 2t, 2t+1, 8+2t, 9+2t: the order pack_p leaves P's keys in. One
+// stmatrix writes the unit's 32 rows of 16 key bytes. Its matrix rows alternate even and odd columns by lane
+// half (lanes 0-15 the even row of a pair in matrices 0 and 2, lanes 16-31 the odd one), so each matrix's 8
+// rows cover all 8 swizzle phases: no bank conflict (all-even rows would repeat 4 phases twice).
 template <class C>
 __device__ __forceinline__ void transpose_v(u32 v_tile, u32 vt_tile, int thread) {
-    constexpr int QUADS = C::BC / 4, UNITS = QUADS * (C::DV / 4);
-    static_assert(QUADS % 8 == 0 && C::TRANSPOSERS % 32 == 0, "a warp's units are 8 quads x 4 column groups");
+    constexpr unsigned KEY_GROUPS = C::BC / 16, UNITS = KEY_GROUPS * (C::DV / 32), WARPS = C::TRANSPOSERS / 32;
+    static_assert(C::BC % 16 == 0 && C::DV % 32 == 0 && C::TRANSPOSERS % 32 == 0, "units of 16 keys x 32 columns");
+    const unsigned lane = (unsigned)thread % 32, warp = (unsigned)thread / 32, matrix = lane / 8, r = lane % 8;
+    // this lane's row of each ldmatrix / stmatrix matrix, as an offset within unit 0 and its swizzle XOR (units
+    // start on whole 16-key and 32-column steps: the XOR stays the lane's)
+    const u32 load_lane = linear_offset<C::V_SWIZZLE>((matrix % 2) * 8 + r, (matrix / 2) * 16, C::BC);
+    const u32 store_lane = linear_offset<C::VT_SWIZZLE>((matrix / 2) * 16 + 2 * r + ((matrix % 2) ^ (r / 4)), 0, C::DV);
+    const u32 load_xor = swizzle_bits<C::V_SWIZZLE>(load_lane), store_xor = swizzle_bits<C::VT_SWIZZLE>(store_lane);
+    const u32 even = lane < 16 ? 0x6420u : 0x7531u;   // byte picks of V^T row 2g (row 2g+1: even ^ 0x1111)
 #pragma unroll 1
-    for (int unit = thread; unit < UNITS; unit += C::TRANSPOSERS) {
-        const int lane_unit = unit % 32, warp_unit = unit / 32;
-        const int quad = (warp_unit % (QUADS / 8)) * 8 + lane_unit % 8;
-        const int column = ((warp_unit / (QUADS / 8)) * 4 + lane_unit / 8) * 4;
-        const int group = (quad / 4) * 16, q = quad % 4;
-        const int key = group + 2 * q;
-        const u32 r0 = load_shared_b32(v_tile + swizzled_offset<C::V_SWIZZLE>(key, column, C::BC));
-        const u32 r1 = load_shared_b32(v_tile + swizzled_offset<C::V_SWIZZLE>(key + 1, column, C::BC));
-        const u32 r2 = load_shared_b32(v_tile + swizzled_offset<C::V_SWIZZLE>(key + 8, column, C::BC));
-        const u32 r3 = load_shared_b32(v_tile + swizzled_offset<C::V_SWIZZLE>(key + 9, column, C::BC));
-        const u32 low01 = __byte_perm(r0, r1, 0x5140), low23 = __byte_perm(r2, r3, 0x5140);    // columns 0, 1
-        const u32 high01 = __byte_perm(r0, r1, 0x7362), high23 = __byte_perm(r2, r3, 0x7362);  // columns 2, 3
-        const int byte = group + 4 * q;
-        store_shared_u32(vt_tile + swizzled_offset<C::VT_SWIZZLE>(column, byte, C::DV), __byte_perm(low01, low23, 0x5410));
-        store_shared_u32(vt_tile + swizzled_offset<C::VT_SWIZZLE>(column + 1, byte, C::DV), __byte_perm(low01, low23, 0x7632));
-        store_shared_u32(vt_tile + swizzled_offset<C::VT_SWIZZLE>(column + 2, byte, C::DV), __byte_perm(high01, high23, 0x5410));
-        store_shared_u32(vt_tile + swizzled_offset<C::VT_SWIZZLE>(column + 3, byte, C::DV), __byte_perm(high01, high23, 0x7632));
+    for (unsigned unit = warp; unit < UNITS; unit += WARPS) {
+        const unsigned keys = (unit % KEY_GROUPS) * 16, columns = (unit / KEY_GROUPS) * 32;
+        u32 m[4];
+        ldmatrix_x4_trans(m, v_tile + ((linear_offset<C::V_SWIZZLE>(keys, columns, C::BC) + load_lane) ^ load_xor));
+        store_matrix_x4(vt_tile + ((linear_offset<C::VT_SWIZZLE>(columns, keys, C::DV) + store_lane) ^ store_xor),
+                        __byte_perm(m[0], m[1], even), __byte_perm(m[0], m[1], even ^ 0x1111u),
+                        __byte_perm(m[2], m[3], even), __byte_perm(m[2], m[3], even ^ 0x1111u));
     }
 }
 
@@ -139,14 +147,43 @@ __device__ __forceinline__ Fp8Descales fp8_descales(const float* __restrict__ q_
     }
 }
 
-// S *= q descale * k descale of this kv tile: the softmax then scales true scores.
+// The descale of tile `tile`'s raw scores (q descale * k descale): true score = raw * it.
 template <class C>
-__device__ __forceinline__ void descale_scores(float (&s)[C::M_TILES][C::S_TILES][4], const Fp8Descales& d, int tile) {
-    const float qk = C::DESCALE == 2 ? d.qk * d.k_tiles[tile] : d.qk;
+__device__ __forceinline__ float score_descale(const Fp8Descales& d, int tile) {
+    return C::DESCALE == 2 ? d.qk * d.k_tiles[tile] : d.qk;
+}
+
+// attention.cuh's online softmax on raw e4m3 scores: the descale `qk` rides on the softmax scale (one FFMA per
+// score, as without it), the running max m is kept in true scores (raw max * qk: descales are positive, so the
+// raw max is the true one's), and the exponent is offset by P_LOG2 so P leaves as P_SCALE * exp(scale (s - m)),
+// in e4m3's range for pack_p with no multiply. l sums the same P, so O / l is unchanged and the epilogue takes
+// P_SCALE out of LSE alone (fp8_finish).
+template <class C>
+__device__ __forceinline__ void fp8_softmax_update(float (&s)[C::M_TILES][C::S_TILES][4],
+                                                   float (&row_max)[C::M_TILES][2], float (&row_sum)[C::M_TILES][2],
+                                                   float (&alpha)[C::M_TILES][2], float qk) {
+    const float score_log2 = qk * C::SCALE_LOG2;   // raw score -> log2 units
 #pragma unroll
-    for (int nt = 0; nt < C::S_TILES; ++nt)
+    for (int h = 0; h < 2; ++h) {
+        float raw_max = NEG_INF;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][nt][e] *= qk;
+        for (int nt = 0; nt < C::S_TILES; ++nt) raw_max = fmaxf(raw_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+        const float m_new = fmaxf(row_max[0][h], quad_max(raw_max) * qk);
+        // A row with every key masked so far keeps m = -inf; use 0 so exp never sees -inf - -inf.
+        const float m_scaled = m_new == NEG_INF ? 0.f : m_new * C::SCALE_LOG2;
+        alpha[0][h] = fast_exp2(row_max[0][h] * C::SCALE_LOG2 - m_scaled);
+        row_max[0][h] = m_new;
+        const float offset = m_scaled - C::P_LOG2;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < C::S_TILES; ++nt)
+#pragma unroll
+            for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], score_log2, -offset));
+                sum += s[0][nt][e];
+            }
+        row_sum[0][h] = row_sum[0][h] * alpha[0][h] + sum;
+    }
 }
 
 // Per block, O holds sum P V / v descale of the tile last added: moving on to `tile`, O's rescale (alpha)
@@ -162,13 +199,16 @@ __device__ __forceinline__ void carry_v_descale(float (&alpha)[C::M_TILES][2], c
     }
 }
 
-// O *= v descale (per block: the last tile's) / P_SCALE, before the epilogue divides by l.
+// Before the epilogue divides O by l: O *= v descale (per block: the last tile's), and m loses P_SCALE's share of
+// l (LSE = scale m + log l, l summed P_SCALE times the weights).
 template <class C>
-__device__ __forceinline__ void descale_output(float (&o)[C::M_TILES][C::O_TILES][4], const Fp8Descales& d, int last_tile) {
+__device__ __forceinline__ void fp8_finish(float (&o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                           const Fp8Descales& d, int last_tile) {
     const float v = C::DESCALE == 2 ? (last_tile >= 0 ? d.v_tiles[last_tile] : 0.f) : d.v;
-    const float scale = v / C::P_SCALE;
 #pragma unroll
     for (int nd = 0; nd < C::O_TILES; ++nd)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][nd][e] *= scale;
+        for (int e = 0; e < 4; ++e) o[0][nd][e] *= v;
+    row_max[0][0] -= C::P_SCALE_UNITS;
+    row_max[0][1] -= C::P_SCALE_UNITS;
 }

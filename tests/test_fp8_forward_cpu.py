@@ -22,7 +22,7 @@ attention t {{
     schedule {{
         order q, kv
         tile q = 128, kv = {kv}
-        warpgroups producer 1 regs 32, consumer 2 regs 232
+        warpgroups producer 1 regs 40, consumer 2 regs 232
         pipeline 2 stages via tma
         {schedule}
     }}
@@ -38,7 +38,7 @@ def test_e4m3_spec_defaults_and_name():
     spec = hopper()
     p = spec.problem
     assert p.fp8 and p.dtype is DType.E4M3 and p.output_dtype is DType.BF16 and p.descales is Descale.PER_HEAD
-    assert spec.kernel_name == "hopper_d128_e4m3_dsh_q128_kv128_p1r32_c2r232_s2tma"
+    assert spec.kernel_name == "hopper_d128_e4m3_dsh_q128_kv128_p1r40_c2r232_s2tma"
     # the defaults written out are the same kernel
     assert hopper(extra="out_dtype = bf16\n descale = per_head").kernel_name == spec.kernel_name
     other = hopper(extra="out_dtype = fp16\n descale = per_block")
@@ -61,7 +61,6 @@ def test_fp8_settings_refused_where_written(text, where, message):
 
 @pytest.mark.parametrize("extra, schedule, key, message", [
     ("", "launch dynamic", "launch", "launch dynamic"),
-    ("", "overlap intra", "overlap", "intra-warpgroup overlap"),
     ("layout = varlen", "", "layout", "batched sequences"),
     ("softcap = 30", "", "softcap", "score and mask modifications"),
 ])
@@ -69,6 +68,24 @@ def test_fp8_refuses_what_its_template_lacks(extra, schedule, key, message):
     with pytest.raises(SpecError) as err:
         lower(hopper(extra=extra, schedule=schedule))
     assert message in err.value.message
+
+
+@pytest.mark.parametrize("overlap", ["intra", "pingpong", "pingpong, intra"])
+def test_fp8_overlaps_lower(overlap):
+    """Intra overlap peels the first tile's Q K^T and the last tile's P V, and holds tile j-1's e4m3 P fragments
+    (Bc/8 registers) beside S_j; ping-pong passes turns. The kernel reads the descale of the tile each op works on."""
+    spec = hopper(schedule=f"overlap {overlap}")
+    plan = lower(spec)
+    source = render(plan)
+    intra = "intra" in overlap
+    peeled = (plan.loop_start, bool(plan.prologue), bool(plan.epilogue))
+    assert peeled == ((1, True, True) if intra else (0, False, False))
+    registers = {r.name: r.amount for r in layout_of(spec).registers}
+    assert registers.get("P fragments") == (128 // 8 if intra else None)
+    assert "fp8_softmax_update<C>(acc_s, row_max, row_sum, alpha, score_descale<C>(descales, tile));" in source
+    if intra:   # O *= alpha_{j-1} in trip j: the V descale ratio of tile j-1's P V
+        assert "carry_v_descale<C>(alpha, descales, tile_begin + (it - 1 - it_base), tile_begin);" in source
+    assert ("named_barrier_arrive(C::TURN_BAR" in source) == ("pingpong" in overlap)
 
 
 @pytest.mark.parametrize("d, kv, message", [(96, 128, "head dims 64, 128, 256"), (128, 96, "tile kv = 96")])

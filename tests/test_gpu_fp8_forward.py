@@ -14,12 +14,15 @@ and tiledsl.quantize_fp8:
 * masks none / causal / window, seqlens 1, 17, 1000, 4097, GQA, kv_lens with 0, per tensor / head / block
   descales, Hadamard rotation, NaN-poisoned outputs (torch.full NaN out=) ;
 * quantize_fp8 against its NumPy model (reference/fp8.quantize_model, rotate_rows): bytes and descales equal;
+* every schedule of FP8_VARIANTS (what the bench's --variants times) against the same reference, none and causal,
+  per head and per block descales, GQA, a ragged kv_lens;
 * one compute-sanitizer memcheck of a small case.
 
     python -m pytest -m gpu tests/test_gpu_fp8_forward.py
 """
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import numpy as np
@@ -27,7 +30,7 @@ import pytest
 
 import tiledsl
 from tiledsl.dispatch.kernels import kernel_for
-from tiledsl.dispatch.tuned import fp8_descale_kind, fp8_spec
+from tiledsl.dispatch.tuned import FP8_VARIANTS, fp8_descale_kind, fp8_spec
 from tiledsl.runtime.device import device_arch
 from tiledsl.spec import Descale, DType, Mask
 from tiledsl.errors import RuntimeInputError
@@ -106,6 +109,31 @@ def test_fp8_attention_against_dequantized_reference(torch, d, mask, q_len, kv_l
     user_o, _ = naive_attention(q.double().cpu().numpy(), k.double().cpu().numpy(), v.double().cpu().numpy(),
                                 kv_lens=lens, **mask_kw)
     assert _relative(got, user_o) <= TOL_USER
+
+
+@pytest.mark.parametrize("d, variant", [(d, name) for d, names in FP8_VARIANTS.items() for name in names])
+@pytest.mark.parametrize("mask, block", [("none", None), ("causal", "block")])
+def test_fp8_variant_against_dequantized_reference(torch, d, variant, mask, block):
+    """Each variant's kernel (intra overlap, ping-pong: their peeled first and last tiles, the V descale carried
+    across tiles by the rescale of the tile before) on several kv tiles with a ragged last one and kv_lens."""
+    schedule = FP8_VARIANTS[d][variant]
+    q, k, v = _inputs(torch, 2, 4, 2, 300, 1000, d)
+    blocks = (schedule.tile_q, schedule.tile_kv) if block else None
+    q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v, block=blocks)
+    spec = fp8_spec(device_arch(), d, Mask(mask), None, None, fp8_descale_kind(qs, ks, vs), DType.BF16)
+    spec = dataclasses.replace(spec, name=f"{spec.name}_{variant}", schedule=schedule)
+    kv_lens = torch.tensor([1000, 517], dtype=torch.int32, device="cuda")
+    out = torch.full((2, 4, 300, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((2, 4, 300), float("nan"), dtype=torch.float32, device="cuda")
+    kernel_for(spec)(q8, k8, v8, kv_lens=kv_lens, out=out, lse=lse, q_descale=qs, k_descale=ks, v_descale=vs)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = fp8_kernel_attention(spec, _bytes(q8), _bytes(k8), _bytes(v8), qs.cpu().numpy(),
+                                          ks.cpu().numpy(), vs.cpu().numpy(), kv_lens=kv_lens.cpu().numpy())
+    error = _relative(out.float().cpu().numpy(), ref_o)
+    assert error <= TOL_O, f"{variant}: O is {error:.3e} normwise from the kernel's arithmetic (bound {TOL_O})"
+    got_lse, finite = lse.cpu().numpy(), np.isfinite(ref_lse)
+    assert (np.isfinite(got_lse) == finite).all()
+    assert np.abs(got_lse[finite] - ref_lse[finite]).max(initial=0) <= TOL_LSE
 
 
 def test_fp16_output_and_refusals(torch):

@@ -231,7 +231,7 @@ def _fp8_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
                 return (key, f"{key} belongs to FP8 attention (dtype = e4m3); this kernel's inputs are "
                         f"{p.dtype.value}", f"write `dtype = e4m3`, or remove `{key}`")
         return None
-    hopper = "add `warpgroups producer 1 regs 32, consumer 2 regs 232` and `pipeline 2 stages via tma` (hopper)"
+    hopper = "add `warpgroups producer 1 regs 40, consumer 2 regs 232` and `pipeline 2 stages via tma` (hopper)"
     if spec.family is not Family.HOPPER:
         return ("dtype", f"dtype = e4m3 (FP8 Q, K and V on e4m3 wgmma) is only for the hopper family; this kernel "
                 f"is {spec.family.value}", hopper + ", or write `dtype = bf16`")
@@ -243,9 +243,6 @@ def _fp8_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
     if s.launch is LaunchKind.DYNAMIC:
         return ("launch", "FP8 attention's producer transposes V for the items it walks by itself; `launch "
                 "dynamic` hands items out at run time", "write `launch persistent` or `launch grid`")
-    if s.intra_overlap:
-        return ("overlap", "the FP8 kernel runs its two GEMMs in order: intra-warpgroup overlap has no e4m3 "
-                "template yet", "write `overlap pingpong`, or remove `overlap`")
     return None
 
 

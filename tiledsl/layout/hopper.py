@@ -122,8 +122,10 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
                           formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty, V^T full x "
                                   f"{s.stages})"))
     smem = bar_offset + MBARRIER_BYTES * barriers
+    # Under intra overlap tile j-1's e4m3 P fragments (4 keys a register) live while S_j is computed.
+    p_fragments = [Registers("P fragments", bc // 8, f"Bc/8 = {bc}/8", True)] if s.intra_overlap else []
     registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
-                 Registers("S/P accumulator", bc // 2, f"Bc/2 = {bc}/2", True),
+                 Registers("S/P accumulator", bc // 2, f"Bc/2 = {bc}/2", True), *p_fragments,
                  Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
     return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
                   launch_registers=entry_registers(limits, threads),

@@ -80,7 +80,8 @@ class HopperPlan(KernelPlan):
 HOPPER_SHARED = KV_SHARED + (O_SHARED, SharedBuffer("barriers", "BAR_OFFSET"))
 FP8_SHARED = HOPPER_SHARED + (SharedBuffer("vt", "VT_OFFSET", "VT_STAGE_BYTES"),)   # FP8: V^T's ring
 # P's largest weight after the softmax is 1; scaled by P_SCALE before its e4m3 conversion it uses e4m3's range
-# down to 2^-17 instead of flushing weights under 2^-9 to zero (448 is e4m3's largest value). O divides it out.
+# down to 2^-17 instead of flushing weights under 2^-9 to zero (448 is e4m3's largest value). The softmax makes
+# it P_SCALE times larger by an exponent offset; l is summed the same, so O / l divides it out.
 FP8_P_SCALE = 256.0
 DESCALE_KIND = {Descale.PER_TENSOR: 0, Descale.PER_HEAD: 1, Descale.PER_BLOCK: 2}   # C::DESCALE (hopper_fp8.cuh)
 WORK_ITEM_SHARED = SharedBuffer("work_item", "ITEM_OFFSET")            # `launch dynamic`: the item slot
@@ -254,7 +255,10 @@ def fp8_constants(spec: KernelSpec, lay: Layout) -> list[Constant]:
         Constant("VT_PANEL_BYTES", "u32", dv * fp8_swizzle(bc), "VT_SWIZZLE bytes of every V^T row"),
         Constant("VT_FULL_BAR", "int", 2 + 4 * s.stages, "V^T of a stage written (the transposers' arrivals)"),
         Constant("TRANSPOSERS", "int", FP8_TRANSPOSERS * WARP_THREADS, "producer threads that transpose V"),
-        Constant("P_SCALE", "float", FP8_P_SCALE, "P's weights scaled into e4m3's range before conversion"),
+        Constant("P_LOG2", "float", math.log2(FP8_P_SCALE), "log2(P_SCALE): the softmax's exponent offset, P = "
+                 "P_SCALE x its weights, in e4m3's range before conversion"),
+        Constant("P_SCALE_UNITS", "float", math.log(FP8_P_SCALE) / p.scale, "log(P_SCALE) / scale: P_SCALE's share "
+                 "of l in m's units (LSE = scale m + log l)"),
         Constant("DESCALE", "int", DESCALE_KIND[p.descales], "descales: 0 per tensor, 1 per (batch, kv head), 2 per "
                  "Q tile of (batch, head) and per K / V tile of (batch, kv head)"),
     ]
