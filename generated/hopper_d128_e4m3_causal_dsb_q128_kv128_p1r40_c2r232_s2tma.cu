@@ -930,10 +930,12 @@ __device__ __forceinline__ Fp8Descales fp8_descales(const float* __restrict__ q_
     }
 }
 
-// The descale of tile `tile`'s raw scores (q descale * k descale): true score = raw * it.
+// The descale of tile `tile`'s raw scores (q descale * k descale): true score = raw * it. At least the least
+// normal float: a zero descale (an all-zero tensor's) must not turn a masked raw score's -inf into -inf * 0 = NaN.
+constexpr float LEAST_NORMAL_FLOAT = 1.17549435e-38f;
 template <class C>
 __device__ __forceinline__ float score_descale(const Fp8Descales& d, int tile) {
-    return C::DESCALE == 2 ? d.qk * d.k_tiles[tile] : d.qk;
+    return fmaxf(C::DESCALE == 2 ? d.qk * d.k_tiles[tile] : d.qk, LEAST_NORMAL_FLOAT);
 }
 
 // attention.cuh's online softmax on raw e4m3 scores: the descale `qk` rides on the softmax scale (one FFMA per

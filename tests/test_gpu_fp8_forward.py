@@ -157,6 +157,21 @@ def test_fp16_output_and_refusals(torch):
                           v_descale=torch.ones(1, 2, 2, device="cuda"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_zero_score_descale_gives_uniform_weights(torch, causal):
+    """q_descale 0 (an all-zero Q's): every true score is 0, so each row averages the values it sees; masked keys
+    stay out (their raw -inf must not become -inf * 0 = NaN)."""
+    q, k, v = _inputs(torch, 1, 2, 2, 200, 200, 128)
+    q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
+    o = tiledsl.attention(q8, k8, v8, causal=causal, q_descale=torch.zeros_like(qs), k_descale=ks, v_descale=vs)
+    values = v8.float() * vs.view(1, -1, 1, 1)
+    if causal:
+        ref = values.cumsum(2) / torch.arange(1, 201, device="cuda").view(1, 1, -1, 1)
+    else:
+        ref = values.mean(2, keepdim=True).expand_as(values)
+    assert torch.isfinite(o).all() and _relative(o.float().cpu().numpy(), ref.double().cpu().numpy()) < 2e-2
+
+
 @pytest.mark.parametrize("block", [None, "tensor", 128, (128, 64)])
 @pytest.mark.parametrize("rotate", [None, "hadamard"])
 def test_quantize_fp8_matches_its_numpy_model(torch, block, rotate):
