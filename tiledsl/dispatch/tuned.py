@@ -290,10 +290,10 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
 
 # FP8 prefill (dtype = e4m3): per head dim, the schedules the bench times side by side (bench/fp8_forward_bench.py
 # --variants) and, in TUNED_FP8, the one attention() runs: the fastest over none and causal at 16k tokens
-# (bench/NOTES.md has the numbers); at d64 intra overlap costs more than it hides. The producer keeps 40 registers for its V-transposing
-# warps, the consumers 232 each; d256 takes kv tiles of 64 (two stages of K, V, V^T and O's staging fit 227 KB).
-# kv 256 at d128 does not fit (two stages of K, V, V^T are 192 KB, with Q and O's staging 240 KB). Per-block
-# descales are one per tile.
+# (bench/NOTES.md has the numbers); at d64 intra overlap costs more than it hides. The producer keeps 40 registers
+# for its V-transposing warps, the consumers 232 each; d256 takes kv tiles of 64 (two stages of K, V, V^T and O's
+# staging fit 227 KB). kv 256 at d128 does not fit (two stages of K, V, V^T are 192 KB, with Q and O's staging 240
+# KB). Per-block descales are one per tile.
 def fp8_schedule(tile_kv: int, pingpong: bool = False, intra: bool = False) -> Schedule:
     return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA,
                     producer_warpgroups=1, producer_regs=40, consumer_warpgroups=2, consumer_regs=232,
