@@ -9,7 +9,8 @@ with `layout = varlen`) on the GPU:
   causal / window, GQA, d 64 / 128 / 256, per-tensor and per-(sequence, kv head) descales, bf16 and fp16 O,
   persistent and one-block-per-item launches; outputs NaN-poisoned with guard rows either side;
 * varlen_attention given max_seqlen_q / max_seqlen_k (no host read, the bounded work list) gives the same bits,
-  with no host sync; its refusals name the tensor; one compute-sanitizer memcheck of small launches.
+  with no host sync; its refusals name the tensor; quantize_fp8's per-tensor output of packed tensors read as
+  strided views; one compute-sanitizer memcheck of small launches.
 
     python -m pytest -m gpu tests/test_gpu_fp8_varlen.py
 """
@@ -165,6 +166,31 @@ def test_fp8_varlen_runs_without_host_sync_and_refuses_bad_descales():
         tiledsl.varlen_attention(q8, k8, v8, cu_q, cu_k, q_descale=qs[:, :, None], k_descale=ks, v_descale=vs)
     with pytest.raises(RuntimeInputError, match="k is bf16"):
         tiledsl.varlen_attention(q8, k8.view(torch.uint8).to(torch.bfloat16), v8, cu_q, cu_k, q_descale=qs)
+
+
+def test_quantize_fp8_of_packed_tensors_per_tensor_feeds_varlen_in_place():
+    """The README's recipe: the packed tensors quantized as one batch entry (block="tensor"), their e4m3 results
+    passed back as strided (total, heads, d) views."""
+    import torch
+
+    import tiledsl
+    from tiledsl.reference.fp8 import varlen_fp8_kernel_attention
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.serving.varlen import fp8_varlen_spec
+    lens = [17, 300, 1, 0, 129]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 64, device="cuda").to(torch.bfloat16) for h in (4, 2, 2))
+    batched = tiledsl.quantize_fp8(*(x[None].transpose(1, 2) for x in (q, k, v)), block="tensor")
+    q8, k8, v8 = (x[0].transpose(0, 1) for x in batched[:3])
+    assert not q8.is_contiguous() and q8.shape == q.shape
+    o = tiledsl.varlen_attention(q8, k8, v8, cu, cu, causal=True, q_descale=batched[3], k_descale=batched[4],
+                                 v_descale=batched[5])
+    torch.cuda.synchronize()
+    spec = fp8_varlen_spec(device_arch(), 64, Mask.CAUSAL, None, None, Descale.PER_TENSOR, DType.BF16)
+    raw = [x.contiguous().view(torch.uint8).cpu().numpy() for x in (q8, k8, v8)]
+    ref_o, _ = varlen_fp8_kernel_attention(spec, *raw, cu.cpu().numpy(), cu.cpu().numpy(),
+                                           *(x.cpu().numpy() for x in batched[3:]))
+    assert _relative(o.float().cpu().numpy(), ref_o) <= TOL_O
 
 
 def test_memcheck_small_fp8_varlen_launches(tmp_path):
