@@ -70,8 +70,8 @@ def _poisoned(total_q, heads, dv, dtype):
     import torch
     out_buf = torch.full((total_q + 2 * GUARD, heads, dv), float("nan"), device="cuda", dtype=dtype)
     lse_buf = torch.full((heads * (total_q + 2 * GUARD),), float("nan"), device="cuda", dtype=torch.float32)
-    return out_buf[GUARD:GUARD + total_q], lse_buf[GUARD * heads:GUARD * heads + heads * total_q].view(heads, total_q), \
-        out_buf, lse_buf
+    lse = lse_buf[GUARD * heads:GUARD * heads + heads * total_q].view(heads, total_q)
+    return out_buf[GUARD:GUARD + total_q], lse, out_buf, lse_buf
 
 
 def _relative(a, b):

@@ -260,7 +260,14 @@ def missing_template(spec: KernelSpec) -> str:
     if refusal:
         return f"{refusal[1]} has no CUDA template yet for the {spec.family.value} family"
     refusal = _mods_refusal(spec)
-    return f"{refusal[1]} have no CUDA template yet for the {spec.family.value} family" if refusal else ""
+    if not refusal:
+        return ""
+    # the family's batched 16-bit kernels spell some (BUILT_MODS): say which of its kernels lack them
+    kernels = " and ".join(([f"{spec.problem.dtype.value} (FP8)"] if spec.problem.fp8 else [])
+                           + (["varlen"] if spec.problem.seq_layout is SeqLayout.VARLEN else []))
+    which = f"the {spec.family.value} family's {kernels} kernels" if kernels and spec.family in BUILT_MODS else \
+        f"the {spec.family.value} family"
+    return f"{refusal[1]} have no CUDA template yet for {which}"
 
 
 def row_for(spec: KernelSpec) -> Row:

@@ -20,7 +20,8 @@ class Quantization:
     folded: str                                    # where the descales enter the kernel's arithmetic
     shapes: tuple[tuple[str, tuple[int, ...]], ...]   # (q_descale, shape), ... for the explained launch
     p_scale: float                                 # P's factor before its e4m3 conversion
-    transposers: int                               # producer threads that write V^T
+    transposer_warps: int                          # the producer's warps 1.. that write V^T
+    transposers: int                               # their threads
     vt_stage_bytes: int
     vt_stages: int
     vt_swizzle: int                                # bytes of one swizzled V^T row
@@ -49,8 +50,8 @@ def quantization(spec: KernelSpec, layout, batch: int, heads: int, kv_heads: int
     shapes = descale_shapes(p.descales, Shapes(batch, heads, kv_heads, seqlen_q, seqlen_kv), s.tile_q, s.tile_kv)
     vt = layout.buffer("V^T")
     return Quantization(p.descales, granularity, folded, tuple(zip(FP8_DESCALES, shapes)), FP8_P_SCALE,
-                        FP8_TRANSPOSERS * WARP_THREADS, vt.stage_bytes, vt.stages, fp8_swizzle(s.tile_kv),
-                        p.output_dtype)
+                        FP8_TRANSPOSERS, FP8_TRANSPOSERS * WARP_THREADS, vt.stage_bytes, vt.stages,
+                        fp8_swizzle(s.tile_kv), p.output_dtype)
 
 
 def bf16_problem(problem: Problem) -> Problem:
@@ -80,9 +81,9 @@ def quantization_lines(q: Quantization, rows: list[dict], human) -> list[str]:
              f"        {q.folded}",
              f"    P: scaled by {q.p_scale:g} into e4m3's range and rounded to e4m3 (nearest, saturating) before "
              "P V; l sums P unrounded; O divides the scale out",
-             f"    V: transposed on chip: {q.transposers} producer threads (warps 1..{q.transposers // 32}) write each V "
-             f"tile as V^T (dv rows of Bc key bytes, {q.vt_swizzle} B swizzle; {q.vt_stages} x {q.vt_stage_bytes} B), "
-             "K-major as e4m3 wgmma reads its B operand; P V waits for V^T's barrier",
+             f"    V: transposed on chip: {q.transposers} producer threads (warps 1..{q.transposer_warps}) write each "
+             f"V tile as V^T (dv rows of Bc key bytes, {q.vt_swizzle} B swizzle; {q.vt_stages} x "
+             f"{q.vt_stage_bytes} B), K-major as e4m3 wgmma reads its B operand; P V waits for V^T's barrier",
              "    HBM bytes per tensor, this kernel and the same accesses on bf16 inputs:"]
     for r in rows:
         lines.append(f"        {r['mode']:<5} {r['tensor']:<9} {human(r['bytes']):>12} ({r['element_bytes']} B each)   "
@@ -103,5 +104,5 @@ def quantization_dict(q: Quantization) -> dict:
     return {"descale": q.descale.value, "granularity": q.granularity, "folded": q.folded,
             "descale_shapes": {name: list(shape) for name, shape in q.shapes}, "descale_dtype": "fp32",
             "input_dtype": "e4m3", "out_dtype": q.out_dtype.value, "p_scale": q.p_scale, "p_rounded_to": "e4m3",
-            "v_transpose": {"threads": q.transposers, "stage_bytes": q.vt_stage_bytes, "stages": q.vt_stages,
-                            "swizzle_bytes": q.vt_swizzle}}
+            "v_transpose": {"warps": q.transposer_warps, "threads": q.transposers, "stage_bytes": q.vt_stage_bytes,
+                            "stages": q.vt_stages, "swizzle_bytes": q.vt_swizzle}}

@@ -1,7 +1,8 @@
-"""FP8 attention over packed sequences (dtype = e4m3 with layout = varlen, the hopper family) on the CPU: legality
-(per block refused at its line), the lowering and its source (the transposing warps and the consumers' descales read
-the packed work item), nvcc's ptxas report of the API's kernels (no spills), the per-sequence float64 reference and
-the API's refusals before any GPU work."""
+"""FP8 attention's API side on the CPU: packed sequences (dtype = e4m3 with layout = varlen, the hopper family) --
+legality (per block refused at its line), the lowering and its source (the transposing warps and the consumers'
+descales read the packed work item), nvcc's ptxas report of the API's kernels (no spills), the per-sequence float64
+reference -- and the refusals of attention / varlen_attention and the spec checks that say which FP8 kernels lack a
+setting, before any GPU work."""
 from __future__ import annotations
 
 import numpy as np
@@ -66,8 +67,8 @@ def test_the_source_walks_packed_items_in_every_role(d, kv):
     body = source.split('extern "C"')[1]
     # the copying thread, the transposing warps and the consumers all take the packed work item
     assert body.count("work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work);") == 3
-    assert "struct WorkItem { int q0, head, kv_head, seq_q, seq_kv, diag, tile_begin, tile_end, q_row, k_row, batch; };" \
-        in source and "q_start + q0, k_start, sequence};" in source
+    item = "struct WorkItem { int q0, head, kv_head, seq_q, seq_kv, diag, tile_begin, tile_end, q_row, k_row, batch; };"
+    assert item in source and "q_start + q0, k_start, sequence};" in source
     assert "fp8_descales<C>(q_descale, k_descale, v_descale, w, w.seq_q, w.seq_kv, heads, kv_group);" in body
     assert "transpose_v<C>(shared.v(stage), shared.vt(stage), threadIdx.x - 32);" in body
     panel = 64 if d == 64 else 128   # FP8 boxes: rows of up to 128 bytes
@@ -199,3 +200,29 @@ def test_descale_shape_errors_name_the_sequences_axis():
     t = TensorView("k_descale", 0, (2, 2), (2, 1), DType.FP32, 0, None)
     with pytest.raises(RuntimeInputError, match=r"k_descale must have shape \(sequences, kv_heads\) = \(3, 2\)"):
         check_descale(t, "k_descale", Descale.PER_HEAD, (3, 2), 0, "kernel", "sequences")
+
+
+@pytest.mark.parametrize("keywords, match", [
+    ({"softcap": 30.0}, r"FP8 .* no kernel with score or mask modifications \(softcap\)"),
+    ({"mask_mod": "kv_idx <= q_idx"}, r"modifications \(mask_mod\)"),
+    ({"k_scale": 1.0}, "k_scale / v_scale dequantize an FP8 KV cache read by fp16 / bf16 q"),
+])
+def test_attention_refuses_what_fp8_does_not_take_before_launching(keywords, match):
+    import tiledsl
+    q = _Packed((1, 2, 100, 128), "torch.float8_e4m3fn")
+    with pytest.raises(RuntimeInputError, match=match):
+        tiledsl.attention(q, q, q, **keywords)
+
+
+@pytest.mark.parametrize("extra, which", [
+    ("mask = causal & document", "the hopper family's e4m3 (FP8) kernels"),
+    ("layout = varlen\n    softcap = 30", "the hopper family's e4m3 (FP8) and varlen kernels"),
+])
+def test_modification_refusals_name_the_fp8_kernels(extra, which):
+    from tiledsl.families import missing_template
+    batched = SPEC.replace("    layout = varlen\n", "").replace("    mask = causal\n", "")
+    spec = parse_text(batched.format(d=128, kv=128, extra=extra))[0]
+    assert missing_template(spec).endswith(f"have no CUDA template yet for {which}")
+    with pytest.raises(SpecError) as err:
+        lower(spec)
+    assert err.value.message.endswith(f"have no CUDA template yet for {which}")
