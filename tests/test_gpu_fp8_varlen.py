@@ -9,8 +9,8 @@ with `layout = varlen`) on the GPU:
   causal / window, GQA, d 64 / 128 / 256, per-tensor and per-(sequence, kv head) descales, bf16 and fp16 O,
   persistent and one-block-per-item launches; outputs NaN-poisoned with guard rows either side;
 * varlen_attention given max_seqlen_q / max_seqlen_k (no host read, the bounded work list) gives the same bits,
-  with no host sync; its refusals name the tensor; quantize_fp8's per-tensor output of packed tensors read as
-  strided views; one compute-sanitizer memcheck of small launches.
+  with no host sync, and so does VarlenAttention's planned run; its refusals name the tensor; quantize_fp8's
+  per-tensor output of packed tensors read as strided views; one compute-sanitizer memcheck of small launches.
 
     python -m pytest -m gpu tests/test_gpu_fp8_varlen.py
 """
@@ -166,6 +166,23 @@ def test_fp8_varlen_runs_without_host_sync_and_refuses_bad_descales():
         tiledsl.varlen_attention(q8, k8, v8, cu_q, cu_k, q_descale=qs[:, :, None], k_descale=ks, v_descale=vs)
     with pytest.raises(RuntimeInputError, match="k is bf16"):
         tiledsl.varlen_attention(q8, k8.view(torch.uint8).to(torch.bfloat16), v8, cu_q, cu_k, q_descale=qs)
+
+
+def test_planned_fp8_varlen_run_matches_the_call():
+    import torch
+
+    import tiledsl
+    q_lens, k_lens = [300, 1, 17, 0, 129], [1000, 5, 17, 64, 129]
+    _, (q8, k8, v8), (qs, ks, vs), (cu_q, cu_k), (cu_qd, cu_kd), _ = make_case(q_lens, k_lens, 8, 2, 128, False, 4)
+    wrapper = tiledsl.VarlenAttention(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.float8_e4m3fn,
+                                      device="cuda", max_batch=8, causal=True, out_dtype=torch.float16)
+    wrapper.plan(cu_q, cu_k)
+    out = torch.full((q8.shape[0], 8, 128), float("nan"), dtype=torch.float16, device="cuda")
+    with no_host_sync():
+        got = wrapper.run(q8, k8, v8, out=out, q_descale=qs, k_descale=ks, v_descale=vs)
+    expected = tiledsl.varlen_attention(q8, k8, v8, cu_qd, cu_kd, causal=True, q_descale=qs, k_descale=ks,
+                                        v_descale=vs, out_dtype=torch.float16)
+    assert got is out and torch.equal(out, expected)
 
 
 def test_quantize_fp8_of_packed_tensors_per_tensor_feeds_varlen_in_place():
