@@ -66,10 +66,10 @@ def test_the_source_walks_packed_items_in_every_role(d, kv):
     source = render(lower(varlen_fp8(d, kv)))
     body = source.split('extern "C"')[1]
     # the copying thread, the transposing warps and the consumers all take the packed work item
-    assert body.count("work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work);") == 3
-    item = "struct WorkItem { int q0, head, kv_head, seq_q, seq_kv, diag, tile_begin, tile_end, q_row, k_row, batch; };"
-    assert item in source and "q_start + q0, k_start, sequence};" in source
-    assert "fp8_descales<C>(q_descale, k_descale, v_descale, w, w.seq_q, w.seq_kv, heads, kv_group);" in body
+    assert body.count("work_item<C>(item, heads, kv_group, cu_seqlens_q, cu_seqlens_k, work, total_q,") == 3
+    # the descales' row is the item's sequence
+    assert "descale_row{w.sequence, w.head, w.kv_head, w.q0};" in body
+    assert "fp8_descales<C>(q_descale, k_descale, v_descale, descale_row, w.seq_q, w.seq_kv," in body
     assert "transpose_v<C>(shared.v(stage), shared.vt(stage), threadIdx.x - 32);" in body
     panel = 64 if d == 64 else 128   # FP8 boxes: rows of up to 128 bytes
     assert f"k_map, p * {panel}, w.k_row + tile * C::BC, w.kv_head, 0," in body
@@ -80,7 +80,7 @@ def test_16bit_varlen_keeps_its_work_item():
     spec = parse_text(SPEC.replace("dtype = e4m3", "dtype = bf16").format(d=128, kv=128, extra="").replace(
         "regs 32, consumer 2 regs 232", "regs 24, consumer 2 regs 240"))[0]
     source = render(lower(spec))
-    assert "w.batch" not in source and "q_start + q0, k_start};" in source and "descale" not in source
+    assert "w.batch" not in source and "descale" not in source and "transpose_v" not in source
 
 
 @pytest.mark.parametrize("mask", [Mask.NONE, Mask.CAUSAL, Mask.WINDOW])
