@@ -39,7 +39,7 @@ def _quantize(x, cu, kv_heads, per_tensor):
     from tiledsl.reference.fp8 import quantize_model
     if per_tensor:
         raw, descale = quantize_model(x.transpose(1, 0, 2)[None], None, per_tensor=True)
-        return raw[0].transpose(1, 0, 2), descale
+        return np.ascontiguousarray(raw[0].transpose(1, 0, 2)), descale
     raw, descales = np.zeros(x.shape, dtype=np.uint8), []
     for b in range(len(cu) - 1):
         got, descale = quantize_model(x[cu[b]:cu[b + 1]].transpose(1, 0, 2)[None], None, kv_heads=kv_heads)
@@ -178,6 +178,8 @@ def test_planned_fp8_varlen_run_matches_the_call():
                                       device="cuda", max_batch=8, causal=True, out_dtype=torch.float16)
     wrapper.plan(cu_q, cu_k)
     out = torch.full((q8.shape[0], 8, 128), float("nan"), dtype=torch.float16, device="cuda")
+    wrapper.run(q8, k8, v8, out=out, q_descale=qs, k_descale=ks, v_descale=vs)   # prepares the call
+    out.fill_(float("nan"))
     with no_host_sync():
         got = wrapper.run(q8, k8, v8, out=out, q_descale=qs, k_descale=ks, v_descale=vs)
     expected = tiledsl.varlen_attention(q8, k8, v8, cu_qd, cu_kd, causal=True, q_descale=qs, k_descale=ks,
