@@ -1,6 +1,6 @@
 """Every kernel tiledsl can emit, rendered to a folder: the bundled specs (search spaces expanded,
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
-head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen, the backward). A
+head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward). A
 refactor that should change no kernel is checked by rendering before and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
@@ -36,8 +36,8 @@ def api_specs():
     from tiledsl.dispatch.autoschedule import DECODE_HEAD_DIMS, pick_decode, supported_head_dims
     from tiledsl.serving.paged import paged_spec
     from tiledsl.serving.prefill import prefill_spec
-    from tiledsl.serving.varlen import varlen_spec
-    from tiledsl.spec import DType, KvScale, Mask, Problem
+    from tiledsl.serving.varlen import fp8_varlen_spec, varlen_spec
+    from tiledsl.spec import Descale, DType, KvScale, Mask, Problem
     from tiledsl.errors import RuntimeInputError
     masks = ((Mask.NONE, None), (Mask.CAUSAL, None), (Mask.WINDOW, (128, 0)), (Mask.WINDOW, (64, 32)))
     for dtype in (DType.BF16, DType.FP16):
@@ -60,6 +60,10 @@ def api_specs():
                 spec = varlen_spec(ARCH, dtype, d, mask, d, window)
                 if spec is not None:
                     yield "varlen", spec
+                if dtype is DType.BF16:   # FP8 varlen: O in bf16 or fp16 (the output dtype loop)
+                    for out_dtype in (DType.BF16, DType.FP16):
+                        for descale in (Descale.PER_TENSOR, Descale.PER_HEAD):
+                            yield "fp8 varlen", fp8_varlen_spec(ARCH, d, mask, window, None, descale, out_dtype)
         for d in (64, 128, 192, 256):
             for granularity in (KvScale.PER_HEAD, KvScale.PER_TENSOR):
                 for page in (None, 16):

@@ -61,7 +61,7 @@ def test_fp8_settings_refused_where_written(text, where, message):
 
 @pytest.mark.parametrize("extra, schedule, key, message", [
     ("", "launch dynamic", "launch", "launch dynamic"),
-    ("layout = varlen", "", "layout", "batched sequences"),
+    ("layout = varlen\n    descale = per_block", "", "descale", "descale = per_block indexes the tiles"),
     ("softcap = 30", "", "softcap", "score and mask modifications"),
 ])
 def test_fp8_refuses_what_its_template_lacks(extra, schedule, key, message):

@@ -423,3 +423,40 @@ def test_a_size_one_dimension_may_carry_any_stride():
     from tiledsl.runtime.launch import is_compact
     assert is_compact((1, 18), (0, 1)) and is_compact((1, 18), (18, 1)) and is_compact((2, 1, 3), (3, 99, 1))
     assert not is_compact((2, 18), (0, 1)) and not is_compact((2, 3), (1, 2))
+
+
+def test_varlen_attention_fp8_passes_its_descales_and_writes_out_dtype(device):
+    cu = device.index([0, 100, 350, 351])
+    descales = {name: device.tensor((3, 4), "float32") for name in ("q_descale", "k_descale", "v_descale")}
+
+    def fresh():
+        return tuple(device.tensor((351, h, 128), "float8_e4m3fn") for h in (16, 4, 4))
+    call = lambda q, k, v: tiledsl.varlen_attention(q, k, v, cu, cu, 250, 250, causal=True,   # noqa: E731
+                                                    out_dtype="float16", **descales)
+    cold, hot, (name, *_, values), (q, k, v) = warm(device, call, fresh)
+    assert hot == {} and "varlen" in name and "e4m3" in name and "ofp16" in name
+    assert values[0] == q.data_ptr() and values[-3:] == [d.data_ptr() for d in descales.values()]
+    assert str(call(q, k, v).dtype).endswith("float16")
+    with pytest.raises(RuntimeInputError, match=r"k_descale must have shape \(sequences, kv_heads\) = \(3, 4\)"):
+        tiledsl.varlen_attention(q, k, v, cu, cu, 250, 250, **{**descales, "k_descale": device.tensor((2, 4),
+                                                                                                      "float32")})
+
+
+def test_planned_varlen_fp8_run_takes_the_layers_descales(device):
+    varlen = tiledsl.VarlenAttention(num_heads=16, num_kv_heads=4, head_dim=128, dtype="float8_e4m3fn",
+                                     device=device.torch.device("cuda", 0), max_batch=4, causal=True,
+                                     descale="per_tensor")
+    cu = np.array([0, 100, 350, 351], np.int32)
+    varlen.plan(cu, cu)
+    q, k = device.tensor((351, 16, 128), "float8_e4m3fn"), device.tensor((351, 4, 128), "float8_e4m3fn")
+    scales = [device.tensor((1,), "float32") for _ in range(3)]
+    out = varlen.run(q, k, k, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    name, *_, values = device.last()
+    assert "varlen_dst" in name and values[-3:] == [s.data_ptr() for s in scales]
+    assert str(out.dtype).endswith("bfloat16")
+    with pytest.raises(RuntimeInputError, match="descale is 'per_head'"):
+        tiledsl.VarlenAttention(num_heads=16, num_kv_heads=4, head_dim=128, dtype="float8_e4m3fn", device="cuda",
+                                max_batch=4, descale="per_block")
+    with pytest.raises(RuntimeInputError, match="for FP8 attention"):
+        tiledsl.VarlenAttention(num_heads=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", device="cuda",
+                                max_batch=4, out_dtype="float16")

@@ -60,6 +60,11 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
     deterministic = switch("attention", "deterministic", deterministic)
+    fp8 = "float8" in str(getattr(q, "dtype", ""))
+    if fp8 and (k_scale is not None or v_scale is not None):
+        from .errors import RuntimeInputError
+        raise RuntimeInputError("attention: k_scale / v_scale dequantize an FP8 KV cache read by fp16 / bf16 q; "
+                                "float8_e4m3fn q, k, v (FP8 attention) take q_descale, k_descale and v_descale")
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and score_mod is None and mask_mod is None and aux is None):
         from .dispatch.modified import modifications
@@ -68,12 +73,16 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
                         document_bounds=document_bounds, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
+        if mods.active and fp8:
+            from .errors import RuntimeInputError
+            raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
+                                    f"modifications ({', '.join(mods.config())}); pass bf16 or fp16 q, k, v for them")
         if mods.active:
             out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors, validate)
             return (out, lse) if return_lse else out
     if _entry is None:
         _load_entry_points()
-    if "float8" in str(getattr(q, "dtype", "")):
+    if fp8:
         out, lse = _entry.tuned.fp8_forward(q, k, v, causal, window, scale, kv_lens, q_descale, k_descale, v_descale,
                                             out_dtype, validate)
         return (out, lse) if return_lse else out

@@ -31,7 +31,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .spec import KV_DTYPES, Axis, CopyVia, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, SeqLayout
+from .spec import KV_DTYPES, Axis, CopyVia, Descale, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
 
@@ -237,9 +237,12 @@ def _fp8_refusal(spec: KernelSpec) -> tuple[str, str, str] | None:
                 f"is {spec.family.value}", hopper + ", or write `dtype = bf16`")
     if p.kv_dtype is not None:
         return ("kv_dtype", "dtype = e4m3 stores K and V in e4m3 already", "remove `kv_dtype`")
-    if p.seq_layout is not SeqLayout.BATCHED:
-        return ("layout", f"FP8 attention reads batched sequences; layout = {p.seq_layout.value} has no e4m3 "
-                "template yet", "remove `layout`, or write `dtype = bf16`")
+    if p.seq_layout is SeqLayout.VARLEN and p.descales is Descale.PER_BLOCK:
+        # a packed sequence's tiles start at its own first row: per-tile descales would need an offset per
+        # sequence, which the kernel's descale indexing (per tensor, per (sequence, kv head)) does not read
+        return ("descale", "descale = per_block indexes the tiles of equal-length sequences; layout = varlen packs "
+                "sequences of any length, whose tiles have no such index", "write `descale = per_head` (one "
+                "descale per (sequence, kv head)) or `descale = per_tensor`, or remove `layout`")
     if s.launch is LaunchKind.DYNAMIC:
         return ("launch", "FP8 attention's producer transposes V for the items it walks by itself; `launch "
                 "dynamic` hands items out at run time", "write `launch persistent` or `launch grid`")
@@ -254,7 +257,14 @@ def missing_template(spec: KernelSpec) -> str:
     if refusal:
         return f"{refusal[1]} has no CUDA template yet for the {spec.family.value} family"
     refusal = _mods_refusal(spec)
-    return f"{refusal[1]} have no CUDA template yet for the {spec.family.value} family" if refusal else ""
+    if not refusal:
+        return ""
+    # the family's batched 16-bit kernels spell some (BUILT_MODS): say which of its kernels lack them
+    kernels = " and ".join(([f"{spec.problem.dtype.value} (FP8)"] if spec.problem.fp8 else [])
+                           + (["varlen"] if spec.problem.seq_layout is SeqLayout.VARLEN else []))
+    which = f"the {spec.family.value} family's {kernels} kernels" if kernels and spec.family in BUILT_MODS else \
+        f"the {spec.family.value} family"
+    return f"{refusal[1]} have no CUDA template yet for {which}"
 
 
 def row_for(spec: KernelSpec) -> Row:

@@ -1,7 +1,8 @@
 """`tiledsl explain SPEC... [--seqlen N] [--seqlen-kv N] [--batch B] [--heads H] [--name NAME] [--summary]
-[--all] [--dot FILE] [--html FILE]`: print each kernel's loop nest, ops, on-chip budget and HBM traffic
-(`--summary`: its headline numbers), and optionally write the scheduler graphs as Graphviz DOT, one
-digraph per file, and a page that steps through every kernel (cli/html.py).
+[--json] [--all] [--dot FILE] [--html FILE]`: print each kernel's loop nest, ops, on-chip budget and HBM traffic
+(`--summary`: its headline numbers; FP8 kernels: their quantization too; `--json`: one JSON list of every
+explained kernel's sizes, traffic per tensor and quantization), and optionally write the scheduler graphs as
+Graphviz DOT, one digraph per file, and a page that steps through every kernel (cli/html.py).
 
 A search space prints a summary by default: its counts, the rejections grouped by reason, the model's
 best few configs for the shape, and the explanation of the best one; `--all` explains every legal
@@ -10,6 +11,7 @@ status is 2."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=COUNT, default=None, help="kv heads (GQA; default: --heads)")
     parser.add_argument("--name", help="only the attention block with this name")
     parser.add_argument("--summary", action="store_true", help="each kernel's headline numbers only")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON list: each explained kernel's sizes, HBM traffic per tensor (bytes, "
+                             "element sizes; FP8: beside bf16's) and FP8 quantization, or its error")
     parser.add_argument("--all", action="store_true", help="a search space: explain every legal config")
     parser.add_argument("--dot", metavar="FILE", default=None,
                         help="write the scheduler graphs as Graphviz DOT: FILE for one graph, FILE's stem plus the "
@@ -72,6 +77,28 @@ def _explain_args(spec, args) -> dict:
     decode = spec.problem.queries_per_seq is not None   # --seqlen is then the kv cache length
     return dict(batch=args.batch, heads=args.heads, seqlen_q=None if decode else args.seqlen,
                 seqlen_kv=args.seqlen_kv or (args.seqlen if decode else None), kv_heads=args.kv_heads)
+
+
+def kernel_json(spec, batch: int, heads: int, seqlen_q: int | None, seqlen_kv: int | None,
+                kv_heads: int | None) -> dict:
+    """--json's record of one kernel at one shape (SpecError when it is illegal): what the text's budget, traffic
+    and quantization sections say, as numbers."""
+    from ..device_limits import H200
+    from .quantization import quantization, quantization_dict, tensor_rows
+    from .report import explained
+    graph, plan, no_plan, t, (nq, nk) = explained(spec, batch, heads, seqlen_q, seqlen_kv, kv_heads, H200)
+    p, s, lay = spec.problem, spec.schedule, graph.layout
+    fp8 = quantization(spec, lay, batch, heads, kv_heads or heads, nq, nk)
+    return {"name": spec.name, "kernel": spec.kernel_name, "family": spec.family.value, "dtype": p.dtype.value,
+            "out_dtype": p.output_dtype.value, "head_dim": p.head_dim_qk, "head_dim_v": p.head_dim_v,
+            "mask": p.mask.value, "layout": p.seq_layout.value, "tile_q": s.tile_q, "tile_kv": s.tile_kv,
+            "shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads or heads, "seqlen_q": nq, "seqlen_kv": nk},
+            "smem_bytes": lay.smem_bytes, "threads": lay.threads, "register_estimate": lay.register_estimate,
+            "template": plan.template if plan is not None else None, "no_template": no_plan,
+            "hbm": {"read_bytes": t.read_bytes, "write_bytes": t.write_bytes, "bytes": t.bytes,
+                    "standard_bytes": t.standard_bytes, "flops": t.flops, "flops_executed": t.flops_executed,
+                    "tensors": tensor_rows(t, p)},
+            "quantization": quantization_dict(fp8) if fp8 else None}
 
 
 def space_lines(space: SpecSpace, args) -> tuple[list[str], list]:
@@ -135,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         output_target("--html", args.html, "explain.html", make_folders=True)   # the page writer makes them
     items = {path: read_items(path) for path in dict.fromkeys(args.specs)}
     concrete_specs(list(items), args.name, items=items)   # two blocks defining one kernel; --name matching none
-    graphs, refused, first = [], 0, True
+    graphs, refused, first, records = [], 0, True, []
     for path, blocks in items.items():
         for item in blocks:
             if args.name is not None and item.name != args.name:
@@ -143,18 +170,25 @@ def run(args: argparse.Namespace) -> int:
             specs = [item]
             if isinstance(item, SpecSpace):
                 lines, specs = space_lines(item, args)
-                print(f"{path}:")
-                print("\n".join(lines))
+                if not args.json:
+                    print(f"{path}:")
+                    print("\n".join(lines))
             for spec in specs:
                 model_size(spec, args)
-                if not first:
+                if not first and not args.json:
                     print("=" * 100)
                 first = False
                 try:
-                    print(explain(spec, summary=args.summary, **_explain_args(spec, args)), end="")
+                    if args.json:
+                        records.append(kernel_json(spec, **_explain_args(spec, args)))
+                    else:
+                        print(explain(spec, summary=args.summary, **_explain_args(spec, args)), end="")
                 except SpecError as err:
                     # one refused config of a search space should not hide the others
-                    print(f"{spec.kernel_name}: refused (see stderr)")
+                    if args.json:
+                        records.append({"name": spec.name, "kernel": spec.kernel_name, "error": err.message})
+                    else:
+                        print(f"{spec.kernel_name}: refused (see stderr)")
                     print(err.render(), file=sys.stderr)
                     refused += 1
                     continue
@@ -169,8 +203,11 @@ def run(args: argparse.Namespace) -> int:
             except OSError as err:
                 raise CliError(f"--dot {path}: cannot write it ({err.strerror or err})") from None
             print(f"DOT: {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(records, indent=1))
     if args.html:
         from .html import RealShape, write_page
         print(write_page(args.html, args.specs, RealShape(args.batch, args.heads, args.kv_heads, args.seqlen,
-                                                          args.seqlen_kv), args.html_seqlen))
+                                                          args.seqlen_kv), args.html_seqlen),
+              file=sys.stderr if args.json else sys.stdout)   # --json keeps stdout one JSON document
     return 2 if refused else 0

@@ -2,7 +2,8 @@
 
 Four sections, all read from the annotated graph: the loop nest as pseudo-code with the DSL
 line each piece comes from, the ops in emission order, the on-chip budget against the GPU's
-limits, and the HBM traffic and FLOPs next to standard attention's.
+limits, and the HBM traffic and FLOPs next to standard attention's; FP8 kernels add their
+quantization (cli/quantization.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..schedule.graph import ScheduleGraph
 from ..schedule.passes import emission_order, run_passes
 from ..spec import AUTO, Family, KernelSpec
 from ..schedule.traffic import Traffic, hbm_traffic, traffic_by_tensor
+from .quantization import quantization, quantization_lines, summary_line, tensor_rows
 
 WIDTH = 92   # the source tags start at this column (or after the text, when it is longer)
 
@@ -167,16 +169,25 @@ def explained_shape(spec: KernelSpec, seqlen_q: int | None, seqlen_kv: int | Non
     return nq, seqlen_kv or (4096 if spec.problem.queries_per_seq is not None else nq)
 
 
+def explained(spec: KernelSpec, batch: int, heads: int, seqlen_q: int | None, seqlen_kv: int | None,
+              kv_heads: int | None, limits: DeviceLimits):
+    """(graph, plan, why no plan, traffic, (queries, keys)) of `spec` at one shape: what explain and --json read."""
+    graph = run_passes(spec, limits)
+    plan, no_plan = lowered(spec, limits, graph)
+    nq, nk = explained_shape(spec, seqlen_q, seqlen_kv)
+    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan, limits))
+    return graph, plan, no_plan, t, (nq, nk)
+
+
 def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | None = None,
             seqlen_kv: int | None = None, kv_heads: int | None = None, limits: DeviceLimits = H200,
             summary: bool = False) -> str:
     """The full explanation of `spec` for one problem shape (SpecError when it is illegal), or with
     `summary` its headline numbers in a few lines. seqlen q defaults to the decode kernel's queries per
     sequence, else 4096; seqlen kv to seqlen q (4096 for decode)."""
-    graph = run_passes(spec, limits)
-    plan, no_plan = lowered(spec, limits, graph)
-    nq, nk = explained_shape(spec, seqlen_q, seqlen_kv)
-    t = hbm_traffic(graph, batch, heads, nq, nk, kv_heads, limits.sm_count, blocks_per_sm(spec, plan, limits))
+    graph, plan, no_plan, t, (nq, nk) = explained(spec, batch, heads, seqlen_q, seqlen_kv, kv_heads, limits)
+    fp8 = quantization(spec, graph.layout, batch, heads, kv_heads or heads, nq, nk)
+    rows = tensor_rows(t, spec.problem) if fp8 else []
     p, s = spec.problem, spec.schedule
     out = [f"{spec.name}: {spec.kernel_name}",
            f"family {spec.family.value}, {p.dtype.value}, head dim {p.head_dim_qk}/{p.head_dim_v}, mask "
@@ -184,7 +195,10 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
            f"tiles Br={s.tile_q} Bc={s.tile_kv}, {graph.op('mma_qk').mma} tensor cores, "
            f"target {limits.name} ({limits.arch})", ""]
     if summary:
-        return "\n".join(out[:2] + summary_lines(graph, plan, no_plan, t, limits)) + "\n"
+        lines = summary_lines(graph, plan, no_plan, t, limits)
+        if fp8:
+            lines.insert(-1, summary_line(fp8, rows, human))
+        return "\n".join(out[:2] + lines) + "\n"
     if t.splits is not None:
         chosen = "chosen for this shape" if s.split_kv == AUTO else "fixed by the spec"
         out += [f"split kv = {s.split_kv}: {t.splits} splits ({chosen})"
@@ -202,6 +216,7 @@ def explain(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: int | N
     out += ["on-chip budget:"] + ["  " + line for line in budget_lines(graph)] + [""]
     out += generated_kernel_lines(plan, no_plan) + [""]
     out += traffic_lines(graph, t, limits)
+    out += quantization_lines(fp8, rows, human) if fp8 else []
     out += modification_lines(spec, batch, heads, nq, nk)
     out += backward_lines(spec, batch, heads, nq, nk)
     return "\n".join(out) + "\n"

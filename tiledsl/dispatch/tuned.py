@@ -328,19 +328,35 @@ def fp8_descale_kind(q_descale, k_descale, v_descale):
     return Descale.PER_TENSOR
 
 
-def fp8_spec(arch: str, head_dim: int, mask: Mask, window, scale, descale, out_dtype: DType) -> KernelSpec:
-    """The FP8 prefill spec of a call: TUNED_FP8's schedule for the head dim; RuntimeInputError where there is none."""
+def fp8_spec(arch: str, head_dim: int, mask: Mask, window, scale, descale, out_dtype: DType,
+             where: str = "attention") -> KernelSpec:
+    """The FP8 prefill spec of a call: TUNED_FP8's schedule for the head dim; RuntimeInputError (naming `where`, the
+    API call) where there is none."""
     from ..errors import RuntimeInputError
     from ..spec import Descale
     schedule = TUNED_FP8.get((arch.rstrip("a"), head_dim))
     if schedule is None:
-        raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) q, k, v run on the hopper family (sm_90) at head dims "
+        raise RuntimeInputError(f"{where}: FP8 (float8_e4m3fn) q, k, v run on the hopper family (sm_90) at head dims "
                                 f"{', '.join(str(d) for _, d in TUNED_FP8)}; got head dim {head_dim} on {arch}")
     problem = Problem(head_dim, head_dim, DType.E4M3, mask, window_left=window[0] if window else 0,
                       window_right=window[1] if window else 0, softmax_scale=scale,
                       out_dtype=None if out_dtype is DType.BF16 else out_dtype,
                       descale=None if descale is Descale.PER_HEAD else descale)
     return KernelSpec(f"tuned_fp8_d{head_dim}_{mask.value}", problem, schedule)
+
+
+def fp8_out_dtype(out_dtype, where: str) -> DType:
+    """FP8 attention's `out_dtype` (a torch dtype, a DType or its name; None: bf16) as bf16 or fp16; anything else is a
+    RuntimeInputError naming `where`."""
+    from ..errors import RuntimeInputError
+    if out_dtype is None:
+        return DType.BF16
+    name = str(out_dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+    found = next((d for d in (DType.BF16, DType.FP16) if name in (d.value, str(d))), None)
+    if found is None:
+        raise RuntimeInputError(f"{where}: out_dtype of FP8 attention is bf16 or fp16, got "
+                                f"{getattr(out_dtype, 'value', out_dtype)}")
+    return found
 
 
 def fp8_forward(q, k, v, causal: bool = False, window=None, scale=None, kv_lens=None, q_descale=None, k_descale=None,
@@ -352,10 +368,7 @@ def fp8_forward(q, k, v, causal: bool = False, window=None, scale=None, kv_lens=
     from ..runtime.arguments import mask_arguments
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
-    out_dtype = DType.BF16 if out_dtype is None else DType(str(out_dtype).removeprefix("torch.").replace(
-        "bfloat16", "bf16").replace("float16", "fp16"))
-    if out_dtype not in (DType.BF16, DType.FP16):
-        raise RuntimeInputError(f"attention: out_dtype of FP8 attention is bf16 or fp16, got {out_dtype.value}")
+    out_dtype = fp8_out_dtype(out_dtype, "attention")
     key = ("fp8", signature(q), signature(k), signature(v), signature(kv_lens), signature(q_descale),
            signature(k_descale), signature(v_descale), causal, window, scale, out_dtype, validate)
     call = _calls.get(key)

@@ -167,6 +167,29 @@ def fp8_kernel_attention(spec, q_bytes, k_bytes, v_bytes, q_descale, k_descale, 
     return o, lse
 
 
+def varlen_fp8_kernel_attention(spec, q_bytes, k_bytes, v_bytes, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale,
+                                v_descale, round_p: bool = True):
+    """fp8_kernel_attention per packed sequence (the varlen kernel's tiles start at each sequence's first key): q
+    bytes (total_q, heads, d), k and v bytes (total_k, kv_heads, d), cu_seqlens (sequences + 1,); descales one value
+    each (per tensor) or (sequences, kv_heads) each, sequence b reading row b. (o (total_q, heads, dv), lse (total_q,
+    heads)), as reference.serving.varlen_attention returns them."""
+    q_bytes, k_bytes, v_bytes = (np.asarray(x) for x in (q_bytes, k_bytes, v_bytes))
+    cu_q, cu_k = np.asarray(cu_seqlens_q, dtype=np.int64), np.asarray(cu_seqlens_k, dtype=np.int64)
+    descales = [np.asarray(x, dtype=np.float64) for x in (q_descale, k_descale, v_descale)]
+    o = np.zeros(q_bytes.shape[:2] + (v_bytes.shape[2],))
+    lse = np.full(q_bytes.shape[:2], -np.inf)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            continue
+        one = [x if x.size == 1 else x[b:b + 1] for x in descales]   # (1, kv_heads): the sequence's row
+        batched = [x[None, part].transpose(0, 2, 1, 3) for x, part in ((q_bytes, rows), (k_bytes, keys),
+                                                                        (v_bytes, keys))]   # (1, heads, n, d)
+        ob, lb = fp8_kernel_attention(spec, *batched, *one, round_p=round_p)
+        o[rows], lse[rows] = ob[0].transpose(1, 0, 2), lb[0].T
+    return o, lse
+
+
 # -- quantize_fp8's model (runtime/quantize_fp8.py computes the same in float32, in the same order) --------
 E4M3_MAX = 448.0
 

@@ -4,8 +4,10 @@ descale, FlashAttention-3's q_descale / k_descale / v_descale.
 Per tensor: one value each (a 1-element tensor, or None for 1.0). Per head: (batch, kv_heads) each -- Q's too,
 shared by the query heads of a kv head, as FlashAttention-3 has it. Per block: Q's (batch, heads, q tiles),
 K's and V's (batch, kv_heads, kv tiles), one per tile of the kernel's tile sizes (tiledsl.quantize_fp8 with
-block = the kernel's tiles makes them). The kernel indexes them as contiguous arrays; descales are not read on
-the host (a zero or NaN descale gives what it gives, as the reference does).
+block = the kernel's tiles makes them). Packed sequences (layout = varlen) take per tensor or per head, (sequences,
+kv_heads): sequence b's row, FlashAttention-3's varlen convention (per block is refused: families). The kernel
+indexes them as contiguous arrays; descales are not read on the host (a zero or NaN descale gives what it gives, as
+the reference does).
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ def descale_shapes(kind: Descale, shapes: Shapes, tile_q: int, tile_kv: int) -> 
 
 
 def descale_views(b: CallBuilder, first: int, kind: Descale, shapes: Shapes, tile_q: int, tile_kv: int,
-                  kernel: str) -> tuple[TensorView, ...]:
+                  kernel: str, batch_axis: str = "batch") -> tuple[TensorView, ...]:
     """The checked views of the call's descales at positions first.. (FP8_DESCALES order): float32, contiguous, on
     q's GPU, of descale_shapes' shapes (per tensor: any 1-element tensor). None is 1.0 per tensor and per head
-    (ones made once for the prepared call); per block every descale must be given."""
+    (ones made once for the prepared call); per block every descale must be given. `batch_axis` names shapes.batch
+    in the errors ("sequences" for packed ones)."""
     views = []
     for i, (name, shape) in enumerate(zip(FP8_DESCALES, descale_shapes(kind, shapes, tile_q, tile_kv))):
         if len(b.tensors) <= first + i:
@@ -52,7 +55,7 @@ def descale_views(b: CallBuilder, first: int, kind: Descale, shapes: Shapes, til
             b.keep.append(ones)
             from .tensors import view
             t = view(ones, name)
-        views.append(check_descale(t, name, kind, shape, b.device_id, kernel))
+        views.append(check_descale(t, name, kind, shape, b.device_id, kernel, batch_axis))
     return tuple(views)
 
 
@@ -62,7 +65,7 @@ def _dtype_name(x) -> str:
 
 
 def check_descale(t: TensorView, name: str, kind: Descale, shape: tuple[int, ...], device_id: int,
-                  kernel: str) -> TensorView:
+                  kernel: str, batch_axis: str = "batch") -> TensorView:
     if t.dtype is not DType.FP32:
         raise RuntimeInputError(f"{kernel}: {name} must be float32, got {getattr(t.dtype, 'value', t.dtype)}")
     size = 1
@@ -72,8 +75,8 @@ def check_descale(t: TensorView, name: str, kind: Descale, shape: tuple[int, ...
         if size != 1:
             raise RuntimeInputError(f"{kernel}: {name} is per tensor: one value, got shape {t.shape}")
     elif t.shape != shape:
-        what = {Descale.PER_HEAD: "(batch, kv_heads)",
-                Descale.PER_BLOCK: "(batch, heads, q tiles)" if name == "q_descale" else "(batch, kv_heads, kv tiles)"}
+        what = {Descale.PER_HEAD: f"({batch_axis}, kv_heads)", Descale.PER_BLOCK: f"({batch_axis}, heads, q tiles)"
+                if name == "q_descale" else f"({batch_axis}, kv_heads, kv tiles)"}
         raise RuntimeInputError(f"{kernel}: {name} must have shape {what[kind]} = {shape}, got {t.shape}")
     elif not is_compact(t.shape, t.strides):
         raise RuntimeInputError(f"{kernel}: {name} must be contiguous, got strides {t.strides}")

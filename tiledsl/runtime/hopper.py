@@ -216,6 +216,14 @@ class HopperKernel(Kernel):
     def launch_options(self) -> tuple:
         return super().launch_options() + (self.persistent,)
 
+    def map_elements(self) -> tuple[str, str]:
+        """The tensor maps' element kinds (runtime/tensor_maps.ELEMENTS) of (Q and K, V): 16-bit, or e4m3 bytes whose
+        box width follows the head dim."""
+        p = self.spec.problem
+        if p.fp8:
+            return e4m3_element(p.head_dim_qk), e4m3_element(p.head_dim_v)
+        return "uint16", "uint16"
+
     def launches_persistent(self, shapes: Shapes) -> bool:
         """Whether this launch is one block per resident slot (else one per work item)."""
         if self.plan.launch_kind == LaunchKind.GRID.value:
@@ -246,8 +254,7 @@ class HopperKernel(Kernel):
             return
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
         p = self.spec.problem
-        qk_element, v_element = ((e4m3_element(p.head_dim_qk), e4m3_element(p.head_dim_v)) if p.fp8
-                                 else ("uint16", "uint16"))
+        qk_element, v_element = self.map_elements()
         k_map, v_map = ((map_arg(k, tile_kv, qk_element), map_arg(v, tile_kv, v_element)) if shapes.kv_len
                         else (map_arg(q, tile_q, qk_element),) * 2)
         args = (map_arg(q, tile_q, qk_element), k_map, v_map, pointer_arg(o), pointer_arg(lse), pointer_arg(kv_lens),

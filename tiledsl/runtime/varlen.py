@@ -16,6 +16,9 @@ sequence's first row. The work list -- (sequence, query tile) pairs -- comes one
   asks): every sequence's ceil(max_seqlen_q / tile q) tiles, the later (longer, under a causal
   mask) tiles first; a tile past its sequence's end reads no keys and stores no row. Uploaded once
   per (batch, tiles): no sync, capturable in a CUDA graph.
+
+FP8 kernels (dtype = e4m3) take float8_e4m3fn q, k, v and their float32 descales after the outputs: one value
+each, or (sequences, kv_heads) each (runtime/fp8_descales.py); O is the spec's out_dtype.
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ from collections import OrderedDict
 from ..errors import RuntimeInputError
 from ..spec import DType, Mask
 from .arguments import length_bound
+from .fp8_descales import descale_views
 from .hopper import PERSISTENT_MASKED_TILES, HopperKernel
 from .index_checks import add_device_report
-from .inputs import check_operand
+from .inputs import Shapes, check_operand
 from .launch import CallBuilder, SignatureCache, i32, i64, pointer_arg
 from .serving_checks import check_varlen, host
 from .tensor_maps import map_arg
@@ -103,8 +107,9 @@ class VarlenHopperKernel(HopperKernel):
         self._host_calls = SignatureCache(WORK_LISTS * 4)
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None,
-                 *, validate: bool | None = None):
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+                 *, validate: bool | None = None, q_descale=None, k_descale=None, v_descale=None):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.descale_tensors(q_descale, k_descale,
+                                                                                         v_descale)
         max_seqlen_q, max_seqlen_k = (length_bound(self.name, name, value) for name, value in (
             ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
         if max_seqlen_q is not None and max_seqlen_k is not None and not validate:
@@ -198,19 +203,25 @@ class VarlenHopperKernel(HopperKernel):
             work, pairs = self._uploaded(("bounded", batch, tiles, framework, qv.device_id),
                                          lambda: bounded_work_list(batch, tiles), b.like)
         b.keep.append(work)
-        ov = b.output(5, (total_q, heads, p.head_dim_v), p.dtype)
+        ov = b.output(5, (total_q, heads, p.head_dim_v), p.output_dtype)
         lv = b.output(6, (heads, total_q), DType.FP32, contiguous=True)
+        descales = ()
+        if p.fp8:   # per tensor or per (sequence, kv head): the lengths would only size per-block descales
+            descales = descale_views(b, len(self.CALL) - 3, p.descales, Shapes(batch, heads, kv_heads, 0, 0), tile_q,
+                                     tile_kv, self.name, batch_axis="sequences")
         items = pairs * heads
         if total_q == 0 or items == 0:
             return
         qp, kp, vp = packed_view(qv), packed_view(kw), packed_view(vv)
+        qk_element, v_element = self.map_elements()
         # With no keys no K/V tile is loaded; Q's map stands in (a map needs at least one row).
-        k_map, v_map = (map_arg(kp, tile_kv), map_arg(vp, tile_kv)) if kw.shape[0] else (map_arg(qp, tile_q),) * 2
+        k_map, v_map = ((map_arg(kp, tile_kv, qk_element), map_arg(vp, tile_kv, v_element)) if kw.shape[0]
+                        else (map_arg(qp, tile_q, qk_element),) * 2)
         add_device_report(b, True)   # the kernel bounds cu_seqlens by the packed rows and covered_q
-        args = (map_arg(qp, tile_q), k_map, v_map, pointer_arg(ov), pointer_arg(lv), pointer_arg(cu_qv),
+        args = (map_arg(qp, tile_q, qk_element), k_map, v_map, pointer_arg(ov), pointer_arg(lv), pointer_arg(cu_qv),
                 pointer_arg(cu_kv), pointer_arg(view(work, "work")), self.error_word_arg(qv.device_id, b.like),
                 i32(heads), i32(heads // kv_heads), i32(total_q), i32(kw.shape[0]), i32(covered_q),
-                i64(ov.strides[1]), i64(ov.strides[0]), i32(items))
+                i64(ov.strides[1]), i64(ov.strides[0]), i32(items)) + tuple(pointer_arg(t) for t in descales)
         persistent = self.persistent
         if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
             persistent = p.mask is Mask.NONE or -(-most // tile_kv) + 1 <= PERSISTENT_MASKED_TILES
@@ -219,10 +230,11 @@ class VarlenHopperKernel(HopperKernel):
                  args, self.name)
 
     def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None,
-                       lse=None):
+                       lse=None, q_descale=None, k_descale=None, v_descale=None):
         """(out, lse, launches) of one call checked on the host, for benchmarks that replay the launch
         alone (runtime/launch.run_now)."""
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.descale_tensors(q_descale, k_descale,
+                                                                                         v_descale)
         offsets = (host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k"))
         b = self.prepare_call(tensors, immediate=True, host_offsets=offsets, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k)

@@ -17,7 +17,8 @@ A spec's score and mask modifications skip their empty tiles too, as far as the 
 causal / window mask's visible pairs only.
 Paged KV adds the block table: every (q tile, kv tile) step reads the kv tile's page indices,
 ceil(Nq/Br) Nk/page int32 per head when pages hold whole tiles' worth of keys or less.
-Element sizes (`element_bytes`): Q, O in the spec's dtype, K and V in the KV cache's (kv_dtype: 1 byte for e4m3);
+Element sizes (`element_bytes`): Q in the spec's dtype, O in its output type (bf16 or fp16 for FP8 attention), K
+and V in the KV cache's (kv_dtype: 1 byte for e4m3; Q, K and V are e4m3 with dtype = e4m3);
 block-table entries int32; FA1's O state, split partials, m, l and lse in fp32 (accumulator precision: rounding them
 to 16 bits at every step would compound), as are the backward's D and its fp32 workspaces (dQ_accum, dK_accum,
 dV_accum), which the kernels keep in fp32 for the same reason.
@@ -89,6 +90,8 @@ def element_bytes(tensor: str, problem) -> int:
     """Bytes per element of HBM tensor `tensor` (an Access's name) of a spec's problem."""
     if tensor in FP32_TENSORS or tensor in INT32_TENSORS:
         return 4
+    if tensor == "O":
+        return DTYPE_BYTES[problem.output_dtype]
     return DTYPE_BYTES[problem.kv_dtype or problem.dtype] if tensor in ("K", "V") else DTYPE_BYTES[problem.dtype]
 
 
@@ -197,5 +200,13 @@ def traffic_by_tensor(traffic: Traffic) -> dict[tuple[str, str], int]:
     out: dict[tuple[str, str], int] = {}
     for o in traffic.ops:
         out[(o.tensor, o.mode)] = out.get((o.tensor, o.mode), 0) + o.bytes
+    return out
+
+
+def elements_by_tensor(traffic: Traffic) -> dict[tuple[str, str], int]:
+    """Elements per (tensor, mode), in first-seen order (times element_bytes: the bytes of any element types)."""
+    out: dict[tuple[str, str], int] = {}
+    for o in traffic.ops:
+        out[(o.tensor, o.mode)] = out.get((o.tensor, o.mode), 0) + o.elements
     return out
 

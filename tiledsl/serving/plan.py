@@ -258,13 +258,17 @@ class VarlenAttention:
     """Packed variable-length attention planned once per batch and run once per layer (module docstring).
 
     num_heads / num_kv_heads / head_dim: the model's; dtype and device as for PagedAttention;
-    max_batch sequences and max_items work items (query tiles; None: max_batch x 64) bound a plan."""
+    max_batch sequences and max_items work items (query tiles; None: max_batch x 64) bound a plan.
+    dtype float8_e4m3fn is FP8 attention (serving/varlen.py): `descale` "per_head" ((sequences, kv_heads) descales)
+    or "per_tensor" and `out_dtype` (bf16 or fp16) pick its kernel; run() then takes q_descale, k_descale and
+    v_descale (None: 1.0)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype, device, max_batch: int,
                  max_items: int | None = None, causal: bool = False, window: tuple[int, int] | None = None,
-                 scale: float | None = None):
+                 scale: float | None = None, descale: str | None = None, out_dtype=None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_batch = dtype, device, max_batch
+        self.fp8_options = _fp8_options(_dtype(dtype), descale, out_dtype)
         self.max_items = max_items or max_batch * 64
         self.causal, self.window, self.scale = causal, None if window is None else tuple(window), scale
         self.framework = _framework(device)
@@ -299,20 +303,42 @@ class VarlenAttention:
         from ..runtime.tensors import TensorView
         from .varlen import varlen_kernel
         q = TensorView("q", 0, (1, self.num_heads, self.head_dim), (0, 0, 1), _dtype(self.dtype), 0, None)
-        return varlen_kernel(q, q, self.causal, self.window, self.scale)
+        return varlen_kernel(q, q, self.causal, self.window, self.scale, self.fp8_options)
 
-    def run(self, q, k, v, out=None, *, lse=None, return_lse: bool = False):
-        """O (total_q, heads, dv) of the planned batch for one layer's packed q, k, v (into `out`)."""
+    def run(self, q, k, v, out=None, *, lse=None, return_lse: bool = False, q_descale=None, k_descale=None,
+            v_descale=None):
+        """O (total_q, heads, dv) of the planned batch for one layer's packed q, k, v (into `out`); an FP8 wrapper
+        takes the layer's descales."""
         if self.planned is None:
             raise RuntimeInputError("VarlenAttention.run: call plan(cu_seqlens_q, cu_seqlens_k) first")
         total_q, total_k, cu_q, cu_k, work, items, most, kernel = self.planned
-        key = (signature(q), signature(k), signature(v), signature(out), signature(lse), id(work), items, most)
+        descales = kernel.descale_tensors(q_descale, k_descale, v_descale)   # () unless FP8; refused on 16-bit
+        key = (signature(q), signature(k), signature(v), signature(out), signature(lse), id(work), items, most,
+               tuple(map(signature, descales)))
         call = self._calls.get(key)
         if call is None:
             if signature(q)[0][0] != total_q or signature(k)[0][0] != total_k:
                 raise RuntimeInputError(f"VarlenAttention.run: the plan holds {total_q} query and {total_k} key "
                                         f"tokens; q has {signature(q)[0][0]}, k {signature(k)[0][0]}")
-            call = self._calls.put(key, kernel.prepare_call((q, k, v, cu_q, cu_k, out, lse),
+            call = self._calls.put(key, kernel.prepare_call((q, k, v, cu_q, cu_k, out, lse) + descales,
                                                             planned_work=(work, items, most)))
-        out, lse = call(q, k, v, cu_q, cu_k, out, lse)
+        out, lse = call(q, k, v, cu_q, cu_k, out, lse, *descales)
         return (out, lse) if return_lse else out
+
+
+def _fp8_options(dtype: DType, descale: str | None, out_dtype) -> tuple | None:
+    """VarlenAttention's FP8 kernel choice, (descale granularity, O's dtype), or None for 16-bit inputs (which take
+    neither keyword)."""
+    from ..spec import Descale
+    if dtype is not DType.E4M3:
+        if descale is not None or out_dtype is not None:
+            raise RuntimeInputError("VarlenAttention: descale and out_dtype are for FP8 attention (dtype "
+                                    "float8_e4m3fn)")
+        return None
+    from ..dispatch.tuned import fp8_out_dtype
+    kinds = (Descale.PER_HEAD, Descale.PER_TENSOR)   # per block: packed sequences have no tile index (families)
+    kind = Descale.PER_HEAD if descale is None else {k.value: k for k in kinds}.get(getattr(descale, "value", descale))
+    if kind is None:
+        raise RuntimeInputError(f"VarlenAttention: descale is 'per_head' ((sequences, kv_heads) descales) or "
+                                f"'per_tensor' for packed sequences, got {descale!r}")
+    return kind, fp8_out_dtype(out_dtype, "VarlenAttention")

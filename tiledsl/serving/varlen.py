@@ -11,6 +11,10 @@ Given max_seqlen_q and max_seqlen_k (as flash-attn asks), a call reads nothing o
 capturable in a CUDA graph (runtime/varlen.py: the work list then covers every sequence's
 ceil(max_seqlen_q / tile) tiles). Without them, or with `validate=True`, cu_seqlens is copied to the
 host (a sync), checked, and the work list ordered longest first.
+
+FP8 (float8_e4m3fn q, k, v) runs the hopper family's e4m3 kernels with `layout = varlen`: q_descale, k_descale,
+v_descale float32, one value each or (sequences, kv_heads) each (sequence b's row; Q's shared by its kv head's
+query heads, FlashAttention-3's convention), O in out_dtype (bf16 or fp16).
 """
 from __future__ import annotations
 
@@ -41,66 +45,115 @@ _kernels: dict = {}   # (q's and v's signature, mask, scale) -> the varlen kerne
 _calls = SignatureCache()
 
 
+def fp8_varlen_spec(arch: str, head_dim: int, mask: Mask, window, scale, descale, out_dtype: DType):
+    """The FP8 prefill spec (dispatch/tuned.fp8_spec: TUNED_FP8's schedule) with `layout = varlen`."""
+    from ..dispatch.tuned import fp8_spec
+    spec = fp8_spec(arch, head_dim, mask, window, scale, descale, out_dtype, where="varlen_attention")
+    return dataclasses.replace(spec, name=spec.name + "_varlen",
+                               problem=dataclasses.replace(spec.problem, seq_layout=SeqLayout.VARLEN))
+
+
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, *, causal: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, return_lse: bool = False, validate: bool | None = None,
-                     softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None):
+                     softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None,
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention over packed sequences (module docstring). `window=(left, right)` is a sliding
     window around each sequence's bottom-right diagonal; it excludes causal. `max_seqlen_q/k`, when
     both given, bound the lengths and let the call run without host reads; `validate=True` (or
     leaving them out) checks cu_seqlens on the host instead. fp16 or bf16, head dims 64, 128 and 256
     (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors).
     softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's (b: the sequence's index;
-    the sequences are the documents already); no kernel spells them yet: the call checks them and says so."""
+    the sequences are the documents already); no kernel spells them yet: the call checks them and says so.
+    float8_e4m3fn q, k, v are FP8 attention (module docstring): `q_descale`, `k_descale`, `v_descale` (None: 1.0)
+    and `out_dtype` (bf16 or fp16, default bf16); forward only, no modifications."""
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("varlen_attention", "return_lse", return_lse)
-    if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
-            and aux is None):
+    fp8 = "float8" in str(getattr(q, "dtype", ""))
+    modified = not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None
+                    and mask_mod is None and aux is None)
+    fp8_options = _fp8_options(fp8, modified, q_descale, k_descale, v_descale, out_dtype)
+    if modified:
         _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
+    descales = (q_descale, k_descale, v_descale) if fp8 else ()
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
     if bounded:
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
-        key = (tuple(map(signature, tensors[:5])), causal, window, scale, max_seqlen_q, max_seqlen_k)
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None) + descales
+        key = (tuple(map(signature, tensors[:5] + descales)), causal, window, scale, max_seqlen_q, max_seqlen_k,
+               fp8_options)
         call = _calls.get(key)
         if call is None:
-            kernel = _kernel_of(q, v, causal, window, scale)
+            kernel = _kernel_of(q, v, causal, window, scale, fp8_options)
             call = _calls.put(key, kernel.prepare_call(
                 tensors, max_seqlen_q=length_bound("varlen_attention", "max_seqlen_q", max_seqlen_q),
                 max_seqlen_k=length_bound("varlen_attention", "max_seqlen_k", max_seqlen_k)))
         out, lse = call(*tensors)
     else:
-        out, lse = _kernel_of(q, v, causal, window, scale)(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                            max_seqlen_k, validate=validate)
+        kernel = _kernel_of(q, v, causal, window, scale, fp8_options)
+        out, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate,
+                          **dict(zip(("q_descale", "k_descale", "v_descale"), descales)))
     return (out, lse) if return_lse else out
 
 
-def _kernel_of(q, v, causal, window, scale):
-    key = (signature(q), signature(v), causal, window, scale)
+def _fp8_options(fp8: bool, modified: bool, q_descale, k_descale, v_descale, out_dtype) -> tuple | None:
+    """(descale granularity, O's dtype) of an FP8 call, None for 16-bit inputs; FP8's keywords on 16-bit inputs, FP8
+    with modifications and per-block descales are refused, each saying why."""
+    from ..errors import RuntimeInputError
+    given = [x is not None for x in (q_descale, k_descale, v_descale, out_dtype)]
+    if not fp8:
+        if any(given):
+            raise RuntimeInputError("varlen_attention: q_descale, k_descale, v_descale and out_dtype are for FP8 "
+                                    "attention (float8_e4m3fn q, k, v)")
+        return None
+    if modified:
+        raise RuntimeInputError("varlen_attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
+                                "modifications; pass bf16 or fp16 q, k, v for them")
+    from ..dispatch.tuned import fp8_descale_kind, fp8_out_dtype
+    from ..spec import Descale
+    kind = fp8_descale_kind(q_descale, k_descale, v_descale)
+    if kind is Descale.PER_BLOCK:
+        raise RuntimeInputError("varlen_attention: per-block (3-d) descales index the tiles of equal-length "
+                                "sequences; packed sequences take one descale each (per tensor) or (sequences, "
+                                "kv_heads) each (per head)")
+    return kind, fp8_out_dtype(out_dtype, "varlen_attention")
+
+
+def _kernel_of(q, v, causal, window, scale, fp8_options=None):
+    key = (signature(q), signature(v), causal, window, scale, fp8_options)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale)
+        kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale, fp8_options)
     return kernel
 
 
-def _varlen_kernel(q, v, causal, window, scale):
+def _varlen_kernel(q, v, causal, window, scale, fp8_options=None):
     from ..runtime.tensors import view
-    return varlen_kernel(view(q, "q"), view(v, "v"), causal, window, scale)
+    return varlen_kernel(view(q, "q"), view(v, "v"), causal, window, scale, fp8_options)
 
 
-def varlen_kernel(qv, vv, causal: bool, window, scale):
-    """The varlen kernel for packed q, v views (its dtype and head dims) and the mask; refusals name
-    varlen_attention."""
+def varlen_kernel(qv, vv, causal: bool, window, scale, fp8_options: tuple | None = None):
+    """The varlen kernel for packed q, v views (its dtype and head dims) and the mask; `fp8_options`: (descale
+    granularity, O's dtype) of e4m3 q, v (FP8 attention). Refusals name varlen_attention."""
     from ..errors import RuntimeInputError
     from ..runtime.device import device_arch
     from ..dispatch.kernels import kernel_for
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)
-    if qv.dtype not in (DType.FP16, DType.BF16):
-        raise RuntimeInputError(f"varlen_attention: q must be fp16 or bf16, got {getattr(qv.dtype, 'value', qv.dtype)}")
     if len(qv.shape) != 3 or len(vv.shape) != 3:
         raise RuntimeInputError(f"varlen_attention: q and v must be 3-d (total tokens, heads, head_dim), got shapes "
                                 f"{qv.shape} and {vv.shape}")
+    if fp8_options is not None:
+        if qv.dtype is not DType.E4M3 or vv.dtype is not DType.E4M3:
+            raise RuntimeInputError("varlen_attention: FP8 attention takes float8_e4m3fn q, k and v; got q "
+                                    f"{getattr(qv.dtype, 'value', qv.dtype)}, v {getattr(vv.dtype, 'value', vv.dtype)}")
+        if vv.shape[-1] != qv.shape[-1]:
+            raise RuntimeInputError(f"varlen_attention: FP8 attention needs one head dim for q and v; q has "
+                                    f"{qv.shape[-1]}, v {vv.shape[-1]}")
+        return kernel_for(fp8_varlen_spec(device_arch(), qv.shape[-1], mask, window, scale, *fp8_options))
+    if qv.dtype not in (DType.FP16, DType.BF16):
+        raise RuntimeInputError(f"varlen_attention: q must be fp16, bf16 or (FP8 attention) float8_e4m3fn, got "
+                                f"{getattr(qv.dtype, 'value', qv.dtype)}")
     spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale)
     if spec is None:
         raise RuntimeInputError(f"varlen_attention: q has head_dim {qv.shape[-1]} and v {vv.shape[-1]}; packed "
