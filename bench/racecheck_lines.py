@@ -21,9 +21,9 @@ def main(argv: list[str]) -> int:
     case, out = argv[1], Path(argv[2])
     out.mkdir(parents=True, exist_ok=True)
     os.environ["TILEDSL_CACHE_DIR"] = tempfile.mkdtemp()   # no cubin compiled without line info is reused
+    os.environ["TILEDSL_LINEINFO"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tiledsl.runtime import compile as compiling
-    compiling.NVRTC_OPTIONS = compiling.NVRTC_OPTIONS + ("--generate-line-info",)
     original = compiling.cached_cubin
 
     def keeping_source(source, name, arch):

@@ -1,6 +1,7 @@
 """NVRTC compilation for the GPU in hand, through CuPy's bindings, with a disk cache of cubins (under
 ~/.cache/tiledsl, TILEDSL_CACHE_DIR overrides) keyed by a sha256 of source, options, architecture and NVRTC
-version."""
+version. TILEDSL_LINEINFO=1 compiles with line info, so that Nsight Compute and compute-sanitizer name the
+generated source's lines (`<kernel>.cu:LINE`)."""
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,8 @@ def compile_cubin(source: str, name: str, arch: str) -> bytes:
 def cached_cubin(source: str, name: str, arch: str) -> Path:
     """The disk-cache file of `source`'s cubin for `arch`, compiled by NVRTC first if missing."""
     from cupy_backends.cuda.libs import nvrtc
-    options = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",)
+    line_info = ("--generate-line-info",) if os.environ.get("TILEDSL_LINEINFO") == "1" else ()
+    options = NVRTC_OPTIONS + line_info + (f"--gpu-architecture={arch}",)
     key = hashlib.sha256("\0".join([source, *options, arch, repr(nvrtc.getVersion())]).encode()).hexdigest()
     path = cache_dir() / "cubin" / f"{name}-{key[:16]}.cubin"
     if path.exists():
