@@ -605,8 +605,10 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 // and make its rows NaN where it costs no register (each template says where).
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
-constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4;
-constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2;
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4,
+              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2, INDEX_TENSOR_CU_SEQLENS_Q = 3,
+              INDEX_TENSOR_CU_SEQLENS_K = 4;
 // Word 0 while the winning report writes the others: the host reads a code only after its fields.
 constexpr int INDEX_REPORT_WRITING = -1;
 
@@ -646,6 +648,43 @@ __device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int 
     if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
     if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
     return true;
+}
+
+// Packed sequences: sequence s is rows start .. end - 1 (cu_seqlens[s], cu_seqlens[s + 1]) of a tensor of
+// `total` rows. Offsets outside the tensor or going down are bad (the rows they name are not the sequence's).
+__device__ __forceinline__ bool offsets_bad(int start, int end, int total) {
+    return start < 0 || end < start || end > total;
+}
+
+// The report of sequence s's bad offsets in `cu_seqlens` (tensor code `tensor`), by the one thread that makes it:
+// the first entry found out of range, or the end below the start.
+__device__ __forceinline__ void report_offsets(const int* cu_seqlens, int s, int total, int tensor, int* words) {
+    const int start = cu_seqlens[s], end = cu_seqlens[s + 1];
+    if (start < 0 || start > total)
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s, start, total);
+    else if (end < start)
+        report_bad_index(words, INDEX_OFFSET_DECREASING, tensor, s, s + 1, end, start);
+    else
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s + 1, end, total);
+}
+
+// Is packed sequence s bad: its query or key offsets, or more queries than the work list covers (`max_q`: a list
+// built from max_seqlen_q holds that many rows of every sequence)?
+__device__ __forceinline__ bool packed_sequence_bad(int q_start, int q_end, int k_start, int k_end, int total_q,
+                                                    int total_k, int max_q) {
+    return offsets_bad(q_start, q_end, total_q) || offsets_bad(k_start, k_end, total_k) || q_end - q_start > max_q;
+}
+
+// The report of a bad packed sequence s, by the one thread that makes it.
+__device__ __forceinline__ void report_packed_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int s,
+                                                       int total_q, int total_k, int max_q, int* words) {
+    const int q_start = cu_seqlens_q[s], q_end = cu_seqlens_q[s + 1];
+    if (offsets_bad(q_start, q_end, total_q))
+        report_offsets(cu_seqlens_q, s, total_q, INDEX_TENSOR_CU_SEQLENS_Q, words);
+    else if (offsets_bad(cu_seqlens_k[s], cu_seqlens_k[s + 1], total_k))
+        report_offsets(cu_seqlens_k, s, total_k, INDEX_TENSOR_CU_SEQLENS_K, words);
+    else
+        report_bad_index(words, INDEX_SEQUENCE_OVER_MAX, INDEX_TENSOR_CU_SEQLENS_Q, s, s + 1, q_end - q_start, max_q);
 }
 
 // The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
