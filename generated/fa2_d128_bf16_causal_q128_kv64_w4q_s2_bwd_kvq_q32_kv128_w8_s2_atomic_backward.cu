@@ -530,7 +530,131 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
         : "=f"(r.x), "=f"(r.y) : "r"(x));
     return r;
 }
-// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
+// Index bounds: a kernel that reads kv_lens (and a paged cache's block table) checks the entries
+// its block reads before it reads K or V through them. A sequence with a bad entry loads no kv
+// tile (its tile range is empty: `keys_read` = 0), its output rows and LSE become NaN, and the first bad entry goes to
+// the error word (runtime/device_errors.py: [code, tensor, batch, index, value, bound]), which
+// the host reads without a copy. Every block of a bad sequence finds it (each checks the whole
+// sequence), so every split of a split-KV launch writes NaN partials. The paged check is
+// paged_kv.cuh's paged_sequence_bad, next to the cache's other block-table reads. fa2's paged chunked
+// prefill checks after its kv loop instead: its loads walk a bad kv_len clamped to the table row and
+// a bad entry as page 0 (in bounds, read and then discarded), and the check makes the rows NaN.
+// Kernels whose kv range is worked out once (fa1, fa2 on wgmma, hopper) give a bad sequence no key
+// and make its rows NaN where it costs no register (each template says where).
+
+// The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
+constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4,
+              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7;
+constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2, INDEX_TENSOR_CU_SEQLENS_Q = 3,
+              INDEX_TENSOR_CU_SEQLENS_K = 4;
+// Word 0 while the winning report writes the others: the host reads a code only after its fields.
+constexpr int INDEX_REPORT_WRITING = -1;
+
+#define QUIET_NAN __int_as_float(0x7fffffff)
+
+// The first report since the host last cleared the words wins; later ones leave them as they are.
+__device__ __forceinline__ void report_bad_index(int* words, int code, int tensor, int batch, int index, int value,
+                                              int bound) {
+    if (atomicCAS(words, 0, INDEX_REPORT_WRITING) != 0) return;
+    volatile int* fields = words;
+    fields[1] = tensor;
+    fields[2] = batch;
+    fields[3] = index;
+    fields[4] = value;
+    fields[5] = bound;
+    __threadfence_system();
+    atomicExch(words, code);
+}
+
+// Contiguous K and V: is kv_lens[batch] outside [0, kv_len] (the keys k holds)? No kv_lens: no.
+__device__ __forceinline__ bool contiguous_len_bad(const int* kv_lens, int batch, int kv_len) {
+    if (!kv_lens) return false;
+    const int value = kv_lens[batch];
+    return value < 0 || value > kv_len;
+}
+
+// The report of a bad contiguous kv_lens entry, by the one thread that makes it.
+__device__ __forceinline__ void report_contiguous_len(const int* kv_lens, int batch, int kv_len, int* words) {
+    const int value = kv_lens[batch];
+    report_bad_index(words, value < 0 ? INDEX_LEN_NEGATIVE : INDEX_LEN_OVER_K, INDEX_TENSOR_KV_LENS, batch, 0, value,
+                     kv_len);
+}
+
+// Both at once, where the check costs no registers at the kernel's start: the entry is the same
+// for the whole block; thread 0 reports it.
+__device__ __forceinline__ bool contiguous_sequence_bad(const int* kv_lens, int batch, int kv_len, int* words) {
+    if (!contiguous_len_bad(kv_lens, batch, kv_len)) return false;
+    if (threadIdx.x == 0) report_contiguous_len(kv_lens, batch, kv_len, words);
+    return true;
+}
+
+// Packed sequences: sequence s is rows start .. end - 1 (cu_seqlens[s], cu_seqlens[s + 1]) of a tensor of
+// `total` rows. Offsets outside the tensor or going down are bad (the rows they name are not the sequence's).
+__device__ __forceinline__ bool offsets_bad(int start, int end, int total) {
+    return start < 0 || end < start || end > total;
+}
+
+// The report of sequence s's bad offsets in `cu_seqlens` (tensor code `tensor`), by the one thread that makes it:
+// the first entry found out of range, or the end below the start.
+__device__ __forceinline__ void report_offsets(const int* cu_seqlens, int s, int total, int tensor, int* words) {
+    const int start = cu_seqlens[s], end = cu_seqlens[s + 1];
+    if (start < 0 || start > total)
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s, start, total);
+    else if (end < start)
+        report_bad_index(words, INDEX_OFFSET_DECREASING, tensor, s, s + 1, end, start);
+    else
+        report_bad_index(words, INDEX_OFFSET_OUT_OF_RANGE, tensor, s, s + 1, end, total);
+}
+
+// Is packed sequence s bad: its query or key offsets, or more queries than the work list covers (`max_q`: a list
+// built from max_seqlen_q holds that many rows of every sequence)?
+__device__ __forceinline__ bool packed_sequence_bad(int q_start, int q_end, int k_start, int k_end, int total_q,
+                                                    int total_k, int max_q) {
+    return offsets_bad(q_start, q_end, total_q) || offsets_bad(k_start, k_end, total_k) || q_end - q_start > max_q;
+}
+
+// The report of a bad packed sequence s, by the one thread that makes it.
+__device__ __forceinline__ void report_packed_sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int s,
+                                                       int total_q, int total_k, int max_q, int* words) {
+    const int q_start = cu_seqlens_q[s], q_end = cu_seqlens_q[s + 1];
+    if (offsets_bad(q_start, q_end, total_q))
+        report_offsets(cu_seqlens_q, s, total_q, INDEX_TENSOR_CU_SEQLENS_Q, words);
+    else if (offsets_bad(cu_seqlens_k[s], cu_seqlens_k[s + 1], total_k))
+        report_offsets(cu_seqlens_k, s, total_k, INDEX_TENSOR_CU_SEQLENS_K, words);
+    else
+        report_bad_index(words, INDEX_SEQUENCE_OVER_MAX, INDEX_TENSOR_CU_SEQLENS_Q, s, s + 1, q_end - q_start, max_q);
+}
+
+// The softmax state of a bad sequence's rows (which load no kv tile), set once after it is
+// initialised so that they store NaN O and LSE: acc = m = NaN and a positive partial row sum.
+// attention.cuh's store (O = acc / l, LSE = m * SCALE + log(l) where l > 0) gives NaN; decode's
+// warp combine makes l NaN too, which its store lets through.
+template <class C>
+__device__ __forceinline__ void poison_rows(float (&acc_o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
+                                            float (&row_sum)[C::M_TILES][2]) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+#pragma unroll
+        for (int nd = 0; nd < C::O_TILES; ++nd)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][nd][e] = QUIET_NAN;
+        row_max[mt][0] = row_max[mt][1] = QUIET_NAN;
+        row_sum[mt][0] = row_sum[mt][1] = 1.f;
+    }
+}
+// Helpers of the backward kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2, backward_ws.cu.j2), after
+// unpack.cuh and index_bounds.cuh.
+
+// A bad kv_lens entry (index_bounds.cuh: outside [0, the keys k holds]) gives its sequence no key in the main
+// kernel (no q tile visits a kv tile of it, so nothing is read through it), one block of it reports the entry,
+// and every kernel that stores a gradient of it (dK, dV; dQ from the convert or the dq kernel) stores it NaN:
+// the factor a gradient is stored with is NaN for a bad sequence, `scale` otherwise (one select at the store;
+// its accumulators hold zeros, as it visited nothing, and zero times NaN is NaN). The kernels at their register
+// limit ask kv_lens again at the store rather than hold the flag across their loop (backward_ops.j2).
+__device__ __forceinline__ float bad_sequence_scale(bool bad_sequence, float scale) {
+    return bad_sequence ? QUIET_NAN : scale;
+}
+
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
@@ -707,9 +831,9 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_pr
 // ---- main: kv outer --------------------------------------------------------------------------------
     // [backward_d128.tile:14] kv outer: one block per (kv tile, batch * kv head), dK and dV on chip
 extern "C" __global__ void __launch_bounds__(C::THREADS, 1)
-fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_main(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-        const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ d_rows,
-        float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv, const int* __restrict__ kv_lens,
+fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_main(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ d_rows, float* __restrict__ dq_accum,
+        u16* __restrict__ dk, u16* __restrict__ dv, const int* __restrict__ kv_lens, int* __restrict__ index_errors,
         int q_len, int kv_len, int heads, int kv_group,
         i64 q_batch_stride, i64 q_head_stride, i64 q_row_stride,
         i64 k_batch_stride, i64 k_head_stride, i64 k_row_stride,
@@ -725,7 +849,8 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_ma
     const int kv_heads = heads / kv_group;
     const int kv_block = blockIdx.x, pair = blockIdx.y, batch = pair / kv_heads, kv_head = pair % kv_heads;
     const int k0 = kv_block * C::BC;
-    const int seq_kv = kv_lens ? kv_lens[batch] : kv_len;
+    const bool bad_sequence = contiguous_len_bad(kv_lens, batch, kv_len);
+    const int seq_kv = bad_sequence ? 0 : kv_lens ? kv_lens[batch] : kv_len;
     const int diag = seq_kv - q_len;   // key j lies on query i's diagonal when j == i + diag
     const bool kv_end = k0 + C::BC > seq_kv;   // the tile holds keys past the sequence
 
@@ -915,22 +1040,29 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_ma
     }
     cp_async_wait<0>();
 
-    // [backward_d128.tile:15] dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)
+    // [backward_d128.tile:15] dK = scale * dK, dV -> global (every kv row < kv_len, zeros included; NaN for a bad kv_lens entry)
     {
+        const int* lens_again = kv_lens;
+        asm volatile("" : "+l"(lens_again));
+        const bool bad_at_store = contiguous_len_bad(lens_again, batch, kv_len);
+        if (bad_at_store && threadIdx.x == 0 && kv_block == 0 && kv_head == 0)
+            report_contiguous_len(lens_again, batch, kv_len, index_errors);
         const int kv_rows_valid = kv_len - k0 - warp_row;
         store_rows(acc_dk, dk + batch * dk_batch_stride + kv_head * dk_head_stride + (i64)(k0 + warp_row) * dk_row_stride,
-                   dk_row_stride, 0, kv_rows_valid, C::SCALE, lane);
+                   dk_row_stride, 0, kv_rows_valid, bad_sequence_scale(bad_at_store, C::SCALE), lane);
         store_rows(acc_dv, dv + batch * dv_batch_stride + kv_head * dv_head_stride + (i64)(k0 + warp_row) * dv_row_stride,
-                   dv_row_stride, 0, kv_rows_valid, 1.f, lane);
+                   dv_row_stride, 0, kv_rows_valid, bad_sequence_scale(bad_at_store, 1.f), lane);
     }
 }
 
 // ---- convert: dQ = scale * dQ_accum ----------------------------------------------------------------
-    // [backward_d128.tile:18] dQ = scale * dQ_accum, fp32 -> dtype
+    // [backward_d128.tile:18] dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)
 extern "C" __global__ void __launch_bounds__(C::PRE_THREADS)
-fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_convert(const float* __restrict__ dq_accum, u16* __restrict__ dq, int q_len, int heads,
-        i64 dq_batch_stride, i64 dq_head_stride, i64 dq_row_stride) {
+fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_convert(const float* __restrict__ dq_accum, u16* __restrict__ dq, const int* __restrict__ kv_lens,
+        int q_len, int kv_len, int heads, i64 dq_batch_stride, i64 dq_head_stride, i64 dq_row_stride) {
     const int pair = blockIdx.y, batch = pair / heads, head = pair % heads;
+    // a bad kv_lens entry (index_bounds.cuh; the main kernel reports it): the sequence's dQ is stored NaN
+    const float scale = bad_sequence_scale(contiguous_len_bad(kv_lens, batch, kv_len), C::SCALE);
     const int row0 = blockIdx.x * C::PRE_ROWS;
     const float* from = dq_accum + ((i64)pair * q_len + row0) * C::D;
     u16* to = dq + batch * dq_batch_stride + head * dq_head_stride + (i64)row0 * dq_row_stride;
@@ -938,6 +1070,6 @@ fa2_d128_bf16_causal_q128_kv64_w4q_s2_bwd_kvq_q32_kv128_w8_s2_atomic_backward_co
         const int row = i / (C::D / 2), c = i % (C::D / 2) * 2;
         if (row0 + row >= q_len) break;
         const float2 x = *reinterpret_cast<const float2*>(from + row * C::D + c);
-        *reinterpret_cast<u32*>(to + row * dq_row_stride + c) = pack2(x.x * C::SCALE, x.y * C::SCALE);
+        *reinterpret_cast<u32*>(to + row * dq_row_stride + c) = pack2(x.x * scale, x.y * scale);
     }
 }

@@ -1,4 +1,16 @@
-// Helpers of both backward main kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2), after unpack.cuh.
+// Helpers of the backward kernels (backward.cu.j2 on mma.sync, backward_wgmma.cu.j2, backward_ws.cu.j2), after
+// unpack.cuh and index_bounds.cuh.
+
+// A bad kv_lens entry (index_bounds.cuh: outside [0, the keys k holds]) gives its sequence no key in the main
+// kernel (no q tile visits a kv tile of it, so nothing is read through it), one block of it reports the entry,
+// and every kernel that stores a gradient of it (dK, dV; dQ from the convert or the dq kernel) stores it NaN:
+// the factor a gradient is stored with is NaN for a bad sequence, `scale` otherwise (one select at the store;
+// its accumulators hold zeros, as it visited nothing, and zero times NaN is NaN). The kernels at their register
+// limit ask kv_lens again at the store rather than hold the flag across their loop (backward_ops.j2).
+__device__ __forceinline__ float bad_sequence_scale(bool bad_sequence, float scale) {
+    return bad_sequence ? QUIET_NAN : scale;
+}
+
 // 4-byte global->shared copy, zero-filled when `valid` is false.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));

@@ -77,9 +77,10 @@ def memcheck(script) -> None:
     assert "ERROR SUMMARY: 0 errors" in result.stdout
 
 
-def poison_outputs(monkeypatch) -> None:
-    """Every floating array a prepared call allocates (its outputs, scratch) starts as NaN, filled on
-    the launch stream before the kernel: an element a kernel fails to write shows up. A workspace
+def poison_outputs(monkeypatch, value: float = float("nan")) -> None:
+    """Every floating array a prepared call allocates (its outputs, scratch) starts as NaN (or `value`: a
+    finite one where a test expects the kernel to write NaN), filled on the launch stream before the
+    kernel: an element a kernel fails to write shows up. A workspace
     (CallBuilder.workspace's bytes) starts as all ones: NaN in its fp32 parts, -1 in its int32 ones.
     Prepared calls are rebuilt so that they allocate through the poisoning allocator (call
     `launch.clear_prepared()` again when the test is done)."""
@@ -90,11 +91,11 @@ def poison_outputs(monkeypatch) -> None:
         make = real(like, shape, dtype, zero)
         if zero or dtype == "int32":
             return make
-        value = 255 if dtype == "uint8" else float("nan")
+        fill = 255 if dtype == "uint8" else value
 
         def poisoned():
             x = make()
-            x.fill_(value) if hasattr(x, "fill_") else x.fill(value)
+            x.fill_(fill) if hasattr(x, "fill_") else x.fill(fill)
             return x
         return poisoned
     monkeypatch.setattr(launch, "allocator", allocator)

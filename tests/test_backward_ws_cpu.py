@@ -24,6 +24,8 @@ from tiledsl.layout.backward import backward_has_template, backward_layout
 from tiledsl.lower.backward import lower_backward
 from tiledsl.lower.backward_ws import CONSUMER_ORDER, DQ_OUT
 from tiledsl.reference.backward import reference_backward
+from tiledsl.runtime.kernel import Kernel
+from tiledsl.runtime.launch import address_arg
 from tiledsl.schedule.backward import build_backward_graph
 from tiledsl.schedule.ops import OpKind, Role
 from tiledsl.schedule.passes import emission_order
@@ -244,6 +246,9 @@ def test_source_spells_the_roles_instructions():
     assert "WRITER_TMA = false" in red and "WRITER_THREADS = 96" in red
 
 
+ERROR_WORD = address_arg(0x7000)   # the error word's stand-in (runtime/device_errors.py allocates the real one)
+
+
 def _launch_args(spec, q_len=200, kv_len=333, heads=4, kv_heads=2, monkeypatch=None):
     """The launches WsBackwardKernel.build_call records, with the GPU parts (views, maps, functions) stood in for."""
     from tiledsl.runtime import backward_ws as runtime
@@ -261,7 +266,7 @@ def _launch_args(spec, q_len=200, kv_len=333, heads=4, kv_heads=2, monkeypatch=N
     views = [tv(n, s, DType.FP32 if n == "lse" else p.dtype, i) for i, (n, s) in enumerate(shapes.items())] + [None]
 
     class Builder:   # runtime/launch.CallBuilder's part that build_call uses
-        tensors, name, device_id = (None,) * 7, kernel.name, 0
+        tensors, name, device_id, like = (None,) * 7, kernel.name, 0, None
 
         def __init__(self):
             self.launches, self.slots = [], 7
@@ -276,6 +281,7 @@ def _launch_args(spec, q_len=200, kv_len=333, heads=4, kv_heads=2, monkeypatch=N
     monkeypatch.setattr(kernel, "check", lambda b: (views, (2, heads, kv_heads, q_len, kv_len)))
     monkeypatch.setattr(kernel, "functions", lambda device_id=None: {r: r for r in kernel.plan.kernel_names})
     monkeypatch.setattr(runtime, "map_arg", lambda t, rows, element="uint16": ("map", t.name, rows, element))
+    monkeypatch.setattr(Kernel, "error_word_arg", staticmethod(lambda device_id, like: ERROR_WORD))
     builder = Builder()
     kernel.build_call(builder, validate=False)
     return kernel, builder.launches
@@ -298,7 +304,8 @@ def test_launch_arguments_match_the_kernel_signatures(tile_q, tile_kv, head_dim,
     assert main[3] == ("map", "do", tile_q, "uint16")
     assert main[4] == (("map", "dq_accum", tile_q, "float32") if dq != "atomic" else main[0])
     assert (main[8].slot >= 0) == (dq == "ordered")   # semaphores only for `ordered`
-    assert [a.kind for a in main[5:12]] == ["u64"] * 7 and [a.kind for a in main[12:18]] == ["i32"] * 6
+    assert [a.kind for a in main[5:13]] == ["u64"] * 8 and [a.kind for a in main[13:19]] == ["i32"] * 6
+    assert main[12] is ERROR_WORD   # after kv_lens: the kernel bounds it (lower/plan.bounds_indices)
 
 
 def test_dispatch_takes_it_by_default_on_hopper_and_refuses_clearly():

@@ -174,7 +174,7 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(RuntimeInputError, match="o is fp16"):
         attention_backward(q, q, q, q.half(), lse, q)
     with pytest.raises(RuntimeInputError, match="kv_lens"):
-        attention_backward(q, q, q, q, lse, q, kv_lens=torch.tensor([65], device="cuda", dtype=torch.int32))
+        attention_backward(q, q, q, q, lse, q, kv_lens=torch.tensor([65], device="cuda", dtype=torch.int32), validate=True)
 
 
 def test_memcheck_clean_on_small_shapes(tmp_path):

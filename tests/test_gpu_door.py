@@ -89,18 +89,22 @@ def test_attention_over_an_fp8_kv_cache_makes_no_host_sync():
     assert o_error(o, torch.from_numpy(ref_o).cuda()) < TOLERANCE_O
 
 
+@pytest.mark.parametrize("with_lens", [False, True], ids=["", "kv_lens"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_forward_and_backward_through_autograd_make_no_host_sync(d):
+def test_forward_and_backward_through_autograd_make_no_host_sync(d, with_lens):
+    """kv_lens too: the forward's and the backward's kernels bound it on the device (no host check)."""
+    lens = torch.tensor([256, 131], device="cuda", dtype=torch.int32) if with_lens else None
+
     def fresh():
         q, k, v = (randn(2, 4, 256, d).requires_grad_() for _ in range(3))
         return q, k, v, randn(2, 4, 256, d)
 
     def step(q, k, v, do):
-        o = tiledsl.attention(q, k, v, causal=True)
+        o = tiledsl.attention(q, k, v, causal=True, kv_lens=lens)
         o.backward(do)
         return o
     (q, k, v, do), o = warm_then_sync_free(step, fresh)
-    ref_o, _, *ref_grads = ref.gradients(q, k, v, do, causal=True)
+    ref_o, _, *ref_grads = ref.gradients(q, k, v, do, causal=True, kv_lens=lens)
     tolerance = ref.grad_tolerance(BF16)
     assert ref.max_relative_error(o, ref_o) < tolerance
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads):

@@ -156,8 +156,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     main kernel's instruction (wgmma refuses problems it has no kernel for); None: wgmma when
     BACKWARD_WGMMA is on and it takes the problem, else mma.sync. `warp_specialized`: True runs the
     warp-specialized backward (refusing problems it has no kernel for), False never; None: when BACKWARD_WS is on
-    and it takes the problem (`mma` unset). `validate`: check kv_lens on the host (runtime/index_checks.py). The
-    first call of a signature picks the spec and prepares the three launches; later ones only launch."""
+    and it takes the problem (`mma` unset). `validate`: True checks kv_lens on the host (a copy: a sync); left
+    out, the kernels bound it on the device (a bad entry: NaN dQ, dK, dV for its sequence and a report that
+    tiledsl.check_errors() raises; runtime/index_checks.py). The first call of a signature picks the spec and
+    prepares the three launches; later ones only launch."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     tensors = (q, k, v, o, lse, do, kv_lens)

@@ -18,8 +18,10 @@ from ..layout.backward import (BACKWARD_DQ_TILE_KV, BACKWARD_DQ_VECTORS, BACKWAR
     backward_has_template, backward_wgmma_dq_stage_row_bytes, backward_wgmma_dv_schedule, backward_layout)
 from ..layout.base import tile_row_bytes
 from .backward_ws import lower_backward_ws
-from .plan import BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Region, SharedBuffer, make_plan
-from .steps import spec_line, graph_loop_body, smem_constants, softmax_constants, tile_row_constants
+from .plan import (INDEX_ERRORS, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer,
+                   make_plan)
+from .steps import (IN16, INT32S, OUT16, OUT32, graph_loop_body, parameters, smem_constants, softmax_constants,
+                    spec_line, stride_lines, tile_row_constants)
 from ..spec import DqAccumulate, Family, KernelSpec, Mma
 
 TEMPLATE = "backward.cu.j2"
@@ -56,6 +58,16 @@ class BackwardPlan(KernelPlan):
     @property
     def loop_bodies(self):
         return (("loop_q", self.loop_body),)
+
+
+# The main kernel's parameters (mma.sync and wgmma: plan.parameters, the signature and the launch's order);
+# the error word after kv_lens: the kernel bounds kv_lens (templates/index_bounds.cuh).
+MAIN_PARAMETERS: tuple[tuple[Parameter, ...], ...] = (
+    parameters(IN16, "q", "k", "v", "dout"),
+    parameters("const float* __restrict__", "lse", "d_rows") + parameters(OUT32, "dq_accum"),
+    parameters(OUT16, "dk", "dv") + parameters(INT32S, "kv_lens") + (INDEX_ERRORS,),
+    parameters("int", "q_len", "kv_len", "heads", "kv_group"),
+    *stride_lines("q", "k", "v", "do", "dk", "dv"))
 
 
 def backward_kernel_name(spec: KernelSpec) -> str:
@@ -124,9 +136,9 @@ def backward_regions(spec: KernelSpec, zeroed: str, main: str, kv_home: str) -> 
                           f"K_j, V_j ({b.tile_kv} rows) -> {kv_home}, kept for the whole q loop"),
         "prologue": Region(w("backward.pipeline"), f"first {b.stages - 1} (Q_i, dO_i, LSE_i, D_i) in flight"),
         "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
-        "store_dkv": Region(w("backward.tile"),
-                            "dK = scale * dK, dV -> global (every kv row < kv_len, zeros included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+        "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros "
+                            "included; NaN for a bad kv_lens entry)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
 
 
@@ -211,7 +223,7 @@ def _make(spec, consts, regions, body, main, names, atomic, dq_launch, tile_kv, 
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=spec.backward.tile_q),
                      main.min_blocks_per_sm, main.register_estimate, kernel_name=backward_kernel_name(spec),
                      plan_class=BackwardPlan, kernel_names=names, dq_mode="atomic" if atomic else "separate",
-                     tile_kv=tile_kv, dq_launch=dq_launch, **extra)
+                     tile_kv=tile_kv, dq_launch=dq_launch, parameters=MAIN_PARAMETERS, **extra)
 
 
 # ---- wgmma (templates/backward_wgmma.cu.j2) -------------------------------------------------------

@@ -18,8 +18,9 @@ from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
-from .plan import SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Region, make_plan
-from .steps import smem_constants, softmax_constants, spec_line
+from .plan import (INDEX_ERRORS, SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region,
+                   make_plan)
+from .steps import INT32S, OUT16, OUT32, parameters, smem_constants, softmax_constants, spec_line, stride_lines
 
 # The main kernel's typed view of shared memory (base.cu.j2's struct Shared): K, V kept; Q, dO, LSE and D rings
 # (one slot per stage); the dQ staging ring (C::STAGING slots); P^T and dS^T, two buffers each (step parity).
@@ -63,6 +64,17 @@ _TEXT = {
     "accumulate_dq": "dQ_accum += dQ_i from registers (red.global.add.v4.f32; scale at the convert)",
 }
 _STEP = {name: name for name in _TEXT}
+
+
+# The main kernel's parameters (plan.parameters: the signature and the launch's order): Q, K, V, dO and dQ_accum
+# as TMA tensor maps; the error word after kv_lens: the kernel bounds kv_lens (templates/index_bounds.cuh).
+_MAPS = parameters("const __grid_constant__ TensorMap", "q_map", "k_map", "v_map", "do_map", "dq_map")
+WS_MAIN_PARAMETERS: tuple[tuple[Parameter, ...], ...] = (
+    _MAPS[:2], _MAPS[2:4], _MAPS[4:] + parameters("const float* __restrict__", "lse_rows", "d_rows"),
+    parameters(OUT32, "dq_accum") + parameters("int* __restrict__", "semaphores") + parameters(OUT16, "dk", "dv"),
+    parameters(INT32S, "kv_lens") + (INDEX_ERRORS,)
+    + parameters("int", "q_len", "q_rows", "kv_len", "heads", "kv_group", "pairs"),
+    *stride_lines("dk", "dv"))
 
 
 @dataclass(frozen=True)
@@ -252,12 +264,12 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                            f"registers, split by {lay.split}; dK, dV in wgmma accumulators"),
         "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
         "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros "
-                            "included)"),
-        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype"),
+                            "included; NaN for a bad kv_lens entry)"),
+        "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
     return make_plan(spec, Family.FA2, TEMPLATE, consts, regions, consumer_body(spec, staged, lay.split),
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=br), 1, main.register_estimate,
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers, shared=WS_SHARED)
+                     barriers=lay.barriers, shared=WS_SHARED, parameters=WS_MAIN_PARAMETERS)

@@ -11,8 +11,11 @@ from ..errors import RuntimeInputError, SpecError
 from ..hw import MAX_GRID_YZ
 from ..layout.backward import BACKWARD_PRE_ROWS
 from ..lower.backward import BackwardPlan, lower_backward
+from ..lower.plan import bounds_indices
 from ..spec import DType, KernelSpec
+from .index_checks import add_kv_lens_check
 from .inputs import check_int32_vector, check_operand
+from .kernel import Kernel, kernel_arguments
 from .launch import CallBuilder, SignatureCache, i32, pointer_arg, strides_args
 from .tensors import signature
 
@@ -29,6 +32,9 @@ class BackwardKernel:
         self.source = render(plan)
         self.name = plan.kernel_name
         self.cubin_path = None
+        # whether the main kernel bounds kv_lens itself (the error word is one of its parameters): a call
+        # without validate= then skips the host check
+        self.bounds_indices = bounds_indices(plan)
         self._functions: dict[int, dict] = {}
         self._calls = SignatureCache()
 
@@ -102,10 +108,28 @@ class BackwardKernel:
             check_int32_vector(lens, name, batch, vq.device_id)
         return views, (batch, heads, kv_heads, q_len, kv_len)
 
+    def checked_call(self, b: CallBuilder, validate: bool | None):
+        """check's views and sizes, with kv_lens' check added: on the host, or the report of a main
+        kernel that bounds them (runtime/index_checks.py)."""
+        views, sizes = self.check(b)
+        add_kv_lens_check(b, 6, sizes[4], validate, self.bounds_indices)
+        return views, sizes
+
+    def main_arguments(self, b: CallBuilder, **values) -> tuple:
+        """The main kernel's launch arguments in its plan's parameter order (kernel.kernel_arguments):
+        `values` by parameter name, with the error word where the kernel bounds kv_lens."""
+        if self.bounds_indices:
+            values["index_errors"] = Kernel.error_word_arg(b.device_id, b.like)
+        return kernel_arguments(self.plan, values)
+
+    @staticmethod
+    def strides(**views) -> dict:
+        """{name_batch_stride, name_head_stride, name_row_stride: ...} of each view by its parameter prefix."""
+        return {f"{name}_{axis}_stride": stride for name, t in views.items()
+                for axis, stride in zip(("batch", "head", "row"), t.strides[:3])}
+
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
-        from .index_checks import add_kv_lens_check
-        (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.check(b)
-        add_kv_lens_check(b, 6, kv_len, validate)
+        (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
         atomic = plan.dq_mode == "atomic"
@@ -121,14 +145,17 @@ class BackwardKernel:
                      f"{self.name} preprocess")
         kv_blocks = -(-kv_len // plan.tile_kv)
         if kv_blocks and batch * kv_heads:
-            b.launch(fns["main"], (kv_blocks, batch * kv_heads, 1), plan.launch.threads, plan.launch.smem_bytes,
-                     (ptr(vq), ptr(vk), ptr(vv), ptr(vdo), ptr(vlse), ptr(d_rows), ptr(dq_accum), ptr(vdk), ptr(vdv),
-                      ptr(lens), i32(q_len), i32(kv_len), i32(heads), i32(heads // kv_heads), *st(vq), *st(vk),
-                      *st(vv), *st(vdo), *st(vdk), *st(vdv)), f"{self.name} main")
+            args = self.main_arguments(b, q=vq, k=vk, v=vv, dout=vdo, lse=vlse, d_rows=d_rows, dq_accum=dq_accum,
+                                       dk=vdk, dv=vdv, kv_lens=lens, q_len=q_len, kv_len=kv_len, heads=heads,
+                                       kv_group=heads // kv_heads,
+                                       **self.strides(q=vq, k=vk, v=vv, do=vdo, dk=vdk, dv=vdv))
+            b.launch(fns["main"], (kv_blocks, batch * kv_heads, 1), plan.launch.threads, plan.launch.smem_bytes, args,
+                     f"{self.name} main")
         if q_blocks and pairs:
             if atomic:
                 b.launch(fns["convert"], (q_blocks, pairs, 1), plan.pre_threads, 0,
-                         (ptr(dq_accum), ptr(vdq), i32(q_len), i32(heads), *st(vdq)), f"{self.name} convert")
+                         (ptr(dq_accum), ptr(vdq), ptr(lens), i32(q_len), i32(kv_len), i32(heads), *st(vdq)),
+                         f"{self.name} convert")
             else:
                 tiles = -(-q_len // plan.dq_launch.tile_q)
                 b.launch(fns["dq"], (tiles, pairs, 1), plan.dq_launch.threads, plan.dq_launch.smem_bytes,

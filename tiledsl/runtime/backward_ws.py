@@ -17,9 +17,7 @@ class WsBackwardKernel(BackwardKernel):
     """`dq, dk, dv = kernel(q, k, v, o, lse, do, kv_lens)`, as BackwardKernel (the same input checks)."""
 
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
-        from .index_checks import add_kv_lens_check
-        (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.check(b)
-        add_kv_lens_check(b, 6, kv_len, validate)
+        (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
         br, bc = plan.launch.tile_q, plan.tile_kv
@@ -43,10 +41,14 @@ class WsBackwardKernel(BackwardKernel):
             # Without queries no block loads Q or dO (every block stores zero dK, dV): K's map stands in.
             q_map, do_map = (map_arg(vq, rows["q"]), map_arg(vdo, rows["do"])) if q_len else (k_map, k_map)
             dq_map = map_arg(dq_accum, rows["dq"], "float32") if plan.dq_path == "writer_tma" and q_len else q_map
-            b.launch(fns["main"], (kv_blocks * kv_pairs, 1, 1), plan.launch.threads, plan.launch.smem_bytes,
-                     (q_map, k_map, v_map, do_map, dq_map, ptr(lse_rows), ptr(d_rows), ptr(dq_accum), ptr(semaphores),
-                      ptr(vdk), ptr(vdv), ptr(lens), i32(q_len), i32(q_rows), i32(kv_len), i32(heads),
-                      i32(heads // kv_heads), i32(kv_pairs), *st(vdk), *st(vdv)), f"{self.name} main")
+            args = self.main_arguments(b, q_map=q_map, k_map=k_map, v_map=v_map, do_map=do_map, dq_map=dq_map,
+                                       lse_rows=lse_rows, d_rows=d_rows, dq_accum=dq_accum, semaphores=semaphores,
+                                       dk=vdk, dv=vdv, kv_lens=lens, q_len=q_len, q_rows=q_rows, kv_len=kv_len,
+                                       heads=heads, kv_group=heads // kv_heads, pairs=kv_pairs,
+                                       **self.strides(dk=vdk, dv=vdv))
+            b.launch(fns["main"], (kv_blocks * kv_pairs, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
+                     f"{self.name} main")
         if q_len and pairs:
             b.launch(fns["convert"], (-(-q_len // plan.pre_rows), pairs, 1), plan.pre_threads, 0,
-                     (ptr(dq_accum), ptr(vdq), i32(q_len), i32(heads), *st(vdq)), f"{self.name} convert")
+                     (ptr(dq_accum), ptr(vdq), ptr(lens), i32(q_len), i32(kv_len), i32(heads), *st(vdq)),
+                     f"{self.name} convert")

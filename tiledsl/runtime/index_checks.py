@@ -9,9 +9,10 @@ kernel bounds every entry it reads and reports a bad one in the error word
 (lower/plan.bounds_indices: the kernel takes the error word): every forward kernel that reads
 kv_lens or a block table -- decode (contiguous and paged, FP8 K/V included), fa2 (contiguous kv_lens
 and the paged chunked prefill), fa2 on wgmma, fa1 and hopper (score modifications included); the
-varlen hopper kernel bounds cu_seqlens (runtime/varlen.py). A call of such a kernel that does not
-say `validate=` skips the host check. The backward's kernels read kv_lens unbounded: a backward call
-given kv_lens keeps the host check (and its sync), so that no kernel reads outside its inputs.
+varlen hopper kernel bounds cu_seqlens (runtime/varlen.py); and every backward module's main kernel
+(mma.sync, wgmma, warp-specialized: a bad kv_len gives its sequence no key, and the kernels that store
+its dK, dV and dQ store them NaN). A call of such a kernel that does not say `validate=` skips the
+host check.
 """
 from __future__ import annotations
 
