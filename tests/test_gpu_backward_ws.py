@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import replace
 
@@ -192,9 +193,10 @@ def test_head_dims_no_backward_serves_are_refused_clearly(monkeypatch):
 def _subprocess(script: str, tool: list[str], timeout: int, env: dict | None = None):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **(env or {}), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    path = os.path.join(root, ".backward_ws_gpu_case.py")
-    with open(path, "w") as f:
+    # a file of its own: the file's other subprocess tests may run at the same time on other workers
+    with tempfile.NamedTemporaryFile("w", dir=root, prefix=".backward_ws_gpu_case_", suffix=".py", delete=False) as f:
         f.write(textwrap.dedent(script))
+    path = f.name
     try:
         return subprocess.run([*tool, sys.executable, path], capture_output=True, text=True, env=env, cwd=root,
                               timeout=timeout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -116,9 +117,10 @@ def test_rows_tma_cannot_read_are_refused_before_launch():
 def _subprocess(script: str, tool: list[str], timeout: int):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    path = os.path.join(root, ".hopper_gpu_case.py")
-    with open(path, "w") as f:
+    # a file of its own: the file's other subprocess tests may run at the same time on other workers
+    with tempfile.NamedTemporaryFile("w", dir=root, prefix=".hopper_gpu_case_", suffix=".py", delete=False) as f:
         f.write(textwrap.dedent(script))
+    path = f.name
     try:
         return subprocess.run([*tool, sys.executable, path], capture_output=True, text=True, env=env, cwd=root,
                               timeout=timeout)
