@@ -1210,10 +1210,10 @@ hopper_d128_e4m3_causal_dsb_q128_kv128_p1r40_c2r232_s2tma(const __grid_constant_
         carry_v_descale<C>(alpha, descales, tile, tile_begin);
         rescale_o<C>(acc_o, alpha);
 
-// [hopper_fp8_d128.tile:25] P_j -> bf16/fp16 A fragments of the P V wgmma
+// [hopper_fp8_d128.tile:25] P_j -> e4m3 A fragments (256 P, rounded) of the P V wgmma
         pack_p<C>(p_frag, acc_s);
 
-// [hopper_fp8_d128.tile:27] wait v_full (V_j has landed)
+// [hopper_fp8_d128.tile:27] wait v_full (V_j has landed, transposed into V^T by the producer)
         mbarrier_wait(vt_full(bars, (it - 0) % C::STAGES), ((it - 0) / C::STAGES) & 1);
 
 // [hopper_fp8_d128.tile:25] O += P_j V_j (RS wgmma, P from registers, issued)

@@ -59,9 +59,11 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
         "rescale_o": op(OpKind.RESCALE_O, pv_lag, space=Space.REGISTERS, shape=("Br", "dv"), key="order",
                         variant="before_pv", text=f"O *= alpha{tile['pv']} (skipped when no row's max moved)"),
         "pack_p": op(OpKind.PACK_P, pv_lag, space=Space.REGISTERS, shape=("Br", "Bc"), key="tile",
-                     text=f"P{tile['pv']} -> bf16/fp16 A fragments of the P V wgmma"),
+                     text=f"P{tile['pv']} -> " + ("e4m3 A fragments (256 P, rounded)" if p.fp8 else "bf16/fp16 A "
+                                                  "fragments") + " of the P V wgmma"),
         "wait_v_full": op(OpKind.WAIT, pv_lag, key="pipeline", barrier="v_full",
-                          text=f"wait v_full (V{tile['pv']} has landed)"),
+                          text=f"wait v_full (V{tile['pv']} has landed" + (
+                              ", transposed into V^T by the producer)" if p.fp8 else ")")),
         "mma_pv": op(OpKind.MMA_PV, pv_lag, space=Space.REGISTERS, shape=("Br", "dv"), key="tile", variant="accumulate",
                      text=f"O += P{tile['pv']} V{tile['pv']} (RS wgmma, P from registers, issued)",
                      **b.mma_instruction(p.head_dim_v)),
