@@ -157,3 +157,16 @@ def test_host_check_only_with_validate_true(spec, monkeypatch):
         for check in b.checks:
             check(b.tensors)
         assert seen == expected, (validate, kv_lens)
+
+
+@pytest.mark.parametrize("spec", [s for _, s in SPECS[:2]], ids=[i for i, _ in SPECS[:2]])
+def test_k_without_keys_checks_kv_lens_on_the_host(spec, monkeypatch):
+    """k of 0 keys launches no main kernel, which is what reports a bad entry: the call checks on the host."""
+    seen = []
+    monkeypatch.setattr(index_checks, "check_kv_lens", lambda lens, kv_len, name: seen.append(("host", kv_len)))
+    monkeypatch.setattr(device_errors, "raise_pending", lambda device_id: seen.append(("report", device_id)))
+    monkeypatch.setattr(index_checks, "capturing", lambda like: False)
+    _, b = build(spec, monkeypatch, None, True, kv_len=0)
+    for check in b.checks:
+        check(b.tensors)
+    assert seen == [("host", 0)]
