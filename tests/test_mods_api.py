@@ -44,6 +44,26 @@ def test_spec_for_prints_a_spec_that_parses_back_to_the_kernel_attention_picks()
     assert printed.kernel_name == expected.kernel_name
 
 
+class _Shaped:
+    """An array-like with a framework's dtype text (torch prints "torch.bfloat16")."""
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+@pytest.mark.parametrize("dtype, expected", [("torch.bfloat16", "bf16"), ("bfloat16", "bf16"),
+                                             ("torch.float16", "fp16"), ("float16", "fp16"), ("half", "fp16")])
+def test_spec_for_reads_the_dtype_by_its_whole_name(dtype, expected):
+    q = _Shaped((B, H, N, D), dtype)
+    text = tiledsl.spec_for(q, q, q, softcap=30, arch="sm_90a")
+    assert f"    dtype    = {expected}\n" in text
+
+
+def test_spec_for_refuses_a_dtype_it_has_no_kernel_for():
+    q = _Shaped((B, H, N, D), "torch.float32")
+    with pytest.raises(RuntimeInputError, match="fp16 or bf16"):
+        tiledsl.spec_for(q, q, q, arch="sm_90a")
+
+
 def test_keywords_map_to_the_modifications():
     mods, aux = modifications(alibi_slopes=np.ones(H), document_bounds=np.array([[0, 5, 9]]))
     assert mods.alibi is AlibiSlopes.GIVEN and mods.document is Documents.BOUNDS

@@ -118,14 +118,15 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
     from .dispatch.modified import KEYWORDS, modifications as build
     from .dispatch.tuned import tuned_spec
     from .errors import RuntimeInputError
-    from .spec import DType
+    from .spec import DTYPES, DType
     from .tune.search import spec_to_dsl
     unknown = sorted(set(modifications) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"spec_for: unknown keyword(s) {', '.join(unknown)}; modifications: {', '.join(KEYWORDS)}")
     mask, window, scale = mask_arguments("spec_for", causal, window, scale)
-    dtypes = {"float16": DType.FP16, "bfloat16": DType.BF16, "half": DType.FP16}
-    dtype = next((d for text, d in dtypes.items() if str(getattr(q, "dtype", "")).endswith(text)), None)
+    # the dtype's own name, after any "torch." prefix: "bfloat16" also ends with "float16"
+    names = {DTYPES[d].torch: d for d in (DType.FP16, DType.BF16)} | {"half": DType.FP16}
+    dtype = names.get(str(getattr(q, "dtype", "")).rsplit(".", 1)[-1])
     if dtype is None or len(q.shape) != 4 or len(v.shape) != 4:
         raise RuntimeInputError(f"spec_for: q must be 4-d fp16 or bf16 (batch, heads, seqlen, head_dim); got "
                                 f"{getattr(q, 'dtype', '?')} {tuple(getattr(q, 'shape', ()))}")
