@@ -680,9 +680,11 @@ __device__ __forceinline__ BlockTile block_tile(int q_len, int order_groups) {
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
 constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4,
-              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7;
+              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7,
+              INDEX_DESCALE_INVALID = 8, INDEX_DESCALE_ZERO_V_BLOCK = 9;
 constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2, INDEX_TENSOR_CU_SEQLENS_Q = 3,
-              INDEX_TENSOR_CU_SEQLENS_K = 4;
+              INDEX_TENSOR_CU_SEQLENS_K = 4, INDEX_TENSOR_Q_DESCALE = 5, INDEX_TENSOR_K_DESCALE = 6,
+              INDEX_TENSOR_V_DESCALE = 7;
 // Word 0 while the winning report writes the others: the host reads a code only after its fields.
 constexpr int INDEX_REPORT_WRITING = -1;
 
@@ -904,6 +906,15 @@ __device__ __forceinline__ void transpose_v(u32 v_tile, u32 vt_tile, int thread)
     }
 }
 
+constexpr float LEAST_NORMAL_FLOAT = 1.17549435e-38f, FLOAT_MAX = 3.40282347e38f;
+
+// Descales are finite and >= 0 (value = byte * descale); per block V's are > 0 too (O carries sum P V over the
+// last tile's V descale, rescaled by each tile's ratio to the one before). NaN fails both comparisons. A bad one
+// makes the rows that read it NaN, and the item's epilogue reports it (report_bad_descale).
+__device__ __forceinline__ bool descale_bad(float x, bool zero_bad) {
+    return !(zero_bad ? x > 0.f : x >= 0.f) || x > FLOAT_MAX;
+}
+
 // One work item's descales (C::DESCALE: 0 per tensor, 1 per (batch, kv head), 2 per block): q * k and v, or
 // per block Q's tile descale and the (batch, kv head)'s rows of K and V tile descales.
 struct Fp8Descales {
@@ -919,20 +930,27 @@ __device__ __forceinline__ Fp8Descales fp8_descales(const float* __restrict__ q_
     const i64 kv_pair = (i64)w.batch * (heads / kv_group) + w.kv_head;
     if constexpr (C::DESCALE == 2) {
         const int q_tiles = (q_len + C::BR - 1) / C::BR, kv_tiles = (kv_len + C::BC - 1) / C::BC;
-        return {q_descale[((i64)w.batch * heads + w.head) * q_tiles + w.q0 / C::BR], 1.f,
-                k_descale + kv_pair * kv_tiles, v_descale + kv_pair * kv_tiles};
+        const float q = q_descale[((i64)w.batch * heads + w.head) * q_tiles + w.q0 / C::BR];
+        return {descale_bad(q, false) ? QUIET_NAN : q, 1.f, k_descale + kv_pair * kv_tiles,
+                v_descale + kv_pair * kv_tiles};
     } else {
         const i64 at = C::DESCALE == 1 ? kv_pair : 0;
-        return {q_descale[at] * k_descale[at], v_descale[at], nullptr, nullptr};
+        const float q = q_descale[at], k = k_descale[at];
+        return {descale_bad(q, false) || descale_bad(k, false) ? QUIET_NAN : q * k, v_descale[at], nullptr, nullptr};
     }
 }
 
 // The descale of tile `tile`'s raw scores (q descale * k descale): true score = raw * it. At least the least
 // normal float: a zero descale (an all-zero tensor's) must not turn a masked raw score's -inf into -inf * 0 = NaN.
-constexpr float LEAST_NORMAL_FLOAT = 1.17549435e-38f;
+// NaN for a bad q or k descale: the softmax keeps its max in raw units, which only a descale >= 0 allows.
 template <class C>
 __device__ __forceinline__ float score_descale(const Fp8Descales& d, int tile) {
-    return fmaxf(C::DESCALE == 2 ? d.qk * d.k_tiles[tile] : d.qk, LEAST_NORMAL_FLOAT);
+    float qk = d.qk;   // NaN where fp8_descales found q's (or k's) descale bad
+    if constexpr (C::DESCALE == 2) {
+        const float k = d.k_tiles[tile];
+        qk *= descale_bad(k, false) ? QUIET_NAN : k;
+    }
+    return qk >= LEAST_NORMAL_FLOAT ? qk : (qk >= 0.f ? LEAST_NORMAL_FLOAT : QUIET_NAN);
 }
 
 // attention.cuh's online softmax on raw e4m3 scores: the descale `qk` rides on the softmax scale (one FFMA per
@@ -974,11 +992,56 @@ template <class C>
 __device__ __forceinline__ void carry_v_descale(float (&alpha)[C::M_TILES][2], const Fp8Descales& d, int tile, int first) {
     if constexpr (C::DESCALE == 2) {
         if (tile > first) {
+            // a zero or NaN V descale has no finite positive ratio: NaN rows, reported by the epilogue
             const float ratio = d.v_tiles[tile - 1] / d.v_tiles[tile];
-            alpha[0][0] *= ratio;
-            alpha[0][1] *= ratio;
+            const float kept = ratio > 0.f && ratio <= FLOAT_MAX ? ratio : QUIET_NAN;
+            alpha[0][0] *= kept;
+            alpha[0][1] *= kept;
         }
     }
+}
+
+// The first descale item `w` read that breaks descale_bad's rule, to the error word (index_bounds.cuh; the entry is
+// its flat index in the tensor, the value its float's bits). Called by one lane after the item's rows came out NaN:
+// NaN bytes in the inputs give NaN rows too, and find nothing to report.
+template <class C, class Item>
+__device__ __forceinline__ void report_bad_descale(const float* __restrict__ q_descale, const float* __restrict__ k_descale,
+                                                const float* __restrict__ v_descale, const Item& w, int q_len,
+                                                int kv_len, int heads, int kv_group, int tile_begin, int tile_end,
+                                                int* words) {
+    const i64 kv_pair = (i64)w.batch * (heads / kv_group) + w.kv_head;
+    const auto report = [&](int code, int tensor, i64 at, float value) {
+        report_bad_index(words, code, tensor, w.batch, (int)at, __float_as_int(value), 0);
+    };
+    if constexpr (C::DESCALE == 2) {
+        const int q_tiles = (q_len + C::BR - 1) / C::BR, kv_tiles = (kv_len + C::BC - 1) / C::BC;
+        const i64 q_at = ((i64)w.batch * heads + w.head) * q_tiles + w.q0 / C::BR;
+        if (descale_bad(q_descale[q_at], false)) return report(INDEX_DESCALE_INVALID, INDEX_TENSOR_Q_DESCALE, q_at,
+                                                               q_descale[q_at]);
+        for (int tile = tile_begin; tile < tile_end; ++tile) {
+            const i64 at = kv_pair * kv_tiles + tile;
+            if (descale_bad(k_descale[at], false)) return report(INDEX_DESCALE_INVALID, INDEX_TENSOR_K_DESCALE, at,
+                                                                 k_descale[at]);
+            if (descale_bad(v_descale[at], true))
+                return report(v_descale[at] == 0.f ? INDEX_DESCALE_ZERO_V_BLOCK : INDEX_DESCALE_INVALID,
+                              INDEX_TENSOR_V_DESCALE, at, v_descale[at]);
+        }
+    } else {
+        const i64 at = C::DESCALE == 1 ? kv_pair : 0;
+        if (descale_bad(q_descale[at], false)) return report(INDEX_DESCALE_INVALID, INDEX_TENSOR_Q_DESCALE, at,
+                                                             q_descale[at]);
+        if (descale_bad(k_descale[at], false)) return report(INDEX_DESCALE_INVALID, INDEX_TENSOR_K_DESCALE, at,
+                                                             k_descale[at]);
+        if (descale_bad(v_descale[at], false)) return report(INDEX_DESCALE_INVALID, INDEX_TENSOR_V_DESCALE, at,
+                                                             v_descale[at]);
+    }
+}
+
+// Whether this thread's rows came out NaN (row sums, or O where a V descale's ratio broke its rescale).
+template <class C>
+__device__ __forceinline__ bool rows_nan(const float (&o)[C::M_TILES][C::O_TILES][4], const float (&row_sum)[C::M_TILES][2]) {
+    return row_sum[0][0] != row_sum[0][0] || row_sum[0][1] != row_sum[0][1] || o[0][0][0] != o[0][0][0] ||
+           o[0][0][2] != o[0][0][2];
 }
 
 // Before the epilogue divides O by l: O *= v descale (per block: the last tile's), and m loses P_SCALE's share of
@@ -986,7 +1049,8 @@ __device__ __forceinline__ void carry_v_descale(float (&alpha)[C::M_TILES][2], c
 template <class C>
 __device__ __forceinline__ void fp8_finish(float (&o)[C::M_TILES][C::O_TILES][4], float (&row_max)[C::M_TILES][2],
                                            const Fp8Descales& d, int last_tile) {
-    const float v = C::DESCALE == 2 ? (last_tile >= 0 ? d.v_tiles[last_tile] : 0.f) : d.v;
+    const float read = C::DESCALE == 2 ? (last_tile >= 0 ? d.v_tiles[last_tile] : 1.f) : d.v;
+    const float v = descale_bad(read, C::DESCALE == 2) ? QUIET_NAN : read;   // NaN rows, reported after
 #pragma unroll
     for (int nd = 0; nd < C::O_TILES; ++nd)
 #pragma unroll
@@ -1234,6 +1298,10 @@ hopper_d256_e4m3_dsh_q128_kv64_p1r40_c2r232_s2tma(const __grid_constant__ Tensor
     // otherwise serialise every wgmma of the loop to make O's registers safe to read (an empty wait is free).
     wgmma_wait<0>();
     fp8_finish<C>(acc_o, row_max, descales, tile_end > tile_begin ? tile_end - 1 : -1);
+    // NaN rows: a descale that breaks the rule (hopper_fp8.cuh) is reported by one lane of each warp that has them
+    if (__any_sync(0xffffffffu, rows_nan<C>(acc_o, row_sum)) && lane == 0)
+        report_bad_descale<C>(q_descale, k_descale, v_descale, w, q_len, kv_len, heads, kv_group, tile_begin, tile_end,
+                              index_errors);
     store_output_panels<C>(acc_o, row_max, row_sum, shared.o(), warp_row, lane,
                            o + w.batch * o_batch_stride + w.head * o_head_stride + q0 * o_row_stride, o_row_stride,
                            lse + ((i64)w.batch * heads + w.head) * q_len + q0, q_len - q0);

@@ -203,3 +203,55 @@ def test_memcheck_small_case(tmp_path):
         assert torch.isfinite(o).all()
     """))
     memcheck(script)
+
+
+# A descale the kernel cannot use: (quantize_fp8's block, which descale, its flat entry, value, what the report says,
+# the first row a causal mask makes NaN). The rows that read it are NaN and the kernel reports the entry; every other
+# row is the good call's bits. Shapes: per head (batch 2, kv heads 2), per block (2, 2, 3 kv tiles of 128).
+BAD_DESCALES = {
+    "negative q per tensor": ("tensor", 0, 0, -1.0, r"q_descale entry 0 \(flat\) = -1\.0 is not a finite number", 0),
+    "NaN k per head": (None, 1, 3, float("nan"), r"k_descale entry 3 \(flat\) = nan is not a finite number", 0),
+    "inf v per head": (None, 2, 1, float("inf"), r"v_descale entry 1 \(flat\) = inf is not a finite number", 0),
+    # kv tile 2 of (batch 1, kv head 0): causal, the q tile that reaches it
+    "negative k per block": (128, 1, 8, -0.5, r"k_descale entry 8 \(flat\) = -0\.5 is not a finite number", 256),
+    # kv tile 1 of (batch 0, kv head 1): causal, the q tiles that reach it (the first stops at tile 0)
+    "zero v per block": (128, 2, 4, 0.0, r"v_descale entry 4 \(flat\) = 0: a per-block V descale must be > 0", 128),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DESCALES))
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_a_bad_descale_is_nan_and_reported(torch, case, causal):
+    """batch 2, 4 heads over 2 kv heads, 300 queries and keys: a bad entry of one (batch, kv head) makes that
+    group's rows NaN (under causal, the q tiles that see the bad kv tile), and the kernel reports it."""
+    block, which, flat, value, match, causal_first_row = BAD_DESCALES[case]
+    q, k, v = _inputs(torch, 2, 4, 2, 300, 300, 128)
+    q8, k8, v8, *descales = tiledsl.quantize_fp8(q, k, v, block=block)
+    good = tiledsl.attention(q8, k8, v8, causal=causal, q_descale=descales[0], k_descale=descales[1],
+                             v_descale=descales[2])
+    tiledsl.check_errors()   # raises nothing
+    bad = [d.clone() for d in descales]
+    bad[which].view(-1)[flat] = value
+    out = torch.full_like(good, float("nan"))
+    out.copy_(tiledsl.attention(q8, k8, v8, causal=causal, q_descale=bad[0], k_descale=bad[1], v_descale=bad[2]))
+    with pytest.raises(RuntimeInputError, match=match):
+        tiledsl.check_errors()
+    expected = torch.zeros(out.shape[:3], dtype=torch.bool, device="cuda")
+    if block == "tensor":
+        expected[:] = True
+    else:
+        batch, kv_head = divmod(flat // (3 if block else 1), 2)
+        expected[batch, 2 * kv_head:2 * kv_head + 2, causal_first_row if causal else 0:] = True
+    assert torch.equal(torch.isnan(out.float()).all(-1), expected)
+    assert not torch.isnan(out[~expected].float()).any()
+    assert torch.equal(out[~expected], good[~expected]), "rows that read no bad descale changed"
+
+
+def test_nan_bytes_in_the_inputs_give_nan_rows_and_no_report(torch):
+    q, k, v = _inputs(torch, 1, 2, 2, 200, 200, 128)
+    q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
+    q8.view(torch.uint8)[0, 1, 7, 3] = 0x7F   # e4m3fn's NaN
+    o = tiledsl.attention(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)
+    torch.cuda.synchronize()
+    tiledsl.check_errors()   # the descales are good: nothing is reported
+    assert torch.isnan(o[0, 1, 7].float()).all() and torch.isfinite(o[0, 0].float()).all()

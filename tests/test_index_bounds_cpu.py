@@ -62,12 +62,26 @@ def test_report_being_written_is_not_read_and_a_report_is_read_once(monkeypatch)
     assert device_errors.take(99) is None and not host.any()
 
 
+def test_a_descale_report_shows_the_float_it_read(monkeypatch):
+    import struct
+    host = np.zeros(device_errors.WORDS, dtype=np.int32)
+    monkeypatch.setitem(device_errors._words, 98, (host, host))
+    bits = struct.unpack("<i", struct.pack("<f", -0.25))[0]
+    host[:6] = (8, 5, 1, 3, bits, 0)
+    error = device_errors.take(98)
+    assert error is not None and "q_descale entry 3 (flat) = -0.25 is not a finite number >= 0" in str(error)
+    assert "the rows that read it are NaN" in str(error) and not host.any()
+    host[:6] = (9, 7, 0, 11, 0, 0)
+    assert "v_descale entry 11 (flat) = 0: a per-block V descale must be > 0" in str(device_errors.take(98))
+
+
 def test_template_codes_match_the_host_tables():
     text = HEADER.read_text()
     codes = {int(v): k for k, v in re.findall(r"INDEX_(?!TENSOR_)(\w+) = (\d+)", text)}
     assert codes[1] == "PAGE_OUT_OF_RANGE" and codes[2] == "LEN_OVER_TABLE" and codes[3] == "LEN_NEGATIVE"
     assert codes[4] == "LEN_OVER_K" and codes[5] == "OFFSET_OUT_OF_RANGE" and codes[6] == "OFFSET_DECREASING"
-    assert codes[7] == "SEQUENCE_OVER_MAX" and set(device_errors.CODES) == set(codes)
+    assert codes[7] == "SEQUENCE_OVER_MAX" and codes[8] == "DESCALE_INVALID" and codes[9] == "DESCALE_ZERO_V_BLOCK"
+    assert set(device_errors.CODES) == set(codes)
     tensors = dict(re.findall(r"INDEX_TENSOR_(\w+) = (\d+)", text))
     assert {int(v): k.lower() for k, v in tensors.items()} == device_errors.TENSORS
 

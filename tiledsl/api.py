@@ -38,8 +38,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `q_descale`, `k_descale`, `v_descale` are float32 (value = byte * descale): one value each, (batch, kv_heads)
     each (FlashAttention-3's convention; Q's shared by its kv head's query heads), or per tile ((batch, heads,
     q tiles) and (batch, kv_heads, kv tiles) of the kernel's 128-query / 128-key tiles, 64 keys at d256), as
-    tiledsl.quantize_fp8 makes them; None: 1.0. Descales are positive or 0 (an all-zero tensor's), as
-    quantize_fp8's are: the kernel reads them on the device and does not check their sign. O is `out_dtype`
+    tiledsl.quantize_fp8 makes them; None: 1.0. Descales are finite and >= 0 (per-block V descales > 0),
+    as quantize_fp8's are: the kernel checks each one it reads (no sync), makes the rows that read a bad one NaN and
+    reports it (the next call or tiledsl.check_errors() raises it). O is `out_dtype`
     (bf16 or fp16, default bf16); forward only.
 
     `validate=True` checks kv_lens on the host first (a sync; runtime/index_checks.py says when the

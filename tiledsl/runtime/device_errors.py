@@ -16,6 +16,8 @@ code: templates/index_bounds.cuh spells the same codes and tensors).
 """
 from __future__ import annotations
 
+import struct
+
 from ..errors import RuntimeInputError
 
 WORDS = 8
@@ -29,8 +31,13 @@ CODES = {
     5: "{tensor}[{index}] = {value} is out of range: the packed tensor holds {bound} tokens",
     6: "{tensor}[{index}] = {value} is below the entry before it ({bound}): offsets must not decrease",
     7: "sequence {batch} has {value} queries ({tensor}), more than max_seqlen_q = {bound}",
+    8: "{tensor} entry {index} (flat) = {real} is not a finite number >= 0 (value = byte * descale; batch {batch})",
+    9: "{tensor} entry {index} (flat) = 0: a per-block V descale must be > 0 (quantize_fp8 gives an all-zero tile 1; "
+       "batch {batch})",
 }
-TENSORS = {1: "block_table", 2: "kv_lens", 3: "cu_seqlens_q", 4: "cu_seqlens_k"}
+TENSORS = {1: "block_table", 2: "kv_lens", 3: "cu_seqlens_q", 4: "cu_seqlens_k", 5: "q_descale", 6: "k_descale",
+           7: "v_descale"}
+REAL_VALUED = {8, 9}   # codes whose value word holds a float32's bits (FP8 descales)
 
 _words: dict[int, tuple] = {}   # device -> (pinned int32 array, its NumPy view)
 
@@ -61,8 +68,9 @@ def describe(words) -> str:
     """The message of a report."""
     code, tensor, batch, index, value, bound = (int(w) for w in words[:6])
     template = CODES.get(code, "an unknown report (code {code})")
+    real = struct.unpack("<f", struct.pack("<i", value))[0] if code in REAL_VALUED else None
     return template.format(tensor=TENSORS.get(tensor, f"tensor {tensor}"), batch=batch, index=index, value=value,
-                           bound=bound, last=bound - 1, code=code)
+                           bound=bound, last=bound - 1, code=code, real=real)
 
 
 def take(device_id: int) -> RuntimeInputError | None:
@@ -74,7 +82,8 @@ def take(device_id: int) -> RuntimeInputError | None:
     host = have[1]
     if int(host[0]) <= NO_ERROR:   # none, or one still being written (a later look sees it)
         return None
-    error = RuntimeInputError(describe(host) + " (reported by the kernel; its sequence's output rows are NaN)")
+    rows = "the rows that read it" if int(host[0]) in REAL_VALUED else "its sequence's output rows"
+    error = RuntimeInputError(describe(host) + f" (reported by the kernel; {rows} are NaN)")
     host[:] = 0
     return error
 
