@@ -1,5 +1,8 @@
 #!/bin/bash
-# Temporary (not committed): ncu full-set profiles of named attention calls, SASS csv + details under $OUT.
+# Nsight Compute full-set profiles of attention calls on the device: for each argument (bench/ncu_target.py's, e.g.
+# "bf16 256 2048 none" or "e4m3 128 16384 none"), the per-SASS-instruction source page (csv: stall samples,
+# instructions executed) and the details page, tarred into $OUT/prof.tgz. One device call:
+#   bash bench/ncu_profile.sh "bf16 256 2048 none" "e4m3 128 16384 none"
 set -u
 export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/lark*.whl
