@@ -490,6 +490,7 @@ struct C {
     static constexpr u32 VT_STAGE_BYTES = 16384;
     static constexpr u32 VT_PANEL_BYTES = 16384;   // VT_SWIZZLE bytes of every V^T row
     static constexpr int VT_FULL_BAR = 10;   // V^T of a stage written (the transposers' arrivals)
+    static constexpr int V_LANDING_STAGES = 2;   // slots V lands in by TMA (the transposers read each tile as it lands)
     static constexpr int TRANSPOSERS = 96;   // producer threads that transpose V
     static constexpr float P_LOG2 = 8.0f;   // log2(P_SCALE): the softmax's exponent offset, P = P_SCALE x its weights, in e4m3's range before conversion
     static constexpr float P_SCALE_UNITS = 62.73652118198702f;   // log(P_SCALE) / scale: P_SCALE's share of l in m's units (LSE = scale m + log l)
@@ -1179,17 +1180,20 @@ hopper_d128_e4m3_dsh_q128_kv128_p1r40_c2r232_s2tma(const __grid_constant__ Tenso
                 for (int tile = w.tile_begin; tile < w.tile_end; ++tile, ++it) {
                     const int stage = (it) % C::STAGES, round = (it) / C::STAGES;
                     const u32 k_tile = shared.k(stage);
-                    const u32 v_tile = shared.v(stage);
                     if (round > 0) mbarrier_wait(k_empty(bars, stage), (round - 1) & 1);
                     mbarrier_arrive_expect_tx(k_full(bars, stage), C::K_STAGE_BYTES);
 #pragma unroll
                     for (int p = 0; p < C::D / 128; ++p)
                         tma_load_4d(k_tile + p * C::K_PANEL_BYTES, k_map, p * 128, tile * C::BC, w.kv_head, w.batch, k_full(bars, stage));
-                    if (round > 0) mbarrier_wait(vt_full(bars, stage), (round - 1) & 1);
-                    mbarrier_arrive_expect_tx(v_full(bars, stage), C::V_STAGE_BYTES);
+                    // V lands in its own ring, whose slot is free once the transposers have copied the tile that
+                    // landed there last into V^T
+                    const int landing = it % C::V_LANDING_STAGES;
+                    if (it >= C::V_LANDING_STAGES)
+                        mbarrier_wait(vt_full(bars, (it - C::V_LANDING_STAGES) % C::STAGES), ((it - C::V_LANDING_STAGES) / C::STAGES) & 1);
+                    mbarrier_arrive_expect_tx(v_full(bars, landing), C::V_STAGE_BYTES);
 #pragma unroll
                     for (int p = 0; p < C::DV / 128; ++p)
-                        tma_load_4d(v_tile + p * C::V_PANEL_BYTES, v_map, p * 128, tile * C::BC, w.kv_head, w.batch, v_full(bars, stage));
+                        tma_load_4d(shared.v(landing) + p * C::V_PANEL_BYTES, v_map, p * 128, tile * C::BC, w.kv_head, w.batch, v_full(bars, landing));
                 }
             }
         }
@@ -1200,9 +1204,10 @@ hopper_d128_e4m3_dsh_q128_kv128_p1r40_c2r232_s2tma(const __grid_constant__ Tenso
                 const WorkItem w = work_item<C>(item, items, q_len, kv_len, heads, kv_group, kv_lens, order_groups);
                 for (int tile = w.tile_begin; tile < w.tile_end; ++tile, ++it) {
                     const int stage = (it) % C::STAGES, round = (it) / C::STAGES;
-                    mbarrier_wait(v_full(bars, stage), round & 1);                        // V landed
+                    const int landing = it % C::V_LANDING_STAGES;
+                    mbarrier_wait(v_full(bars, landing), (it / C::V_LANDING_STAGES) & 1);  // V landed
                     if (round > 0) mbarrier_wait(v_empty(bars, stage), (round - 1) & 1);  // V^T's last round read
-                    transpose_v<C>(shared.v(stage), shared.vt(stage), threadIdx.x - 32);
+                    transpose_v<C>(shared.v(landing), shared.vt(stage), threadIdx.x - 32);
                     fence_proxy_async();   // generic stores, read next by wgmma through the async proxy
                     mbarrier_arrive(vt_full(bars, stage));
                 }

@@ -95,14 +95,20 @@ def test_fp8_layout_refusals(d, kv, message):
     assert message in err.value.message
 
 
-@pytest.mark.parametrize("d, kv", [(64, 128), (128, 128), (256, 64)])
-def test_fp8_layout_sizes(d, kv):
+@pytest.mark.parametrize("d, kv, landing", [(64, 128, 2), (128, 128, 2), (256, 64, 2), (64, 256, 2), (128, 256, 1)])
+def test_fp8_layout_sizes(d, kv, landing):
+    """V lands in a ring as deep as K's where that fits; at d128 with 256-key tiles in one slot (two would take
+    245 KB): the transposers copy each tile into V^T's ring as it lands."""
     lay = layout_of(hopper(d=d, kv=kv))
     q, k, v, vt, o = (lay.buffer(n) for n in ("Q", "K", "V", "V^T", "O staging"))
     assert q.bytes == 128 * d and k.stage_bytes == kv * d and v.stage_bytes == kv * d
+    assert v.stages == landing and v.bytes == landing * kv * d and k.stages == 2
     assert vt.stage_bytes == d * kv and vt.stages == 2 and o.bytes == 128 * d * 2 and o.reuses == ""
     assert all(b.offset % 1024 == 0 for b in (q, k, v, vt, o))
     assert lay.smem_bytes <= lay.smem_limit
+    source = render(lower(hopper(d=d, kv=kv)))
+    assert f"static constexpr int V_LANDING_STAGES = {landing};" in source
+    assert "transpose_v<C>(shared.v(landing), shared.vt(stage)" in source
 
 
 def test_fp8_source_spells_e4m3_wgmma_and_the_transpose():
@@ -110,7 +116,7 @@ def test_fp8_source_spells_e4m3_wgmma_and_the_transpose():
     src = render(plan)
     assert "m64n128k32.f32.\" \"e4m3\" \".\" \"e4m3\"" in src
     assert "p, 1, 1;" in src and "p, 1, 1, 0, 0;" not in src   # no transpose immediates on e4m3
-    assert "transpose_v<C>(shared.v(stage), shared.vt(stage)" in src
+    assert "transpose_v<C>(shared.v(landing), shared.vt(stage)" in src
     assert "cvt.rn.satfinite.e4m3x2.f32" in src and "static constexpr int DESCALE = 2;" in src
     assert "#define TILE_DTYPE \"bf16\"" in src   # O's type
 

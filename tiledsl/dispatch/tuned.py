@@ -306,9 +306,12 @@ def _fp8_variants(tile_kv: int) -> dict[str, Schedule]:
             "pingpong_intra": fp8_schedule(tile_kv, pingpong=True, intra=True)}
 
 
+# 256-key tiles halve the per-tile work of the softmax and O's rescale; their S takes the registers intra overlap
+# would need, and V lands in one slot (layout/hopper.fp8_buffers) to fit shared memory.
+_FP8_WIDE = {"kv256": fp8_schedule(256), "kv256_pingpong": fp8_schedule(256, pingpong=True)}
 FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
-    64: _fp8_variants(128),
-    128: _fp8_variants(128),
+    64: _fp8_variants(128) | _FP8_WIDE,
+    128: _fp8_variants(128) | _FP8_WIDE,
     256: _fp8_variants(64),
 }
 

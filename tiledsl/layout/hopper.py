@@ -2,6 +2,8 @@
 fit (else staged in Q's), the mbarriers, and a consumer's register budget."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..device_limits import DeviceLimits, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, SWIZZLE_ATOM, TMA_BOX_MAX, WARPGROUP_THREADS, WGMMA_ROWS
 from ..spec import KernelSpec, LaunchKind
@@ -106,7 +108,31 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     over = setmaxnreg_refusal(limits, s.producer_warpgroups, s.producer_regs, consumers, s.consumer_regs)
     require(not over, spec, "warpgroups", over)
     threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
+    # V lands in a ring of its own that only the transposers read, each tile right as it lands: as deep as K's
+    # where that fits, else one slot (the producer's next V copy then waits for the transpose of the last).
+    buffers, smem = fp8_buffers(spec, s.stages)
+    if smem > limits.max_shared_per_block and s.stages > 1:
+        buffers, smem = fp8_buffers(spec, 1)
+    # Under intra overlap tile j-1's e4m3 P fragments (4 keys a register) live while S_j is computed.
+    p_fragments = [Registers("P fragments", bc // 8, f"Bc/8 = {bc}/8", True)] if s.intra_overlap else []
+    registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
+                 Registers("S/P accumulator", bc // 2, f"Bc/2 = {bc}/2", True), *p_fragments,
+                 Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
+    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
+                  launch_registers=entry_registers(limits, threads),
+                  stages=s.stages, rows_per_warp=16, keys_per_warp=bc)
+
+
+def fp8_buffers(spec: KernelSpec, v_landing: int) -> tuple[list[Buffer], int]:
+    """(the FP8 kernel's buffers, the shared memory they take) with V landing in `v_landing` slots: Q, the K and V
+    rings, V^T's ring (as deep as K's), O's staging and the mbarriers."""
+    p, s = spec.problem, spec.schedule
+    d, dv, bc = p.head_dim_qk, p.head_dim_v, s.tile_kv
     buffers = qkv_buffers(spec, s.tile_q, bc, s.stages, d, dv, SWIZZLE_ATOM, panels=True, element_bytes=1)
+    if v_landing != s.stages:
+        v = buffers[2]
+        buffers[2] = replace(v, bytes=v_landing * v.stage_bytes, stages=v_landing,
+                             formula=f"{v_landing}x Bc*dv*1 = {v_landing}x {bc}*{dv}*1 (V lands; V^T holds the ring)")
     end = buffers_end(buffers, SWIZZLE_ATOM)
     vt_stage = dv * bc
     buffers.append(Buffer("V^T", end, s.stages * vt_stage, SWIZZLE_ATOM, s.stages, vt_stage,
@@ -121,12 +147,4 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     buffers.append(Buffer("mbarriers", bar_offset, MBARRIER_BYTES * barriers, MBARRIER_BYTES,
                           formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty, V^T full x "
                                   f"{s.stages})"))
-    smem = bar_offset + MBARRIER_BYTES * barriers
-    # Under intra overlap tile j-1's e4m3 P fragments (4 keys a register) live while S_j is computed.
-    p_fragments = [Registers("P fragments", bc // 8, f"Bc/8 = {bc}/8", True)] if s.intra_overlap else []
-    registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
-                 Registers("S/P accumulator", bc // 2, f"Bc/2 = {bc}/2", True), *p_fragments,
-                 Registers("loop state, barriers", HOPPER_CONSUMER_OVERHEAD, "allowance (consumer)", True)]
-    return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
-                  launch_registers=entry_registers(limits, threads),
-                  stages=s.stages, rows_per_warp=16, keys_per_warp=bc)
+    return buffers, bar_offset + MBARRIER_BYTES * barriers

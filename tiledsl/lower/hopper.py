@@ -64,7 +64,6 @@ class HopperPlan(KernelPlan):
     p_fragments: str = "C::BC / 16"     # A fragments of P: one per k16 (16-bit) or k32 (e4m3) step of the tile
     qk_panel_columns: int = 64          # elements of one row of a Q / K TMA box (a swizzled panel row)
     v_panel_columns: int = 64
-    v_slot_free: str = "v_empty"        # the barrier whose phase frees V's ring slot for the producer's next copy
     v_ready: str = "v_full"             # the barrier a consumer waits on before O += P V reads the stage
     pv_operand: str = "v"               # the Shared buffer P V's B operand is read from (FP8: V^T)
     q_row_bytes: int = PANEL_ROW_BYTES  # bytes of one swizzled Q row: a consumer's 64 rows start 64 of them in
@@ -208,12 +207,12 @@ FP8_PARAMETERS = (parameters("const float* __restrict__", "q_descale", "k_descal
 
 def fp8_plan_fields(spec: KernelSpec) -> dict:
     """HopperPlan's fields for FP8 inputs: e4m3 wgmma (k32, no transpose bits: both operands K-major), the O type
-    as the kernel's 16-bit TILE_DTYPE, P's fragments per k32 step, boxes of bytes, V's slot freed by V^T."""
+    as the kernel's 16-bit TILE_DTYPE, P's fragments per k32 step, boxes of bytes, P V reading V^T."""
     p, s = spec.problem, spec.schedule
     return {"fp8_inputs": True, "dtype_ptx": DTYPE_PTX[p.output_dtype], "wgmma_k": 32,
             "wgmma_inputs": f'"{DTYPE_PTX[p.dtype]}"', "wgmma_qk_tail": "", "wgmma_pv_tail": "",
             "p_fragments": "C::BC / 32", "qk_panel_columns": fp8_swizzle(p.head_dim_qk),
-            "v_panel_columns": fp8_swizzle(p.head_dim_v), "v_slot_free": "vt_full", "v_ready": "vt_full",
+            "v_panel_columns": fp8_swizzle(p.head_dim_v), "v_ready": "vt_full",
             "pv_operand": "vt", "q_row_bytes": fp8_swizzle(p.head_dim_qk)}
 
 
@@ -254,6 +253,8 @@ def fp8_constants(spec: KernelSpec, lay: Layout) -> list[Constant]:
         Constant("VT_STAGE_BYTES", "u32", vt.stage_bytes),
         Constant("VT_PANEL_BYTES", "u32", dv * fp8_swizzle(bc), "VT_SWIZZLE bytes of every V^T row"),
         Constant("VT_FULL_BAR", "int", 2 + 4 * s.stages, "V^T of a stage written (the transposers' arrivals)"),
+        Constant("V_LANDING_STAGES", "int", lay.buffer("V").stages, "slots V lands in by TMA (the transposers read "
+                 "each tile as it lands)"),
         Constant("TRANSPOSERS", "int", FP8_TRANSPOSERS * WARP_THREADS, "producer threads that transpose V"),
         Constant("P_LOG2", "float", math.log2(FP8_P_SCALE), "log2(P_SCALE): the softmax's exponent offset, P = "
                  "P_SCALE x its weights, in e4m3's range before conversion"),
