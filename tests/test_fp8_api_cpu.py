@@ -70,7 +70,7 @@ def test_the_source_walks_packed_items_in_every_role(d, kv):
     # the descales' row is the item's sequence
     assert "descale_row{w.sequence, w.head, w.kv_head, w.q0};" in body
     assert "fp8_descales<C>(q_descale, k_descale, v_descale, descale_row, w.seq_q, w.seq_kv," in body
-    assert "transpose_v<C>(shared.v(stage), shared.vt(stage), threadIdx.x - 32);" in body
+    assert "transpose_v<C>(shared.v(landing), shared.vt(stage), threadIdx.x - 32);" in body
     panel = 64 if d == 64 else 128   # FP8 boxes: rows of up to 128 bytes
     assert f"k_map, p * {panel}, w.k_row + tile * C::BC, w.kv_head, 0," in body
     assert "static constexpr int DESCALE = 1;" in source
@@ -226,3 +226,15 @@ def test_modification_refusals_name_the_fp8_kernels(extra, which):
     with pytest.raises(SpecError) as err:
         lower(spec)
     assert err.value.message.endswith(f"have no CUDA template yet for {which}")
+
+
+@pytest.mark.parametrize("d, kv, block_kv", [(64, 256, 128), (128, 256, 128), (256, 64, 64)])
+def test_per_block_descales_keep_the_tiles_quantize_fp8_names(d, kv, block_kv):
+    """Per tensor and per head take the fastest tiles; per block keeps 128-key tiles (64 at d256), the tiles
+    quantize_fp8(block=128) makes one descale for."""
+    from tiledsl.dispatch.tuned import fp8_spec
+    from tiledsl.spec import Descale, DType, Mask
+    for descale in (Descale.PER_TENSOR, Descale.PER_HEAD):
+        assert fp8_spec("sm_90a", d, Mask.CAUSAL, None, None, descale, DType.BF16).schedule.tile_kv == kv
+    block = fp8_spec("sm_90a", d, Mask.CAUSAL, None, None, Descale.PER_BLOCK, DType.BF16).schedule
+    assert (block.tile_q, block.tile_kv) == (128, block_kv)

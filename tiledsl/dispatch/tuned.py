@@ -290,10 +290,10 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
 
 # FP8 prefill (dtype = e4m3): per head dim, the schedules the bench times side by side (bench/fp8_forward_bench.py
 # --variants) and, in TUNED_FP8, the one attention() runs: the fastest over none and causal at 16k tokens
-# (bench/NOTES.md has the numbers); at d64 intra overlap costs more than it hides. The producer keeps 40 registers
-# for its V-transposing warps, the consumers 232 each; d256 takes kv tiles of 64 (two stages of K, V, V^T and O's
-# staging fit 227 KB). kv 256 at d128 does not fit (two stages of K, V, V^T are 192 KB, with Q and O's staging 240
-# KB). Per-block descales are one per tile.
+# (bench/NOTES.md has the numbers): 256-key tiles at d64 and d128 (V landing in one slot at d128), kv 64 with intra
+# overlap at d256 (two stages of K, V, V^T and O's staging fit 227 KB). The producer keeps 40 registers for its
+# V-transposing warps, the consumers 232 each. Per-block descales are one per kernel tile: TUNED_FP8_BLOCK keeps the
+# 128-key tiles (64 at d256) quantize_fp8(block=128) and its docs name, with the fastest of those schedules.
 def fp8_schedule(tile_kv: int, pingpong: bool = False, intra: bool = False) -> Schedule:
     return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA,
                     producer_warpgroups=1, producer_regs=40, consumer_warpgroups=2, consumer_regs=232,
@@ -316,7 +316,9 @@ FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
 }
 
 TUNED_FP8: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
-                                              for d, name in {64: "base", 128: "intra", 256: "intra"}.items()}
+                                              for d, name in {64: "kv256", 128: "kv256", 256: "intra"}.items()}
+TUNED_FP8_BLOCK: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
+                                                    for d, name in {64: "base", 128: "intra", 256: "intra"}.items()}
 
 
 def fp8_descale_kind(q_descale, k_descale, v_descale):
@@ -333,11 +335,12 @@ def fp8_descale_kind(q_descale, k_descale, v_descale):
 
 def fp8_spec(arch: str, head_dim: int, mask: Mask, window, scale, descale, out_dtype: DType,
              where: str = "attention") -> KernelSpec:
-    """The FP8 prefill spec of a call: TUNED_FP8's schedule for the head dim; RuntimeInputError (naming `where`, the
-    API call) where there is none."""
+    """The FP8 prefill spec of a call: TUNED_FP8's schedule for the head dim (TUNED_FP8_BLOCK's for per-block
+    descales); RuntimeInputError (naming `where`, the API call) where there is none."""
     from ..errors import RuntimeInputError
     from ..spec import Descale
-    schedule = TUNED_FP8.get((arch.rstrip("a"), head_dim))
+    table = TUNED_FP8_BLOCK if descale is Descale.PER_BLOCK else TUNED_FP8
+    schedule = table.get((arch.rstrip("a"), head_dim))
     if schedule is None:
         raise RuntimeInputError(f"{where}: FP8 (float8_e4m3fn) q, k, v run on the hopper family (sm_90) at head dims "
                                 f"{', '.join(str(d) for _, d in TUNED_FP8)}; got head dim {head_dim} on {arch}")
