@@ -130,8 +130,10 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 
 
 # The modifications each family's forward template spells (mods/model.py's field names); the rest are refused.
-# The hopper template takes them on batched sequences (its varlen variant takes none).
-BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix")}
+# The hopper template takes them on batched sequences (its varlen variant takes none); the decode template on
+# contiguous, paged and FP8 KV caches alike.
+BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix"),
+              Family.DECODE: ("softcap", "softcap_via", "alibi", "sinks")}
 
 
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
