@@ -136,6 +136,11 @@ BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "docum
               Family.DECODE: ("softcap", "softcap_via", "alibi", "sinks")}
 
 
+def takes_mods(family: Family, mods) -> bool:
+    """Whether `family`'s batched 16-bit template spells every modification of `mods` (BUILT_MODS)."""
+    return not set(mods.config()) - set(BUILT_MODS.get(family, ()))
+
+
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     """(key, what) when the spec modifies its scores or masks in a way no template of its family spells."""
     mods = spec.problem.mods

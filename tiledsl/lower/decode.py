@@ -216,9 +216,9 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         regions["alibi_rows"] = Region(spec_line(spec, "alibi"), "ALiBi: each packed row's slope (its head's, in raw "
                                        "units) and its query's key position i + kv_len - q_len")
     if p.mods.sinks:
-        regions["sinks"] = Region(spec_line(spec, "sinks"), "sinks: split 0's warp 0 starts each packed row's running "
-                                  "max at its head's sink and its sum at the sink's weight 1, so the warps' combine and "
-                                  "the splits' merge count the sink once (LSE includes it)")
+        regions["sinks"] = Region(spec_line(spec, "sinks"), "sinks: split 0's warp 0 starts each packed row's "
+                                  "running max at its head's sink and its sum at the sink's weight 1, so the warps' "
+                                  "combine and the splits' merge count the sink once (LSE includes it)")
     if walk:
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
