@@ -186,6 +186,25 @@ def call_rows(torch, calls: int) -> list[dict]:
     row("paged_run", "8 x 1k, page 16, out=", lambda: planned.run(qp, k_cache, v_cache, out=out_p),
         lambda o: err(o, want_p), {"sdpa_cudnn_us": None, "sdpa_flash_us": None, "fa4_us": fa_paged},
         lambda: planned.planned[-1][0].name, 1024, False)
+    # the same paged step with softcap and sinks (Gemma / gpt-oss serving): the host path of a modified call
+    from tiledsl.mods.model import Modifications
+    sinks = torch.randn(HEADS, device="cuda")
+    mods = Modifications(softcap=30.0, sinks=True)
+    want_m = torch.from_numpy(paged_reference(qp.float().cpu().numpy(), k_cache.float().cpu().numpy(),
+                                              v_cache.float().cpu().numpy(), table.cpu().numpy(), lens.cpu().numpy(),
+                                              mods=mods, aux={"sinks": sinks.double().cpu().numpy()})[0]).cuda()
+    row("paged_attention_mods", "8 x 1k, page 16, softcap + sinks", lambda: tiledsl.paged_attention(
+        qp, k_cache, v_cache, table, lens, softcap=30.0, sinks=sinks), lambda o: err(o, want_m),
+        {"sdpa_cudnn_us": None, "sdpa_flash_us": None, "fa4_us": None}, lambda: last_kernel(paged._calls), 1024,
+        False)
+    planned_m = tiledsl.PagedAttention(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D, page_size=page,
+                                       num_pages=k_cache.shape[0], dtype=torch.bfloat16, device="cuda", max_batch=8,
+                                       max_pages=pages_per_seq, softcap=30.0, sinks=True)
+    planned_m.plan(table.cpu().numpy(), lens.cpu().numpy())
+    row("paged_run_mods", "8 x 1k, page 16, out=, softcap + run(sinks=)", lambda: planned_m.run(
+        qp, k_cache, v_cache, out=out_p, sinks=sinks), lambda o: err(o, want_m),
+        {"sdpa_cudnn_us": None, "sdpa_flash_us": None, "fa4_us": None}, lambda: planned_m.planned[-1][0].name, 1024,
+        False)
     # varlen, 4 sequences (512 tokens), max_seqlen given
     lengths = [200, 17, 167, 128]
     cu_host = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)

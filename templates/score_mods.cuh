@@ -78,3 +78,21 @@ __device__ __forceinline__ void alibi_scores(float (&s)[C::M_TILES][C::S_TILES][
                 s[mt][nt][e] = fmaf(slope, fabsf(lane_position + offset), s[mt][nt][e]);
             }
 }
+
+// ALiBi on rows that each carry their own slope and key position (decode's packed (head, query) rows):
+// t -= slope |position - j| for key j = key0 + the element's column; `slope` is already -slope / SCALE (raw
+// units). Each row's distance to the lane's first key is taken once, then each element adds its column.
+template <class C>
+__device__ __forceinline__ void alibi_scores_rows(float (&s)[C::M_TILES][C::S_TILES][4], const float (&slope)[C::M_TILES][2],
+                                                  const int (&position)[C::M_TILES][2], int key0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < C::M_TILES; ++mt) {
+        const float distance0[2] = {(float)(position[mt][0] - key0 - acc_col(lane, 0)),
+                                    (float)(position[mt][1] - key0 - acc_col(lane, 0))};
+#pragma unroll
+        for (int nt = 0; nt < C::S_TILES; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[mt][nt][e] = fmaf(slope[mt][e >> 1], fabsf(distance0[e >> 1] - (float)(nt * 8 + (e & 1))), s[mt][nt][e]);
+    }
+}

@@ -130,8 +130,15 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 
 
 # The modifications each family's forward template spells (mods/model.py's field names); the rest are refused.
-# The hopper template takes them on batched sequences (its varlen variant takes none).
-BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix")}
+# The hopper template takes them on batched sequences (its varlen variant takes none); the decode template on
+# contiguous, paged and FP8 KV caches alike.
+BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix"),
+              Family.DECODE: ("softcap", "softcap_via", "alibi", "sinks")}
+
+
+def takes_mods(family: Family, mods) -> bool:
+    """Whether `family`'s batched 16-bit template spells every modification of `mods` (BUILT_MODS)."""
+    return not set(mods.config()) - set(BUILT_MODS.get(family, ()))
 
 
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ import sys
 from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
+from ..families import takes_mods
 from ..mods.model import NO_MODS, Modifications
 from ..spec import CopyVia, DType, Family, ItemOrder, KernelSpec, LaunchKind, Mask, Mma, Problem, Schedule
 from .kernels import add, kernel_for
@@ -82,7 +83,8 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
                       softmax_scale=scale, mods=mods)
-    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and not mods.active:   # decode takes no modification
+    # a few queries run on decode kernels where the decode template spells the modifications (the rest: prefill's)
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and takes_mods(Family.DECODE, mods):
         spec = pick(arch, problem, q_len)
         if spec.family is Family.DECODE:
             return spec, False

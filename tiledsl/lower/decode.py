@@ -24,6 +24,7 @@ from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
 from .plan import (INDEX_ERRORS, Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer,
                    make_plan)
+from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .steps import (BLOCK_TABLE, IN16, INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32,
                     graph_loop_body, kv_buffer_constants, page_constants, parameters, require, smem_constants,
                     softmax_constants, spec_line, stride_lines, tile_row_constants)
@@ -118,6 +119,9 @@ def decode_loop_body(spec: KernelSpec, graph: ScheduleGraph, stages: int,
         if kind == "mma_qk":
             step = LoopOp("mma_qk", where, "S = Q K_j^T on this warp's key slice (mma.sync m16n8k16, fp32 accumulate)")
             return [step] + _refill("k", spec_line(spec, "pipeline")) if stages == 1 else [step]
+        if kind == "score_mod":
+            return [LoopOp("score_mod", where, op.text + " (each packed row: its head's slope, its query's position)"
+                           if spec.problem.mods.alibi is not None else op.text)]
         if kind == "mask":
             return [LoopOp("mask", where,
                            "mask keys past the sequence / after the query's diagonal / outside the window")]
@@ -186,6 +190,7 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("Q_IN_REGISTERS", "bool", q_in_registers, "Q fragments held for the whole kv loop"),
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
+        *mod_constants(p, keys_per_warp // 8),   # a thread's S: its warp's key slice
     ]
     walk = decode_page_walk(p.kv_page_size, keys_per_warp)
     if walk:
@@ -207,6 +212,13 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         "merge": Region(spec_line(spec, "split"), "merge the splits: lse = max + log sum exp(lse_i - max), "
                         "O = sum exp(lse_i - lse) O_i"),
     }
+    if p.mods.alibi is not None:
+        regions["alibi_rows"] = Region(spec_line(spec, "alibi"), "ALiBi: each packed row's slope (its head's, in raw "
+                                       "units) and its query's key position i + kv_len - q_len")
+    if p.mods.sinks:
+        regions["sinks"] = Region(spec_line(spec, "sinks"), "sinks: split 0's warp 0 starts each packed row's "
+                                  "running max at its head's sink and its sum at the sink's weight 1, so the warps' "
+                                  "combine and the splits' merge count the sink once (LSE includes it)")
     if walk:
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
@@ -235,7 +247,8 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      kernel_name=name, notes=notes, kv_load=KvLoad.of(kv_walk, fp8=convert),
                      mma_traits="W", mask_rows="packed", kv_pages=walk, kv_fp8=p.kv_fp8, fp8_convert=convert,
                      headers=headers, shared=KV_SHARED + (DEQUANTIZED_SHARED if convert == "shared" else ()),
-                     parameters=decode_parameters(bool(walk), p.kv_fp8))
+                     parameters=decode_parameters(bool(walk), p.kv_fp8) + mod_parameters(p.mods),
+                     **score_mod_fields(p.mods, consts))
 
 
 def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:

@@ -27,11 +27,10 @@ from ..layout.hopper import FP8_K_BYTES, FP8_TRANSPOSERS, fp8_swizzle
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import OpKind, Role
 from ..schedule.passes import emission_order
-from ..mods.model import Documents, Modifications
-from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import INDEX_ERRORS, Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .steps import (INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters,
                     smem_constants, softmax_constants, spec_line, stride_lines)
 
@@ -50,15 +49,6 @@ class HopperPlan(KernelPlan):
     # where a consumer waits for its item's Q: "item" (a dynamic launch: where it reads the item's index), "span"
     # (a document mask: before it reads the item's document span), else "loop" (before its kv loop)
     q_wait: str = "loop"
-    # Score modifications the kernel spells (families.BUILT_MODS): softcap and ALiBi in the score_mod op,
-    # sinks as the softmax's start; score_mods: any of them (templates/score_mods.cuh is pasted).
-    score_mods: bool = False
-    softcap: bool = False
-    softcap_via: str = ""                 # mods/softcap.TanhVia's value: how tanh runs
-    softcap_terms: tuple[str, ...] = ()   # the quotient's coefficients, w^0 first (C::SOFTCAP_Q0, ...)
-    softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
-    alibi: bool = False
-    sinks: bool = False
     # FP8 inputs (dtype = e4m3; templates/hopper_fp8.cuh): the producer's warps 1.. transpose each V tile into
     # V^T; the consumers read the descales (q_descale, k_descale, v_descale) per item or per tile.
     p_fragments: str = "C::BC / 16"     # A fragments of P: one per k16 (16-bit) or k32 (e4m3) step of the tile
@@ -144,61 +134,6 @@ def _step(spec: KernelSpec, graph: ScheduleGraph, seq: list[tuple[str, int]], i:
                 break
             pending += graph.op(earlier).kind in (OpKind.MMA_QK, OpKind.MMA_PV)
     return LoopOp(kind, spec_line(spec, op.key), op.text, pending=pending, distance=distance, node=name)
-
-
-def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
-    """The aux tensors the modified kernel reads (float32): ALiBi's slopes (batch stride 0 for (heads,)
-    slopes and the host's geometric ones) and the sinks; () for an unmodified kernel."""
-    line = ()
-    if mods.alibi is not None:
-        line += parameters("const float* __restrict__", "alibi_slopes") + parameters("int", "alibi_batch_stride")
-    if mods.sinks:
-        line += parameters("const float* __restrict__", "sinks")
-    if mods.document is Documents.IDS:
-        line += parameters("const int* __restrict__", "document_ids") + parameters("i64", "document_stride")
-    elif mods.document is Documents.BOUNDS:
-        line += (parameters("const int* __restrict__", "document_bounds") + parameters("i64", "document_stride")
-                 + parameters("int", "document_count"))
-    return (line,) if line else ()
-
-
-def softcap_via(mods: Modifications) -> TanhVia | None:
-    """How the kernel's tanh runs: the spec's `via`, else mods/softcap.DEFAULT_VIA (None without softcap)."""
-    return None if mods.softcap is None else mods.softcap_via or DEFAULT_VIA
-
-
-def softcap_constants(p, s_tiles: int) -> list[Constant]:
-    """softcap's constants (mods/softcap.py): tanh.approx's argument and output scales, or the exponent
-    scale of w = e^(-2 SCALE |s| / cap), the quotient's coefficients (cap / scale folded in, raw units) and
-    how many 8-column tiles of S take w from MUFU."""
-    cap, via = p.mods.softcap, softcap_via(p.mods)
-    if via is TanhVia.TANH_APPROX:
-        return [Constant("SOFTCAP_IN", "float", p.scale / cap, "softcap: scale / cap, tanh's argument"),
-                Constant("SOFTCAP_OUT", "float", cap / p.scale, "softcap: cap / scale, back to raw units")]
-    degree = quotient_degree(cap, via)
-    coefficients, error = QUOTIENT_FITS[degree]
-    return [Constant("SOFTCAP_EXP", "float", -2.0 * math.log2(math.e) * p.scale / cap,
-                     "softcap: w = 2^(|s| SOFTCAP_EXP) = e^(-2 scale |s| / cap)"),
-            Constant("SOFTCAP_MUFU_TILES", "int", mufu_tiles(via, s_tiles),
-                     f"softcap via {via.value}: tiles of S whose w comes from MUFU's ex2 (the rest: FMA pipes)")] + [
-        Constant(f"SOFTCAP_Q{k}", "float", c * cap / p.scale,
-                 f"softcap: the quotient's w^{k} coefficient (degree {degree}, error {error:.2g}) times cap / scale"
-                 if k == 0 else "") for k, c in enumerate(coefficients)]
-
-
-def mod_constants(p, s_tiles: int) -> list[Constant]:
-    """The constants of the modifications' steps, in the raw units of S the softmax scales."""
-    mods, out = p.mods, []
-    if mods.softcap is not None:
-        out += softcap_constants(p, s_tiles)
-    if mods.alibi is not None:
-        out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
-    if mods.sinks:
-        out.append(Constant("SINK_UNITS", "float", 1.0 / p.scale, "sinks: 1 / scale, a sink logit in raw units"))
-    if mods.document is not None or mods.prefix is not None:
-        out += [Constant("DOCUMENTS", "bool", mods.document is not None, "mask = document: rows see their document"),
-                Constant("PREFIX", "int", mods.prefix or 0, "prefix(n): keys below it are visible to all (0: none)")]
-    return out
 
 
 # FP8 inputs: the float32 descales of Q, K and V (C::DESCALE says how the kernel indexes them).
@@ -327,8 +262,6 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         consts.append(Constant("SPAN_OFFSET", "u32", lay.buffer("document span").offset,
                                "mask = document: the producer hands each item's keys to the consumers here"))
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
-    via = softcap_via(p.mods)
-    terms = tuple("C::" + c.name for c in consts if c.name.startswith("SOFTCAP_Q"))
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
         "kv_range": Region(spec_line(spec, "mask"),
@@ -374,9 +307,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
                      headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ()),
-                     score_mods=p.mods.active, softcap=p.mods.softcap is not None, alibi=p.mods.alibi is not None,
-                     sinks=p.mods.sinks, softcap_via=via.value if via else "",
-                     softcap_terms=terms, softcap_degree=max(len(terms) - 1, 0),
+                     **score_mod_fields(p.mods, consts),
                      mask_mods=p.mods.document is not None or p.mods.prefix is not None,
                      documents=p.mods.document.value if p.mods.document else "", prefix=p.mods.prefix is not None,
                      launch_kind=s.launch.value if s.launch else "",

@@ -220,6 +220,15 @@ class KernelPlan:
     parameters: tuple[tuple[Parameter, ...], ...] = ()
     kv_fp8: bool = False       # decode: K/V stored as e4m3, loaded as bytes and dequantized by each warp
     fp8_convert: str = ""      # with kv_fp8, layout.FP8_CONVERTS: through a 16-bit shared tile, or into fragments
+    # Score modifications the kernel spells (families.BUILT_MODS; lower/score_mods.py): softcap and ALiBi in
+    # the score_mod op, sinks as the softmax's start; score_mods: any modification (score_mods.cuh is pasted).
+    score_mods: bool = False
+    softcap: bool = False
+    softcap_via: str = ""                 # mods/softcap.TanhVia's value: how tanh runs
+    softcap_terms: tuple[str, ...] = ()   # the quotient's coefficients, w^0 first (C::SOFTCAP_Q0, ...)
+    softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
+    alibi: bool = False
+    sinks: bool = False
 
 
     @property

@@ -16,6 +16,7 @@ from ..errors import RuntimeInputError
 from ..hw import MAX_GRID_YZ
 from ..schedule.splits import choose_splits
 from ..spec import AUTO, DType
+from .aux_args import AuxArguments, aux_names
 from .device import device_limits
 from .inputs import Shapes
 from .kernel import Kernel
@@ -66,14 +67,19 @@ class DecodeWorkspace:
         return have[0]
 
 
-class DecodeKernel(Kernel):
+class DecodeKernel(AuxArguments, Kernel):
     """A compiled flash-decoding kernel: `o, lse = kernel(q, k, v, kv_lens=None)` with q
-    (batch, heads, queries, d), k/v (batch, kv_heads, kv_len, d/dv), heads a multiple of kv_heads."""
+    (batch, heads, queries, d), k/v (batch, kv_heads, kv_len, d/dv), heads a multiple of kv_heads.
+    A kernel with score modifications takes their aux tensors by name (`aux={"sinks": ...}`, after the
+    scales in CALL: runtime/aux_args.py)."""
 
     CALL = Kernel.CALL + ("k_scale", "v_scale")
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
+        self.aux_names = aux_names(spec)
+        if self.aux_names:
+            self.CALL = type(self).CALL + self.aux_names
         self.last_splits: int | None = None
         self.last_split_reason: str = ""
         self.workspace = DecodeWorkspace()   # shared by this kernel's calls (one stream at a time)
@@ -82,16 +88,17 @@ class DecodeKernel(Kernel):
         return f"<tiledsl.DecodeKernel {self.name}>"
 
     def __call__(self, q, k, v, kv_lens=None, out=None, lse=None, *, k_scale=None, v_scale=None,
-                 validate: bool | None = None):
-        tensors = (q, k, v, kv_lens, out, lse, tensor_or_none(k_scale), tensor_or_none(v_scale))
+                 validate: bool | None = None, aux=None):
+        tensors = ((q, k, v, kv_lens, out, lse, tensor_or_none(k_scale), tensor_or_none(v_scale))
+                   + self.aux_tensors(aux))
         return self.run_call(tensors, (number_or_none(k_scale), number_or_none(v_scale), validate), validate=validate,
                              k_scale=k_scale, v_scale=v_scale)
 
-    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, *, k_scale=None, v_scale=None):
+    def bind(self, q, k, v, kv_lens=None, out=None, lse=None, *, k_scale=None, v_scale=None, aux=None):
         """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks).
         An FP8 (kv_dtype = e4m3) kernel takes k, v as float8_e4m3fn and their scales."""
         options = {"k_scale": k_scale, "v_scale": v_scale}
-        scales = (tensor_or_none(k_scale), tensor_or_none(v_scale))
+        scales = (tensor_or_none(k_scale), tensor_or_none(v_scale)) + self.aux_tensors(aux)
         if out is None or lse is None:
             out, lse = self.prepare_call((q, k, v, kv_lens, out, lse) + scales, immediate=True, **options).results
         tensors = (q, k, v, kv_lens, out, lse) + scales
@@ -195,6 +202,7 @@ class DecodeKernel(Kernel):
                 *(pointer_arg(s) for s in scales),
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),
-                *strides_args(q), *strides_args(k), *strides_args(v), *strides_args(o))
+                *strides_args(q), *strides_args(k), *strides_args(v), *strides_args(o),
+                *self.mod_args(b, shapes))
         b.launch(self.function(b.device_id), grid, plan.launch.threads, plan.launch.smem_bytes, args,
                  f"{self.name} ({splits} splits)")

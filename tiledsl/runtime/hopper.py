@@ -5,17 +5,17 @@ before launch (runtime.Kernel.check_inputs) already refuse anything else, naming
 from __future__ import annotations
 
 from ..errors import LaunchError, RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
-    geometric_slopes
+from ..mods.model import AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, Documents
+from .aux_args import AuxArguments, aux_names
 from .device import capturing, stream_reader
 from .inputs import Shapes
 from .kernel import Kernel
 from .index_checks import add_check, host_validation
-from .launch import CallBuilder, allocator, i32, is_compact, i64, pointer_arg, strides_args
+from .launch import CallBuilder, allocator, i32, pointer_arg, strides_args
 from ..spec import DType, ItemOrder, LaunchKind, Mask
 from .fp8_descales import FP8_DESCALES, descale_views
 from .tensor_maps import e4m3_element, map_arg
-from .tensors import TensorView, view
+from .tensors import TensorView
 
 PERSISTENT_MASKED_TILES = 16
 # `launch dynamic`: (device, stream handle) -> the int32 pair [next ticket, producers done] its kernels
@@ -81,7 +81,7 @@ def launch_rule(problem, kv_tiles: int) -> tuple[bool, str]:
     return walk, f"items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles"
 
 
-class HopperKernel(Kernel):
+class HopperKernel(AuxArguments, Kernel):
     """A compiled hopper kernel; called like any Kernel: `o, lse = kernel(q, k, v)`.
 
     `persistent` True launches one block per resident slot, each walking work items in launch
@@ -98,9 +98,7 @@ class HopperKernel(Kernel):
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
-        # The aux tensors a call passes (aux={name: tensor}), after Kernel's CALL; geometric ALiBi slopes
-        # are the host's, made once per device and head count.
-        self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())
+        self.aux_names = aux_names(spec)
         # FP8 inputs: the descales follow (runtime/fp8_descales.py); the modified kernels have no FP8 template
         self.fp8_descales = FP8_DESCALES if spec.problem.fp8 else ()
         if self.aux_names or self.fp8_descales:
@@ -125,19 +123,6 @@ class HopperKernel(Kernel):
         call = self.prepare_call(tensors, **options)
         return (lambda: call(*tensors)), out, lse
 
-    def aux_tensors(self, aux) -> tuple:
-        """The aux tensors of `aux` (name -> tensor) in CALL order; a missing or unexpected name is refused."""
-        aux = dict(aux or {})
-        missing = [n for n in self.aux_names if aux.get(n) is None]
-        extra = sorted(set(aux) - set(self.aux_names))
-        if missing or extra:
-            wants = ", ".join(self.aux_names) or "none"
-            raise RuntimeInputError(f"{self.name}: aux tensors {'missing ' + ', '.join(missing) if missing else ''}"
-                                    f"{'; ' if missing and extra else ''}"
-                                    f"{'not read by this kernel: ' + ', '.join(extra) if extra else ''} "
-                                    f"(it reads: {wants})")
-        return tuple(aux[n] for n in self.aux_names)
-
     def descale_tensors(self, q_descale, k_descale, v_descale) -> tuple:
         """FP8's descales in CALL order; descales handed to a 16-bit kernel are refused."""
         if self.fp8_descales:
@@ -147,30 +132,6 @@ class HopperKernel(Kernel):
                                     "(dtype = e4m3); "
                                     f"this kernel reads {self.spec.problem.dtype.value} q, k, v")
         return ()
-
-    def mod_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
-        """The launch arguments of lower/hopper.mod_parameters: each aux tensor checked (float32, contiguous,
-        on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count."""
-        mods, args = self.spec.problem.mods, ()
-        if mods.alibi is AlibiSlopes.GEOMETRIC:
-            slopes = _geometric_slopes(b.like, b.device_id, shapes.heads)
-            b.keep.append(slopes)
-            args += (pointer_arg(view(slopes, AUX_ALIBI)), i32(0))
-        elif mods.alibi is AlibiSlopes.GIVEN:
-            t = self._aux_view(b, AUX_ALIBI, ((shapes.heads,), (shapes.batch, shapes.heads)))
-            args += (pointer_arg(t), i32(shapes.heads if len(t.shape) == 2 else 0))
-        if mods.sinks:
-            args += (pointer_arg(self._aux_view(b, AUX_SINKS, ((shapes.heads,),))),)
-        if mods.document is Documents.IDS:
-            t = self._aux_view(b, AUX_DOCUMENT_IDS, ((shapes.batch, shapes.kv_len),), "int32")
-            args += (pointer_arg(t), i64(t.strides[0]))
-        elif mods.document is Documents.BOUNDS:
-            t = self._aux_view(b, AUX_DOCUMENT_BOUNDS, None, "int32")
-            if len(t.shape) != 2 or t.shape[0] != shapes.batch or t.shape[1] < 1:
-                raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
-                                        f"({shapes.batch}, documents + 1)")
-            args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
-        return args
 
     def add_document_check(self, b: CallBuilder, shapes: Shapes, validate: bool | None) -> None:
         """The host check of the documents' data (mods/checks: ids in runs, bounds in order) on every call
@@ -192,26 +153,6 @@ class HopperKernel(Kernel):
         q, k, v, o, lse, kv_lens, shapes = self.checked_call(b, validate)
         self.add_document_check(b, shapes, validate)
         self.add_launches(b, q, k, v, o, lse, kv_lens, shapes)
-
-    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
-        """The aux tensor `name`, checked: its element type (float32 or int32), one of `shapes` (None: the
-        caller checks), contiguous, on q's GPU."""
-        if len(b.tensors) != len(self.CALL):
-            raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
-                                    "to the kernel's call or bind")
-        given = str(getattr(b.tensors[self.CALL.index(name)], "dtype", ""))
-        if not given.endswith("int32" if dtype == "int32" else "float32"):
-            raise RuntimeInputError(f"{self.name}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
-                                    f"got {given or type(b.tensors[self.CALL.index(name)]).__name__}")
-        t = b.view(self.CALL.index(name))
-        if shapes is not None and t.shape not in shapes:
-            raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
-                                    f"{' or '.join(map(str, shapes))}")
-        if not is_compact(t.shape, t.strides):
-            raise RuntimeInputError(f"{self.name}: {name} must be contiguous, got strides {t.strides}")
-        if t.device_id != b.device_id:
-            raise RuntimeInputError(f"{self.name}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
-        return t
 
     def launch_options(self) -> tuple:
         return super().launch_options() + (self.persistent,)
@@ -271,27 +212,3 @@ class HopperKernel(Kernel):
         blocks = min(q_tiles * pairs, self.slots(b.device_id)) if persistent else q_tiles * pairs
         b.launch(self.function(b.device_id), (blocks, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
                  self.name)
-
-
-_GEOMETRIC: dict[tuple[str, int, int], object] = {}   # (framework, device, heads) -> ALiBi's slopes, float32
-
-
-def _geometric_slopes(like, device_id: int, heads: int):
-    """ALiBi's geometric slopes for `heads` on `like`'s device, made once (a host copy, so the first
-    call of a head count only: a captured call finds them made)."""
-    torch_like = type(like).__module__.startswith("torch")
-    key = ("torch" if torch_like else "cupy", device_id, heads)
-    found = _GEOMETRIC.get(key)
-    if found is None:
-        slopes = geometric_slopes(heads)
-        if torch_like:
-            import torch
-            found = torch.tensor(slopes, dtype=torch.float32, device=like.device)
-        else:
-            from .device import cupy_module
-            cupy = cupy_module()
-            with cupy.cuda.Device(device_id):
-                found = cupy.asarray(slopes, dtype=cupy.float32)
-        _GEOMETRIC[key] = found
-    return found
-

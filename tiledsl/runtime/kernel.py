@@ -58,6 +58,7 @@ class Kernel:
     tiledsl.compile (families.py picks the family's subclass where its launch differs)."""
 
     CALL = ("q", "k", "v", "kv_lens", "out", "lse")   # the call's tensors, in the order calls pass them
+    aux_names: tuple[str, ...] = ()   # the modifications' aux tensors after CALL's own (runtime/aux_args.py)
 
     def __init__(self, spec: KernelSpec, plan: KernelPlan):
         self.spec = spec

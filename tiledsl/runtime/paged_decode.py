@@ -40,17 +40,18 @@ class PagedDecodeKernel(DecodeKernel):
         self.add_launches(b, qv, kv, vv, ov, lv, lens, shapes, table=tv, scales=scales, workspace=workspace)
 
     def __call__(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None,
-                 v_scale=None, validate: bool | None = None):
+                 v_scale=None, validate: bool | None = None, aux=None):
         tensors = (q, k_cache, v_cache, block_table, kv_lens, out, lse, tensor_or_none(k_scale),
-                   tensor_or_none(v_scale))
+                   tensor_or_none(v_scale)) + self.aux_tensors(aux)
         return self.run_call(tensors, (number_or_none(k_scale), number_or_none(v_scale), validate), validate=validate,
                              k_scale=k_scale, v_scale=v_scale)
 
-    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None):
+    def bind(self, q, k_cache, v_cache, block_table, kv_lens, out=None, lse=None, *, k_scale=None, v_scale=None,
+             aux=None):
         """(run, out, lse): check and allocate once, then `run()` only launches (for benchmarks).
         An FP8 (kv_dtype = e4m3) kernel takes float8_e4m3fn caches and their scales."""
         options = {"k_scale": k_scale, "v_scale": v_scale}
-        scales = (tensor_or_none(k_scale), tensor_or_none(v_scale))
+        scales = (tensor_or_none(k_scale), tensor_or_none(v_scale)) + self.aux_tensors(aux)
         head = (q, k_cache, v_cache, block_table, kv_lens)
         if out is None or lse is None:
             out, lse = self.prepare_call(head + (out, lse) + scales, immediate=True, **options).results

@@ -13,12 +13,12 @@ tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runti
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import NO_MODS
+from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
 from ..runtime.arguments import mask_arguments, switch
 from ..runtime.decode import number_or_none, tensor_or_none
 from ..runtime.launch import SignatureCache
-from ..runtime.tensors import signature
-from ..spec import DType, KernelSpec, Mask, Problem
+from ..runtime.tensors import signature, view
+from ..spec import DECODE_MAX_QUERIES, DType, KernelSpec, Mask, Problem
 
 
 def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_size: int, q_len: int,
@@ -42,8 +42,10 @@ def paged_spec(dtype: DType, head_dim: int, head_dim_v: int, mask: Mask, page_si
     return spec
 
 
-# call key -> (PreparedCall, whether its call takes the FP8 scales): a warm call is this lookup and a launch.
+# call key -> (PreparedCall, whether its call takes the FP8 scales, the aux tensors' names it takes after them):
+# a warm call is this lookup and a launch.
 _calls = SignatureCache()
+PREFILL_MODS_MISSING = f"chunked prefill (q_len > {DECODE_MAX_QUERIES}) with modifications has no CUDA template yet"
 
 
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
@@ -60,26 +62,35 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     only launch. The key count a launch is sized for is the table's capacity: a table much wider than
     the longest sequence splits decode's keys too finely (plan/run, tiledsl/serving/plan.py, sizes
     them by the host lengths). softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's
-    (b: the batch entry); no kernel spells them yet: the call checks them and says so."""
+    (b: the batch entry): softcap (a float), alibi_slopes ("geometric" or float32 (heads,) / (batch, heads)) and
+    sinks (float32 (heads,)) run in the paged decode kernel (up to DECODE_MAX_QUERIES queries), the tensors read by
+    pointer on every call; score_mod, mask_mod and chunked prefill with modifications are refused, saying so."""
     mask, window, scale = mask_arguments("paged_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("paged_attention", "return_lse", return_lse)
-    if not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None and mask_mod is None
-            and aux is None):
+    ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
+    key = (signature(q), signature(k_cache), signature(v_cache), signature(block_table), signature(kv_lens),
+           signature(ks), signature(vs), number_or_none(k_scale), number_or_none(v_scale), causal, window, scale,
+           validate)
+    modified = not (softcap is None and alibi_slopes is None and sinks is None)
+    if score_mod is not None or mask_mod is not None or aux is not None:
         from ..runtime.paged_views import api_views
         qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
         _refuse_modifications(qv, kv, vv, block_table, mask, window, scale,
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
-    ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
-    key = (signature(q), signature(k_cache), signature(v_cache), signature(block_table), signature(kv_lens),
-           signature(ks), signature(vs), number_or_none(k_scale), number_or_none(v_scale), causal, window, scale,
-           validate)
+    if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
+        key += (softcap if isinstance(softcap, (int, float)) else repr(softcap),
+                alibi_slopes if isinstance(alibi_slopes, str) else signature(alibi_slopes), signature(sinks))
     hit = _calls.get(key)
     if hit is None:
+        keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}
         hit = _calls.put(key, _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale,
-                                             k_scale, v_scale, validate))
-    call, scaled = hit
-    if scaled:
+                                             k_scale, v_scale, validate, keywords))
+    call, scaled, aux_names = hit
+    if aux_names:
+        given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+        out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs, *[given[n] for n in aux_names])
+    elif scaled:
         out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs)
     else:
         out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None)
@@ -87,13 +98,15 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     return (out, lse.swapaxes(1, 2)) if return_lse else out
 
 
-def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, v_scale=None):
+def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, v_scale=None, mods=NO_MODS):
     """(the kernel a paged call on views qv, kv, vv (runtime/paged_views.api_views) runs, whether it takes
     FP8 scales): decode for up to DECODE_MAX_QUERIES queries, chunked prefill (fa2) beyond; refusals
-    name `api`."""
-    from ..spec import DECODE_MAX_QUERIES
+    name `api`. `mods`: score modifications (the decode kernel's: families.BUILT_MODS)."""
     from ..dispatch.kernels import kernel_for
     q_len = qv.shape[1]
+    if mods.active and q_len > DECODE_MAX_QUERIES:
+        raise RuntimeInputError(f"{api}: {PREFILL_MODS_MISSING} ({', '.join(mods.config())}; q has {q_len} queries; "
+                                "tiledsl.reference.serving.paged_attention(..., mods=, aux=) runs them in float64)")
     fp8 = DType.E4M3 in (kv.dtype, vv.dtype)
     if fp8 and q_len > DECODE_MAX_QUERIES:
         raise RuntimeInputError(f"{api}: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
@@ -115,35 +128,52 @@ def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, 
         from ..runtime.kv_fp8 import granularity
         kv_dtype, kv_scale = DType.E4M3, granularity(k_scale, v_scale, kv.shape[2])
     spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
-                      None if scale is None else float(scale), kv_dtype, kv_scale)
+                      None if scale is None else float(scale), kv_dtype, kv_scale, mods)
+    from ..families import missing_template
+    why = missing_template(spec) if mods.active else ""
+    if why:
+        raise RuntimeInputError(f"{api}: {why} (tiledsl.reference.serving.paged_attention(..., mods=, aux=) runs "
+                                "them in float64)")
     return kernel_for(spec), fp8
 
 
-def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale, k_scale, v_scale, validate):
+def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale, k_scale, v_scale, validate,
+                   keywords: dict):
+    """(the prepared call, whether it takes FP8 scales, the aux tensors' names it takes after them in CALL order);
+    `keywords`: the call's built-in modifications (softcap, alibi_slopes, sinks), checked here once per key."""
     from ..runtime.paged_views import api_views
     qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
-    kernel, fp8 = paged_kernel("paged_attention", qv, kv, vv, mask, window, scale, k_scale, v_scale)
+    mods, aux = NO_MODS, {}
+    if keywords:
+        from ..dispatch.modified import check_launch, modifications
+        mods, aux = modifications("paged_attention", **keywords)
+        batch, q_len, heads = qv.shape[:3]
+        check_launch(mods, aux, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
+                     ragged=True, where="paged_attention")
+    kernel, fp8 = paged_kernel("paged_attention", qv, kv, vv, mask, window, scale, k_scale, v_scale, mods)
     head = (q, k_cache, v_cache, block_table, kv_lens, None, None)
+    if mods.active:
+        names = kernel.aux_names
+        tensors = head + (tensor_or_none(k_scale), tensor_or_none(v_scale)) + tuple(aux[n] for n in names)
+        return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), fp8, names
     if fp8:
         tensors = head + (tensor_or_none(k_scale), tensor_or_none(v_scale))
-        return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True
-    return kernel.prepare_call(head, validate=validate), False
+        return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True, ()
+    return kernel.prepare_call(head, validate=validate), False, ()
 
 
 def _refuse_modifications(qv, kv, vv, block_table, mask, window, scale, keywords) -> None:
-    """Paged attention with score and mask modifications: checked (dispatch/modified.py), then refused:
-    neither paged kernel spells them yet (a call that modifies nothing goes on)."""
+    """Paged attention with expressions (score_mod, mask_mod, aux): checked (dispatch/modified.py), then
+    refused: neither paged kernel spells them yet (a call whose expressions modify nothing goes on)."""
     from ..dispatch.modified import check_launch, modifications
     from ..families import missing_template
-    from ..runtime.tensors import view
-    from ..spec import DECODE_MAX_QUERIES
     mods, tensors = modifications("paged_attention", **keywords)
-    if not mods.active:
-        return
+    if mods.score_mod is None and mods.mask_mod is None and not keywords.get("aux"):
+        return   # the built-in ones alone: the paged decode kernel's (paged_kernel)
     batch, q_len, heads = qv.shape[:3]
     check_launch(mods, tensors, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
                  ragged=True, where="paged_attention")
-    why = "chunked prefill (q_len > 16) with modifications has no CUDA template yet"
+    why = PREFILL_MODS_MISSING
     if q_len <= DECODE_MAX_QUERIES:
         spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
                           None if scale is None else float(scale), mods=mods)

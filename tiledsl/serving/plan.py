@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import RuntimeInputError
+from ..mods.model import AUX_ALIBI, AUX_SINKS
 from ..runtime.decode import tensor_or_none
 from ..runtime.launch import SignatureCache
 from ..runtime.serving_checks import check_paged, check_varlen
@@ -131,12 +132,16 @@ class PagedAttention:
     num_pages: the cache's (pages, page size, kv heads, d) shape; dtype: q's and the caches' (or
     kv_dtype=torch.float8_e4m3fn caches with k_scale / v_scale as in paged_attention); device: a torch
     device (or a CuPy device id); max_batch and max_pages bound what a plan may hold (the device
-    buffers are sized by them once)."""
+    buffers are sized by them once). Score modifications are part of the plan, as in paged_attention
+    (decode only): `softcap` (a float), `alibi_slopes` ("geometric", or a float32 (heads,) / (batch, heads)
+    tensor) and `sinks` (a float32 (heads,) tensor, or True: each run passes its layer's `sinks=`); the tensors
+    are read by pointer on every run (run's `sinks=` / `alibi_slopes=` replace them for that run: one per layer)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, num_pages: int,
                  dtype, device, max_batch: int, max_pages: int, head_dim_v: int | None = None, causal: bool = False,
                  window: tuple[int, int] | None = None, scale: float | None = None, kv_dtype=None, k_scale=None,
-                 v_scale=None):
+                 v_scale=None, softcap=None, alibi_slopes=None, sinks=None):
+        from ..dispatch.modified import modifications
         from ..runtime.decode import DecodeWorkspace
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
             raise RuntimeInputError(f"PagedAttention: {num_heads} query heads are not a multiple of {num_kv_heads} "
@@ -152,6 +157,8 @@ class PagedAttention:
         self.max_batch, self.max_pages = max_batch, max_pages
         self.causal, self.window, self.scale = causal, None if window is None else tuple(window), scale
         self.k_scale, self.v_scale = k_scale, v_scale
+        self.mods, _ = modifications("PagedAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        self.aux = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}   # the runs' aux tensors unless a run passes its own
         self.framework = _framework(device)
         self.metadata = MetadataUpload(device, words_for(max_batch, max_batch * max_pages), self.framework)
         self.workspace = DecodeWorkspace()
@@ -197,24 +204,35 @@ class PagedAttention:
         vv = TensorView("v_cache", 0, (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim_v),
                         (0, 0, 0, 1), kv_dtype, 0, None)
         mask = Mask.WINDOW if self.window is not None else (Mask.CAUSAL if self.causal else Mask.NONE)
-        return paged_kernel("PagedAttention", qv, kv, vv, mask, self.window, self.scale, self.k_scale, self.v_scale)
+        return paged_kernel("PagedAttention", qv, kv, vv, mask, self.window, self.scale, self.k_scale, self.v_scale,
+                            self.mods)
 
-    def run(self, q, k_cache, v_cache, out=None, *, lse=None, return_lse: bool = False):
+    def run(self, q, k_cache, v_cache, out=None, *, lse=None, return_lse: bool = False, sinks=None,
+            alibi_slopes=None):
         """O (batch, q_len, heads, dv) of the planned step for one layer's q and caches, into `out` when
         given; with `return_lse` also LSE (batch, q_len, heads) (the wrapper's buffer, valid until the
-        next run, unless `lse=` (batch, heads, q_len) fp32 is given)."""
+        next run, unless `lse=` (batch, heads, q_len) fp32 is given). `sinks` / `alibi_slopes`: this layer's,
+        for a wrapper planned with them (None: the wrapper's)."""
         if self.planned is None:
             raise RuntimeInputError("PagedAttention.run: call plan(block_table, kv_lens) first")
         batch, width, q_len, bound, lens_view, table_view, (kernel, fp8) = self.planned
         if lse is None:
             lse = self.lse_view
         key = (signature(q), signature(k_cache), signature(v_cache), signature(out), signature(lse), self.plan_key)
+        aux = ()
+        if kernel.aux_names:
+            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+            aux = tuple(self.aux[n] if given[n] is None else given[n] for n in kernel.aux_names)
+            key += tuple(map(signature, aux))
+        elif sinks is not None or alibi_slopes is not None:
+            raise RuntimeInputError("PagedAttention.run: sinks / alibi_slopes are for a wrapper made with them "
+                                    "(PagedAttention(..., sinks=True or a tensor, alibi_slopes=...))")
         call = self._calls.get(key)
         if call is None:
-            call = self._calls.put(key, self._prepare(kernel, fp8, q, k_cache, v_cache, out, lse))
+            call = self._calls.put(key, self._prepare(kernel, fp8, q, k_cache, v_cache, out, lse, aux))
         tensors = (q, k_cache, v_cache, table_view, lens_view, out, lse)
-        if fp8:
-            tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale))
+        if fp8 or aux:
+            tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale)) + aux
         out, lse = call(*tensors)
         return (out, lse.swapaxes(1, 2)) if return_lse else out
 
@@ -226,7 +244,7 @@ class PagedAttention:
             self.lse_buffer = allocator(like, (max(need, 1),), "float32")()
         return self.lse_buffer[:need].reshape(batch, self.num_heads, q_len)
 
-    def _prepare(self, kernel, fp8, q, k_cache, v_cache, out, lse):
+    def _prepare(self, kernel, fp8, q, k_cache, v_cache, out, lse, aux=()):
         batch, width, q_len, bound, lens_view, table_view, _ = self.planned
         pages = signature(k_cache)[0][0] if signature(k_cache) else 0
         if pages < self.num_pages:
@@ -236,8 +254,16 @@ class PagedAttention:
         options = {"validate": False, "kv_len": bound}
         if kernel.spec.family.value == "decode":
             options["workspace"] = self.workspace
-        if fp8:
-            tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale))
+        if aux:
+            from ..dispatch.modified import check_launch
+            missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
+            if missing:
+                raise RuntimeInputError(f"PagedAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
+                                        f"run(..., {missing[0]}=tensor) for this layer")
+            check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len,
+                         width * self.page_size, ragged=True, where="PagedAttention.run")
+        if fp8 or aux:
+            tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale)) + aux
             options.update(k_scale=self.k_scale, v_scale=self.v_scale)
         return kernel.prepare_call(tensors, **options)
 

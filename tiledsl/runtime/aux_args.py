@@ -1,0 +1,105 @@
+"""The aux tensors of a kernel with score and mask modifications (mods/model.py: ALiBi's slopes, the sinks,
+the documents): the names a call passes them by (aux={name: tensor}, after the kernel class's CALL), their
+checks (element type, shape, contiguity, device: no sync) and the launch arguments of
+lower/score_mods.mod_parameters, which every modified kernel appends in that order. Geometric ALiBi slopes
+are the host's, made once per device and head count."""
+from __future__ import annotations
+
+from ..errors import RuntimeInputError
+from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
+    geometric_slopes
+from .inputs import Shapes
+from .launch import CallBuilder, i32, i64, is_compact, pointer_arg
+from .tensors import TensorView, view
+
+
+def aux_names(spec) -> tuple[str, ...]:
+    """The aux tensors a call of `spec`'s kernel passes by name, in CALL order (geometric slopes: none)."""
+    return tuple(a.name for a in spec.problem.mods.user_aux())
+
+
+class AuxArguments:
+    """A kernel class's aux tensors: `self.aux_names` (aux_names) follow its CALL's own tensors."""
+
+    def aux_tensors(self, aux) -> tuple:
+        """The aux tensors of `aux` (name -> tensor) in CALL order; a missing or unexpected name is refused."""
+        if not aux and not self.aux_names:
+            return ()
+        aux = dict(aux or {})
+        missing = [n for n in self.aux_names if aux.get(n) is None]
+        extra = sorted(set(aux) - set(self.aux_names))
+        if missing or extra:
+            wants = ", ".join(self.aux_names) or "none"
+            raise RuntimeInputError(f"{self.name}: aux tensors {'missing ' + ', '.join(missing) if missing else ''}"
+                                    f"{'; ' if missing and extra else ''}"
+                                    f"{'not read by this kernel: ' + ', '.join(extra) if extra else ''} "
+                                    f"(it reads: {wants})")
+        return tuple(aux[n] for n in self.aux_names)
+
+    def mod_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
+        """The launch arguments of lower/score_mods.mod_parameters: each aux tensor checked (float32, contiguous,
+        on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count."""
+        mods, args = self.spec.problem.mods, ()
+        if mods.alibi is AlibiSlopes.GEOMETRIC:
+            slopes = _geometric_slopes(b.like, b.device_id, shapes.heads)
+            b.keep.append(slopes)
+            args += (pointer_arg(view(slopes, AUX_ALIBI)), i32(0))
+        elif mods.alibi is AlibiSlopes.GIVEN:
+            t = self._aux_view(b, AUX_ALIBI, ((shapes.heads,), (shapes.batch, shapes.heads)))
+            args += (pointer_arg(t), i32(shapes.heads if len(t.shape) == 2 else 0))
+        if mods.sinks:
+            args += (pointer_arg(self._aux_view(b, AUX_SINKS, ((shapes.heads,),))),)
+        if mods.document is Documents.IDS:
+            t = self._aux_view(b, AUX_DOCUMENT_IDS, ((shapes.batch, shapes.kv_len),), "int32")
+            args += (pointer_arg(t), i64(t.strides[0]))
+        elif mods.document is Documents.BOUNDS:
+            t = self._aux_view(b, AUX_DOCUMENT_BOUNDS, None, "int32")
+            if len(t.shape) != 2 or t.shape[0] != shapes.batch or t.shape[1] < 1:
+                raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
+                                        f"({shapes.batch}, documents + 1)")
+            args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
+        return args
+
+    def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
+        """The aux tensor `name`, checked: its element type (float32 or int32), one of `shapes` (None: the
+        caller checks), contiguous, on q's GPU."""
+        if len(b.tensors) != len(self.CALL):
+            raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
+                                    "to the kernel's call or bind")
+        given = str(getattr(b.tensors[self.CALL.index(name)], "dtype", ""))
+        if not given.endswith("int32" if dtype == "int32" else "float32"):
+            raise RuntimeInputError(f"{self.name}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
+                                    f"got {given or type(b.tensors[self.CALL.index(name)]).__name__}")
+        t = b.view(self.CALL.index(name))
+        if shapes is not None and t.shape not in shapes:
+            raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
+                                    f"{' or '.join(map(str, shapes))}")
+        if not is_compact(t.shape, t.strides):
+            raise RuntimeInputError(f"{self.name}: {name} must be contiguous, got strides {t.strides}")
+        if t.device_id != b.device_id:
+            raise RuntimeInputError(f"{self.name}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
+        return t
+
+
+_GEOMETRIC: dict[tuple[str, int, int], object] = {}   # (framework, device, heads) -> ALiBi's slopes, float32
+
+
+def _geometric_slopes(like, device_id: int, heads: int):
+    """ALiBi's geometric slopes for `heads` on `like`'s device, made once (a host copy, so the first
+    call of a head count only: a captured call finds them made)."""
+    torch_like = type(like).__module__.startswith("torch")
+    key = ("torch" if torch_like else "cupy", device_id, heads)
+    found = _GEOMETRIC.get(key)
+    if found is None:
+        slopes = geometric_slopes(heads)
+        if torch_like:
+            import torch
+            found = torch.tensor(slopes, dtype=torch.float32, device=like.device)
+        else:
+            from .device import cupy_module
+            cupy = cupy_module()
+            with cupy.cuda.Device(device_id):
+                found = cupy.asarray(slopes, dtype=cupy.float32)
+        _GEOMETRIC[key] = found
+    return found
+
