@@ -544,9 +544,11 @@ __device__ __forceinline__ float2 unpack2(u32 x) {
 
 // The error word's codes and tensors (the host's device_errors.CODES and TENSORS).
 constexpr int INDEX_PAGE_OUT_OF_RANGE = 1, INDEX_LEN_OVER_TABLE = 2, INDEX_LEN_NEGATIVE = 3, INDEX_LEN_OVER_K = 4,
-              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7;
+              INDEX_OFFSET_OUT_OF_RANGE = 5, INDEX_OFFSET_DECREASING = 6, INDEX_SEQUENCE_OVER_MAX = 7,
+              INDEX_DESCALE_INVALID = 8, INDEX_DESCALE_ZERO_V_BLOCK = 9;
 constexpr int INDEX_TENSOR_BLOCK_TABLE = 1, INDEX_TENSOR_KV_LENS = 2, INDEX_TENSOR_CU_SEQLENS_Q = 3,
-              INDEX_TENSOR_CU_SEQLENS_K = 4;
+              INDEX_TENSOR_CU_SEQLENS_K = 4, INDEX_TENSOR_Q_DESCALE = 5, INDEX_TENSOR_K_DESCALE = 6,
+              INDEX_TENSOR_V_DESCALE = 7;
 // Word 0 while the winning report writes the others: the host reads a code only after its fields.
 constexpr int INDEX_REPORT_WRITING = -1;
 

@@ -111,6 +111,23 @@ def test_paged_attention(device, q_len):
     assert values[0] == q.data_ptr() and {table.data_ptr(), lens.data_ptr()} <= set(values)
 
 
+@pytest.mark.parametrize("mods", ["softcap", "sinks", "softcap+sinks"])
+def test_paged_attention_with_modifications(device, mods):
+    """softcap alone takes no aux tensor (the scales' slots still come first); sinks are read by pointer each call."""
+    table, lens, (k_cache, v_cache) = paged_inputs(device)
+    sinks = device.tensor((32,), "float32")
+    keywords = dict(softcap=30.0) if "softcap" in mods else {}
+    keywords |= dict(sinks=sinks) if "sinks" in mods else {}
+
+    def fresh():
+        return (device.tensor((3, 1, 32, 128)),)
+    call = lambda q: tiledsl.paged_attention(q, k_cache, v_cache, table, lens, **keywords)   # noqa: E731
+    cold, hot, (name, *_, values), (q,) = warm(device, call, fresh)
+    assert hot == {}
+    assert values[0] == q.data_ptr() and {table.data_ptr(), lens.data_ptr()} <= set(values)
+    assert (sinks.data_ptr() in values) == ("sinks" in mods)
+
+
 def test_varlen_attention_with_max_seqlens(device):
     cu = device.index([0, 100, 350, 351])
 

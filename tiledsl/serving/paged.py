@@ -87,7 +87,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
         hit = _calls.put(key, _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale,
                                              k_scale, v_scale, validate, keywords))
     call, scaled, aux_names = hit
-    if aux_names:
+    if modified:   # the scales' slots, then the aux tensors (none for softcap alone): _prepare_paged's order
         given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
         out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs, *[given[n] for n in aux_names])
     elif scaled:
