@@ -81,15 +81,23 @@ def ws_has_template(spec: KernelSpec) -> str:
     b, p = spec.backward, spec.problem
     if p.dtype not in TEMPLATE_DTYPES:
         return f"the warp-specialized backward computes in fp16 or bf16, not {p.dtype.value}"
-    missing = [key for key in p.mods.config() if key not in WS_BUILT_MODS]
-    if missing:
-        return (f"the warp-specialized backward has no template for the modifications {', '.join(missing)} yet "
-                f"(it spells {', '.join(k for k in WS_BUILT_MODS if k != 'softcap_via')})")
-    if p.mods.softcap is not None and p.mods.alibi is not None:
-        return "the warp-specialized backward takes softcap or ALiBi, not both in one spec yet"
+    why = ws_mods_refusal(p.mods)
+    if why:
+        return why
     if b.dq not in WS_DQ_MODES:
         return (f"the warp-specialized backward sums dQ as {', '.join(m.value for m in WS_DQ_MODES)}, not "
                 f"`dq accumulate {b.dq.value}`")
+    return ""
+
+
+def ws_mods_refusal(mods) -> str:
+    """Why the warp-specialized backward can't take these score and mask modifications ("" when it can)."""
+    missing = [key for key in mods.config() if key not in WS_BUILT_MODS]
+    if missing:
+        return (f"the warp-specialized backward has no template for the modifications {', '.join(missing)} yet "
+                f"(it spells {', '.join(k for k in WS_BUILT_MODS if k != 'softcap_via')})")
+    if mods.softcap is not None and mods.alibi is not None:
+        return "the warp-specialized backward takes softcap or ALiBi, not both in one spec yet"
     return ""
 
 

@@ -116,6 +116,7 @@ class WsBackwardPlan(KernelPlan):
     softcap_degree: int = 0
     alibi: bool = False
     sinks: bool = False
+    sink_threads: int = SINK_THREADS
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
