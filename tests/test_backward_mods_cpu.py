@@ -47,7 +47,8 @@ D256_FORWARD = """    schedule {
         pipeline 1 stage via cp.async
     }"""
 MODS = {"softcap": ["softcap  = 30"], "alibi": ["alibi    = slopes"], "sinks": ["sinks    = per_head"],
-        "softcap+sinks": ["softcap  = 30", "sinks    = per_head"], "alibi+sinks": ["alibi = geometric", "sinks = per_head"]}
+        "softcap+sinks": ["softcap  = 30", "sinks    = per_head"],
+        "alibi+sinks": ["alibi = geometric", "sinks = per_head"]}
 
 
 def spec(mods: list[str], d: int = 128, mask: str = "causal", dq: str = "tma_reduce"):
