@@ -245,3 +245,16 @@ def test_the_modified_kernels_compile_without_spills(mods, d, tmp_path):
     assert set(plan.kernel_names.values()) <= set(found)
     for name in plan.kernel_names.values():
         assert (found[name].spill_stores, found[name].spill_loads, found[name].stack_bytes) == (0, 0, 0), name
+
+
+@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not on PATH")
+def test_the_bundled_softcap_backward_spec_builds_both_passes_without_spills(tmp_path):
+    from tiledsl.families import lower
+    from tiledsl.frontend.parse import load_spec
+    s = load_spec(str(Path(__file__).resolve().parent.parent / "specs" / "mods" / "softcap_backward_d128.tile"))
+    assert s.problem.mods.softcap == 50.0 and s.backward.warp_specialized
+    forward, backward = lower(s), lower_backward(s)
+    assert forward.softcap and backward.softcap and "score_mod_grad" in steps(backward)
+    _, report = nvcc.compile_to(render(backward), backward.kernel_name, "cubin", Path(tmp_path))
+    found = nvcc.parse_ptxas(report)
+    assert all((found[n].spill_stores, found[n].spill_loads) == (0, 0) for n in backward.kernel_names.values())
