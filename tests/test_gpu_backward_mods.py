@@ -3,10 +3,10 @@ alibi_slopes=, sinks=)): dQ, dK, dV (and dsink) of fresh random inputs against t
 (tiledsl.reference.backward, which runs the same modified graph), with O and the LSE from the float64 reference
 forward (so these test the backward alone), into outputs poisoned with NaN; the error bound is the other backward
 tests' (gpu_support.TOLERANCE_O, normwise relative). softcap (a small cap, so tanh bends the scores), ALiBi (given
-slopes, per-batch slopes, geometric) and sinks, each with no mask and causal, head dims 64 and 128, seqlens 17 and
-1000, GQA; kv_lens with a 0; q_len != kv_len; deterministic bits; autograd end to end (loss.backward() gives
-dsink), torch.compile(fullgraph=True) too; one compute-sanitizer memcheck case. The modules are compiled in
-parallel first."""
+slopes, per-batch slopes, geometric) and sinks, each with no mask and causal, head dims 64 and 128, seqlens 17
+and 1000, GQA; a window at d64; kv_lens with a 0; q_len != kv_len; deterministic bits; autograd end to end
+(loss.backward() gives dsink), torch.compile(fullgraph=True) too; one compute-sanitizer memcheck case. The
+modules are compiled in parallel first."""
 from __future__ import annotations
 
 import textwrap
@@ -37,14 +37,17 @@ def keywords(mod: str, batch: int, heads: int, per_batch: bool = False) -> dict:
     return {"sinks": torch.randn(heads, device="cuda") * 2}
 
 
-def spec_for(kw: dict, d: int, causal: bool, deterministic: bool = False):
+WINDOW = (100, 20)
+
+
+def spec_for(kw: dict, d: int, causal: bool, deterministic: bool = False, window=None):
     from tiledsl.dispatch.backward import chosen_backward_spec
     from tiledsl.dispatch.modified import modifications
     from tiledsl.runtime.device import device_arch
     from tiledsl.spec import DType, Mask
     mods, _ = modifications("attention_backward", differentiable=True, **kw)
-    return chosen_backward_spec(device_arch(), DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE, d,
-                                deterministic=deterministic, mods=mods)
+    mask = Mask.WINDOW if window else Mask.CAUSAL if causal else Mask.NONE
+    return chosen_backward_spec(device_arch(), DType.BF16, d, mask, d, window, deterministic=deterministic, mods=mods)
 
 
 def float64(x):
@@ -71,7 +74,7 @@ def rel(out, ref) -> float:
 
 
 def run(mod, d, causal, batch=2, heads=4, kv_heads=2, q_len=128, kv_len=128, kv_lens=None, per_batch=False,
-        deterministic=False, spread=1.0):
+        deterministic=False, spread=1.0, window=None):
     """(errors of dQ, dK, dV[, dsink], the gradients) of one backward on fresh inputs into NaN-poisoned memory."""
     import torch
 
@@ -84,7 +87,7 @@ def run(mod, d, causal, batch=2, heads=4, kv_heads=2, q_len=128, kv_len=128, kv_
     do = torch.randn(batch, heads, q_len, d, device="cuda", dtype=torch.bfloat16)
     kw = keywords(mod, batch, heads, per_batch)
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
-    spec = spec_for(kw, d, causal, deterministic)
+    spec = spec_for(kw, d, causal, deterministic, window)
     aux = aux_of(kw, heads)
     q64, k64, v64, do64 = (float64(x) for x in (q, k, v, do))
     lens64 = None if kv_lens is None else np.array(kv_lens)
@@ -94,7 +97,8 @@ def run(mod, d, causal, batch=2, heads=4, kv_heads=2, q_len=128, kv_len=128, kv_
     blocks = [torch.full_like(x, float("nan")) for x in (q, k, v)]   # freed NaN blocks the outputs reuse
     del blocks
     torch.cuda.synchronize()
-    out = attention_backward(q, k, v, o, lse, do, causal=causal, kv_lens=lens, deterministic=deterministic, **kw)
+    out = attention_backward(q, k, v, o, lse, do, causal=causal, window=window, kv_lens=lens,
+                             deterministic=deterministic, **kw)
     torch.cuda.synchronize()
     assert len(out) == len(ref) == (4 if "sinks" in kw else 3)
     for x, like in zip(out, (q, k, v)):
@@ -123,6 +127,8 @@ def compiled():
                 for det in (False, True):
                     kernel = compile_backward(spec_for(keywords(mod, 2, 4), d, causal, det))
                     sources[kernel.name] = kernel.source
+        kernel = compile_backward(spec_for(keywords(mod, 2, 4), 64, False, window=WINDOW))
+        sources[kernel.name] = kernel.source
     with ThreadPoolExecutor(16) as pool:
         for f in [pool.submit(compile_cubin, src, name, device_arch()) for name, src in sources.items()]:
             f.result()
@@ -136,6 +142,11 @@ def compiled():
 @pytest.mark.parametrize("mod", MODS)
 def test_gradients(mod, causal, d, seqlen):
     check(run(mod, d, causal, q_len=seqlen, kv_len=seqlen)[0])
+
+
+@pytest.mark.parametrize("mod", MODS)
+def test_window(mod):
+    check(run(mod, 64, False, q_len=1000, kv_len=1000, window=WINDOW)[0])
 
 
 @pytest.mark.parametrize("mod", ["alibi_geometric", "softcap_sinks"])
