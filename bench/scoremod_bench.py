@@ -2,6 +2,7 @@
 
     python bench/scoremod_bench.py OUT.json [--seqlens 4096 16384] [--mods document ...] [--backward]
     python bench/scoremod_bench.py OUT.json --variants [--seqlens 4096 16384]   (softcap's ways, ALiBi, sinks)
+    python bench/scoremod_bench.py OUT.json --pass backward [--seqlens 4096 16384]   (the backward's rows)
 
 Rows (tiledsl.tune.bench.record): mod (`none`: tiledsl's unmodified kernel at the shape; softcap,
 alibi, sinks, document, rel_bias), pass (forward / backward), head_dim 128, seqlen, causal, tflops
@@ -16,6 +17,11 @@ documents of L^2 (L (L + 1) / 2 causal), the same count for every peer (fa4: fla
 function over the documents); tiledsl's document calls pass validate=False (no host check of the ids:
 sync-free, as the peers are).
 A tiledsl row whose modification has no kernel yet records the refusal in `error` and tflops None.
+`--pass backward`: rows of the backward alone (pass "backward") for none, softcap, ALiBi and sinks (learnable:
+dsink computed), causal and not, FLOPs of the mask's visible pairs (2.5x the forward's) over the time of
+forward + backward minus forward, for tiledsl (tiledsl.attention through autograd: the warp-specialized
+backward) and flex (FlexAttention compiled, the same score_mod, its backward by autograd); each tiledsl backward
+checked first against the float64 reference's gradients (batch 1, heads 2, seqlen 257).
 Every tiledsl kernel is checked against the float64 reference (batch 1, heads 2, seqlen 257, fresh
 inputs, O poisoned with NaN by the kernel's own tests) before it is timed.
 """
@@ -75,6 +81,79 @@ def check_tiledsl(mod: str, causal: bool = True) -> str:
     ref, _ = reference_attention(spec, *(x.double().cpu().numpy() for x in (q, k, v)), aux=aux)
     error = float(np.linalg.norm(o.double().cpu().numpy() - ref) / np.linalg.norm(ref))
     return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
+
+
+BACKWARD_MODS = ("none", "softcap", "alibi", "sinks")
+
+
+def check_backward(mod: str, causal: bool) -> str:
+    """"" when tiledsl's backward with `mod` matches the float64 reference's gradients at a small shape."""
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    from tiledsl.dispatch.modified import modifications
+    from tiledsl.mods.model import geometric_slopes
+    from tiledsl.reference.backward import reference_backward
+    from tiledsl.spec import DType, Mask
+    batch, heads, n = 1, 2, 257
+    q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    keywords = modification(mod, batch, heads, n, is_causal=causal)[0]
+    if "sinks" in keywords:
+        keywords["sinks"].requires_grad_(True)
+    try:
+        (tiledsl.attention(q, k, v, causal=causal, **keywords).float() * do.float()).sum().backward()
+    except Exception as err:   # a modification without a backward yet: recorded, not timed
+        return str(err).splitlines()[0][:300]
+    mods, _ = modifications("attention_backward", differentiable=True,
+                            **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks") if key in keywords})
+    spec = chosen_backward_spec("sm_90a", DType.BF16, HEAD_DIM, Mask.CAUSAL if causal else Mask.NONE, HEAD_DIM,
+                                mods=mods)
+    aux = {name: t.detach().double().cpu().numpy() for name, t in _aux_of(keywords).items()}
+    if keywords.get("alibi_slopes") == "geometric":
+        aux["alibi_slopes"] = np.array(geometric_slopes(heads))
+    inputs = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+    o, lse = reference_attention(spec, *inputs, aux=aux)
+    ref = reference_backward(spec, *inputs, do.double().cpu().numpy(), o, lse, aux=aux)
+    got = [q.grad, k.grad, v.grad] + ([keywords["sinks"].grad] if "sinks" in keywords else [])
+    errors = [float(np.linalg.norm(g.double().cpu().numpy() - r) / np.linalg.norm(r)) for g, r in zip(got, ref)]
+    return "" if max(errors) < 1e-2 else f"wrong: normwise gradient errors {errors} against float64"
+
+
+def backward_rows(seqlens: list[int], mods: list[str], argv: list[str], out: Path) -> list[dict]:
+    """The `--pass backward` rows (the module docstring), saved after each."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    cases = [(mod, causal) for mod in mods if mod in BACKWARD_MODS for causal in (True, False)]
+    checks = {f"{mod}_{'causal' if causal else 'none'}": check_backward(mod, causal) for mod, causal in cases}
+    rows = []
+    for n in seqlens:
+        batch, heads = prefill_shape(n, HEAD_DIM)
+        for mod, causal in cases:
+            check = checks[f"{mod}_{'causal' if causal else 'none'}"]
+            flops = 2.5 * attention_flops(batch, heads, n, n, HEAD_DIM, causal)
+            q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            keywords, score_mod, mask_mod, _, _ = modification(mod, batch, heads, n, is_causal=causal)
+            learned = [keywords["sinks"].requires_grad_(True)] if "sinks" in keywords else []
+            times = {}
+            if not check:
+                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=causal, **keywords), True,
+                                         (q, k, v, *learned))
+            if mod != "sinks":   # FlexAttention has no form for sinks
+                block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") if causal else None
+                times["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask), True,
+                                      (q, k, v))
+
+            def tflops(name):
+                t = times.get(name)
+                return None if t is None else flops / ((t[1] - t[0]) * 1e-3) / 1e12
+            rows.append({"kernel": f"tiledsl_{mod}_backward", "family": "backward_ws", "dtype": "bf16", "mod": mod,
+                         "pass": "backward", "head_dim": HEAD_DIM, "seqlen": n, "causal": causal, "batch": batch,
+                         "heads": heads, "tflops": tflops("tiledsl"), "error": check or None,
+                         "flops": "2.5x the forward's visible pairs", "peers": {"flex": tflops("flex")}})
+            print(rows[-1], flush=True)
+            record(out, "python bench/scoremod_bench.py " + " ".join(argv), rows, checks=checks)
+    return rows
 
 
 def _aux_of(keywords: dict) -> dict:
@@ -188,7 +267,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variants", action="store_true",
                         help="only the hopper kernels' variants (softcap's ways, ALiBi, sinks), interleaved")
     parser.add_argument("--mods", nargs="+", choices=MODS, default=list(MODS), help="the rows to measure")
+    parser.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward",
+                        help="backward: the backward's rows alone (none, softcap, alibi, sinks; causal and not)")
     args = parser.parse_args(argv)
+    if args.pass_ == "backward":
+        backward_rows(args.seqlens, args.mods, argv, Path(args.out))
+        return 0
     if args.variants:
         rows = [row for n in args.seqlens for row in variant_rows(n)]
         record(Path(args.out), "python bench/scoremod_bench.py " + " ".join(argv), rows)

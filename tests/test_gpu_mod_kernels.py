@@ -2,7 +2,7 @@
 sinks; softcap also with scores spread past its cap) on the GPU
 against the float64 reference that runs the same modifications (tiledsl.reference.forward): causal and no
 mask, d64 and d128, query lengths 1, 17 and 1000 (rows that see no key among them), GQA, per-sequence
-kv_lens including 0, NaN-poisoned outputs; the API's keywords on the tuned path, its forward-only refusal,
+kv_lens including 0, NaN-poisoned outputs; the API's keywords on the tuned path, its refusal of gradients without a backward,
 and one compute-sanitizer run."""
 from __future__ import annotations
 
@@ -160,16 +160,17 @@ def test_api_keywords_run_the_modified_kernels(head_dim):
         check((relative_error(out, cupy.asarray(ref_o)), lse_error(lse, cupy.asarray(ref_lse))))
 
 
-def test_api_refuses_gradients_with_a_modification():
+def test_api_refuses_gradients_through_a_modification_without_a_backward():
     import torch
 
     import tiledsl
     from tiledsl.errors import RuntimeInputError
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(RuntimeInputError, match="forward-only"):
-        tiledsl.attention(q, q, q, softcap=30.0)
+    ids = torch.zeros(1, 64, device="cuda", dtype=torch.int32)
+    with pytest.raises(RuntimeInputError, match="no gradient through the modifications .document"):
+        tiledsl.attention(q, q, q, document_ids=ids)
     with torch.no_grad():
-        tiledsl.attention(q, q, q, softcap=30.0)
+        tiledsl.attention(q, q, q, document_ids=ids)
 
 
 def test_other_families_and_modifications_refuse_clearly():

@@ -56,7 +56,8 @@ def test_the_backward_graph_has_the_chain_rule_dropout_and_the_sink_gradient():
     kinds = {g.op(n).kind for n in g.names()}
     assert NEW_KINDS <= kinds
     assert g.dag.has_edge("softmax_grad", "score_mod_grad") and g.dag.has_edge("score_mod_grad", "mma_dk")
-    assert g.dag.has_edge("dropout", "mma_dv") and g.dag.has_edge("rowsum_d", "sink_grad")
+    assert g.dag.has_edge("dropout", "mma_dv") and g.dag.has_edge("sink_load_lse_d", "sink_grad")
+    assert g.op("sink_loop_q").kernel == "sink_grad"   # its own kernel after the preprocess: a fixed-order sum
 
 
 def test_a_bias_needs_no_chain_rule():

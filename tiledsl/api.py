@@ -53,8 +53,12 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
     (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
     tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks and the
-    documents run on the hopper family's forward kernels (families.BUILT_MODS); forward-only: a call that
-    needs gradients is refused. Documents are runs of one id each (packed sequences); the host checks
+    documents run on the hopper family's forward kernels (families.BUILT_MODS). softcap, alibi_slopes and sinks
+    (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that require grad go
+    through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
+    torch.compile) into the warp-specialized Hopper backward (head dims 64, 128, 256), and `sinks` gets its
+    gradient when it requires grad; a call that needs a gradient through any other modification is refused
+    before it runs. Documents are runs of one id each (packed sequences); the host checks
     that where it checks kv_lens (`validate`; validate=False keeps the call sync-free). Any other
     modification, or another family, checks its aux tensors, then raises RuntimeInputError naming what is
     missing."""
@@ -78,6 +82,11 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
             from .errors import RuntimeInputError
             raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
                                     f"modifications ({', '.join(mods.config())}); pass bf16 or fp16 q, k, v for them")
+        if mods.active and type(q).__module__.startswith("torch"):   # autograd and torch.compile's path
+            if _entry is None:
+                _load_entry_points()
+            return _entry.autograd.torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse,
+                                                            deterministic, validate, mods, tensors)
         if mods.active:
             out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors, validate)
             return (out, lse) if return_lse else out

@@ -5,6 +5,15 @@
     tiledsl::attention_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left,
                                 window_right, scale, deterministic, validate) -> (dq, dk, dv)
 
+With softcap, ALiBi or sinks (the modifications the warp-specialized backward spells) two more ops take them as
+arguments -- the softcap as a float, ALiBi as "" | "geometric" | "slopes" with its slopes tensor, the sinks
+tensor -- and the backward op returns dsink fourth (an empty tensor without sinks):
+
+    tiledsl::attention_forward_mods(q, k, v, kv_lens, alibi_slopes, sinks, causal, has_window, window_left,
+                                    window_right, scale, softcap, alibi, deterministic, validate) -> (o, lse)
+    tiledsl::attention_backward_mods(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, <the same scalars>)
+                                    -> (dq, dk, dv, dsink)
+
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces a model that calls
 `tiledsl.attention` as one opaque op, and the forward's autograd formula (register_autograd) saves
 q, k, v, O and the LSE and calls the backward op (recomputation: P is never kept). The real
@@ -48,6 +57,71 @@ def decode_window(has_window: bool, left: int, right: int):
 def encode_scale(scale):
     """The ops' `scale`: a float, or None for 1/sqrt(head_dim)."""
     return None if scale is None else float(scale)
+
+
+def encode_mods(mods, aux: dict) -> tuple:
+    """(softcap, alibi, alibi_slopes, sinks): the modified ops' arguments for `mods` (softcap, ALiBi and sinks
+    only: layout.backward_ws.WS_BUILT_MODS) and their aux tensors by name."""
+    from ..mods.model import AUX_ALIBI, AUX_SINKS
+    alibi = "" if mods.alibi is None else mods.alibi.value
+    return mods.softcap, alibi, aux.get(AUX_ALIBI) if alibi == "slopes" else None, aux.get(AUX_SINKS)
+
+
+def mod_keywords(softcap, alibi: str, alibi_slopes, sinks) -> dict:
+    """tiledsl.attention's (and attention_backward's) keywords back from encode_mods' values."""
+    return {"softcap": softcap, "alibi_slopes": {"": None, "geometric": "geometric"}.get(alibi, alibi_slopes),
+            "sinks": sinks}
+
+
+def decode_mods(softcap, alibi: str, alibi_slopes, sinks) -> tuple:
+    """(Modifications, aux tensors by name) of encode_mods' values."""
+    from .modified import modifications
+    return modifications("attention", **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+
+
+def gradient_refusal(mods, aux: dict, arch: str, head_dim: int, head_dim_v: int) -> str:
+    """Why a call with `mods` that needs a gradient can't have one ("" when it can), asked before the forward
+    runs: the backward's (dispatch/backward.modified_backward_refusal), or ALiBi slopes that require grad (the
+    slopes are constants: no gradient flows to them, and a silent None would read as zero)."""
+    from ..mods.model import AUX_ALIBI
+    why = backward.modified_backward_refusal(arch, head_dim, head_dim_v, mods)
+    if why:
+        return why
+    if getattr(aux.get(AUX_ALIBI), "requires_grad", False):
+        return "alibi_slopes get no gradient (they are constants of the model); pass alibi_slopes.detach()"
+    return ""
+
+
+def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse, deterministic, validate, mods,
+                             aux: dict):
+    """api.attention's body for torch tensors with score and mask modifications: the modified forward op under
+    torch.compile, EagerModifiedAttention when an input needs a gradient, else the modified forward itself.
+    Modifications without a backward (layout.backward_ws.ws_mods_refusal) run only where no gradient is needed."""
+    from ..errors import RuntimeInputError
+    from ..layout.backward_ws import ws_mods_refusal
+    torch = _torch
+    if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
+        kv_lens = torch.as_tensor(kv_lens, device=q.device)
+    wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
+    with_backward = not ws_mods_refusal(mods)
+    if with_backward and torch.compiler.is_compiling():
+        softcap, alibi, slopes, sinks = encode_mods(mods, aux)
+        has_window, left, right = encode_window(window)
+        o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, bool(causal), has_window,
+                                                          left, right, encode_scale(scale), softcap, alibi,
+                                                          bool(deterministic), validate)
+    elif wants_grad:
+        from ..runtime.device import device_arch
+        why = gradient_refusal(mods, aux, device_arch(), q.shape[-1], v.shape[-1])
+        if why:
+            raise RuntimeInputError(f"attention: no gradient through the modifications ({', '.join(mods.config())})"
+                                    f": {why}; call under torch.no_grad() for the forward alone")
+        _, _, slopes, sinks = encode_mods(mods, aux)
+        o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks,
+                                              eager_scalars(causal, window, scale, deterministic, validate) + (mods,))
+    else:
+        o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate)
+    return (o, lse) if return_lse else o
 
 
 def torch_attention(q, k, v, causal=False, window=None, scale=None, kv_lens=None, return_lse=False,
@@ -145,6 +219,58 @@ def _register(torch):
 
     attention_forward.register_autograd(op_backward, setup_context=setup_context)
 
+    @torch.library.custom_op("tiledsl::attention_forward_mods", mutates_args=())
+    def attention_forward_mods(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor],
+                               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], causal: bool, has_window: bool,
+                               window_left: int, window_right: int, scale: Optional[float], softcap: Optional[float],
+                               alibi: str, deterministic: bool, validate: Optional[bool]) -> Tuple[Tensor, Tensor]:
+        mods, aux = decode_mods(softcap, alibi, alibi_slopes, sinks)
+        return tuned.modified_forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale,
+                                      kv_lens, mods, aux, validate, recorded=True)
+
+    @attention_forward_mods.register_fake
+    def _(q, k, v, kv_lens, alibi_slopes, sinks, causal, has_window, window_left, window_right, scale, softcap, alibi,
+          deterministic, validate):
+        from .tuned import check_q_v
+        check_q_v(_dtype_name(torch, q.dtype), tuple(q.shape), tuple(v.shape))
+        batch, heads, q_len = q.shape[:3]
+        return q.new_empty((batch, heads, q_len, v.shape[-1])), q.new_empty((batch, heads, q_len), dtype=torch.float32)
+
+    @torch.library.custom_op("tiledsl::attention_backward_mods", mutates_args=())
+    def attention_backward_mods(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                                kv_lens: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                                causal: bool, has_window: bool, window_left: int, window_right: int,
+                                scale: Optional[float], softcap: Optional[float], alibi: str, deterministic: bool,
+                                validate: Optional[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        grads = backward.attention_backward(q, k, v, o, lse, do, causal=causal,
+                                            window=decode_window(has_window, window_left, window_right), scale=scale,
+                                            kv_lens=kv_lens, deterministic=deterministic, validate=validate,
+                                            **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+        dsink = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+        return tuple(g.contiguous() for g in grads[:3]) + (dsink,)
+
+    @attention_backward_mods.register_fake
+    def _(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, causal, has_window, window_left, window_right, scale,
+          softcap, alibi, deterministic, validate):
+        dsink = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
+
+    def setup_context_mods(ctx, inputs, output):
+        q, k, v, kv_lens, alibi_slopes, sinks, *scalars = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks)
+        ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, softcap, alibi, deterministic,
+        ctx.mark_non_differentiable(lse)   # validate
+
+    def op_backward_mods(ctx, grad_o, grad_lse):
+        q, k, v, o, lse, kv_lens, alibi_slopes, sinks = ctx.saved_tensors
+        dq, dk, dv, dsink = torch.ops.tiledsl.attention_backward_mods(q, k, v, o, lse, grad_o.contiguous(), kv_lens,
+                                                                      alibi_slopes, sinks, *ctx.scalars)
+        # kv_lens, the slopes (constants) and the scalars: no gradient
+        return (dq, dk, dv, None, None, dsink if sinks is not None else None) + (None,) * len(ctx.scalars)
+
+    attention_forward_mods.register_autograd(op_backward_mods, setup_context=setup_context_mods)
+
     class EagerAttention(torch.autograd.Function):
         """The forward op's autograd formula without the op (see the module docstring: why), for the eager
         call's host cost: one non-tensor argument (eager_scalars) instead of the op's seven, no zero gradient
@@ -171,13 +297,44 @@ def _register(torch):
                                                          grad_o.contiguous(), kv_lens)
             return dq, dk, dv, None, None
 
-    return attention_forward, attention_backward, EagerAttention
+    class EagerModifiedAttention(torch.autograd.Function):
+        """The modified forward op's autograd formula without the op (as EagerAttention): one non-tensor argument,
+        eager_scalars + (the Modifications,); the slopes and sinks tensors beside q, k, v and kv_lens."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, scalars):
+            causal, window, scale, _, validate, mods = scalars
+            aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
+            o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate,
+                                            recorded=True)
+            ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks)
+            ctx.scalars = scalars
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+            return o, lse
+
+        @staticmethod
+        def backward(ctx, grad_o, grad_lse):
+            if grad_o is None:
+                return (None,) * 7
+            q, k, v, o, lse, kv_lens, alibi_slopes, sinks = ctx.saved_tensors
+            causal, window, scale, deterministic, validate, mods = ctx.scalars
+            softcap, alibi, _, _ = encode_mods(mods, {})
+            grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
+                                                scale=scale, kv_lens=kv_lens, deterministic=deterministic,
+                                                validate=validate,
+                                                **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+            dsink = grads[3] if sinks is not None else None   # (autograd drops it when sinks need none)
+            return grads[0], grads[1], grads[2], None, None, dsink, None
+
+    return attention_forward, attention_backward, EagerAttention, EagerModifiedAttention
 
 
 try:
     import torch as _torch
 except ImportError:
     _torch = None
-# (forward op, backward op, EagerAttention); None without torch
+# (forward op, backward op, EagerAttention, EagerModifiedAttention); None without torch
 OPS = _register(_torch) if _torch is not None else None
 EagerAttention = OPS[2] if OPS is not None else None
+EagerModifiedAttention = OPS[3] if OPS is not None else None

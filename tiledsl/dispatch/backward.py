@@ -17,7 +17,9 @@ import functools
 from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
-from ..layout.backward import BACKWARD_DIM_MULTIPLE, backward_layout
+from ..layout.backward import BACKWARD_DIM_MULTIPLE, backward_has_template, backward_layout
+from ..layout.backward_ws import ws_mods_refusal
+from ..mods.model import NO_MODS, Modifications
 from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import leading_columns, signature, view, zero_padded
@@ -79,20 +81,29 @@ BACKWARD_WS_DETERMINISTIC: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAc
 @functools.lru_cache(maxsize=None)
 def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                   window: tuple[int, int] | None = None, scale: float | None = None,
-                  deterministic: bool = False, mma: Mma = Mma.SYNC, warp_specialized: bool = False) -> KernelSpec:
+                  deterministic: bool = False, mma: Mma = Mma.SYNC, warp_specialized: bool = False,
+                  mods: Modifications = NO_MODS) -> KernelSpec:
     """The backward spec for a problem: BACKWARD_TUNED's schedule for the head dim, else the first of
     the fallback tiles that fits (layout.backward_layout); `deterministic` sums dQ on chip
     (`dq accumulate separate`) instead of with atomics. `mma` wgmma: BACKWARD_WGMMA_TUNED's schedule
     (RuntimeInputError where the wgmma kernel has none). `warp_specialized`: BACKWARD_WS_TUNED's schedule
-    (RuntimeInputError where ws_refusal objects). `arch` is for the table's future rows."""
+    (RuntimeInputError where ws_refusal objects). `mods`: score modifications, which only the warp-specialized
+    backward spells (RuntimeInputError naming what is missing elsewhere). `arch` is for the table's future rows."""
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask, window_left=window[0] if window else 0,
-                      window_right=window[1] if window else 0, softmax_scale=scale)
+                      window_right=window[1] if window else 0, softmax_scale=scale, mods=mods)
+    if mods.active and not warp_specialized:
+        raise RuntimeInputError(f"attention_backward: {modified_refusal(mods)}")
     if warp_specialized:
         why = ws_refusal(arch, head_dim, head_dim_v, deterministic)
         if why:
-            raise RuntimeInputError(f"attention_backward: the warp-specialized backward {why}")
+            raise RuntimeInputError(f"attention_backward: the warp-specialized backward {why}"
+                                    + (f" ({modified_refusal(mods)})" if mods.active else ""))
         b = (BACKWARD_WS_DETERMINISTIC if deterministic else BACKWARD_WS_TUNED)[head_dim]
         spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
+        why = backward_has_template(spec) if mods.active else ""
+        if why:
+            raise RuntimeInputError(f"attention_backward: {why}; the float64 reference "
+                                    "(tiledsl.reference.backward.reference_backward) takes them")
         backward_layout(spec)
         return spec
     dq = DqAccumulate.SEPARATE if deterministic else DqAccumulate.ATOMIC
@@ -115,6 +126,24 @@ def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v
         except SpecError as err:
             error = err
     raise RuntimeInputError(f"attention_backward: no backward schedule fits head dim {head_dim}/{head_dim_v}: {error}")
+
+
+def modified_refusal(mods: Modifications) -> str:
+    """What a backward with score modifications needs: the warp-specialized Hopper backward's head dims."""
+    return (f"score modifications ({', '.join(mods.config())}) have a backward only in the warp-specialized Hopper "
+            f"backward (sm_90a, head dims {sorted(BACKWARD_WS_TUNED)} with qk = v); the wgmma and mma.sync backwards "
+            "spell none")
+
+
+def modified_backward_refusal(arch: str, head_dim: int, head_dim_v: int | None, mods: Modifications) -> str:
+    """Why attention_backward can't differentiate attention with `mods` ("" when it can): asked by the forward
+    before it runs, so a call that needs a gradient is refused before any kernel launches."""
+    why = ws_mods_refusal(mods)
+    if why:
+        return why
+    if ws_refusal(arch, head_dim, head_dim_v, False):
+        return f"head dims {head_dim}/{head_dim_v or head_dim} on {arch}: {modified_refusal(mods)}"
+    return ""
 
 
 def wgmma_refusal(arch: str, head_dim: int, head_dim_v: int | None, deterministic: bool) -> str:
@@ -147,7 +176,8 @@ _calls = SignatureCache()
 
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
-                       validate: bool | None = None, warp_specialized: bool | None = None):
+                       validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
+                       alibi_slopes=None, sinks=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -159,24 +189,38 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     and it takes the problem (`mma` unset). `validate`: True checks kv_lens on the host (a copy: a sync); left
     out, the kernels bound it on the device (a bad entry: NaN dQ, dK, dV for its sequence and a report that
     tiledsl.check_errors() raises; runtime/index_checks.py). The first call of a signature picks the spec and
-    prepares the three launches; later ones only launch."""
+    prepares the three launches; later ones only launch.
+
+    `softcap`, `alibi_slopes` and `sinks` are the forward's score modifications (tiledsl.attention's keywords;
+    pass the same ones): the warp-specialized backward recomputes the modified scores and takes dS through
+    them; with `sinks` the result is (dq, dk, dv, dsink), dsink float32 (heads,). Other modifications, and
+    problems the warp-specialized backward does not take, are refused (RuntimeInputError naming what is
+    missing)."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
-    tensors = (q, k, v, o, lse, do, kv_lens)
-    return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized)(*tensors)
+    mods, aux = NO_MODS, ()
+    if not (softcap is None and alibi_slopes is None and sinks is None):
+        from .modified import modifications
+        mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                    differentiable=True)
+        aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
+    tensors = (q, k, v, o, lse, do, kv_lens) + aux
+    return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,
+                             mods)(*tensors)
 
 
 def prepared_backward(tensors: tuple, causal: bool, window: tuple[int, int] | None, scale: float | None,
                       deterministic: bool, mma: str | None = None, validate: bool | None = None,
-                      warp_specialized: bool | None = None):
-    """The PreparedCall of attention_backward on `tensors` (q, k, v, o, lse, do, kv_lens) with checked scalars
-    (runtime/arguments.mask_arguments): `call(*tensors)` -> (dq, dk, dv)."""
+                      warp_specialized: bool | None = None, mods: Modifications = NO_MODS):
+    """The PreparedCall of attention_backward on `tensors` (q, k, v, o, lse, do, kv_lens, then the aux tensors of
+    `mods.user_aux()`) with checked scalars (runtime/arguments.mask_arguments): `call(*tensors)` -> (dq, dk, dv),
+    and dsink fourth with sinks."""
     key = (tuple(map(signature, tensors)), causal, window, scale, deterministic, mma, validate, warp_specialized,
-           BACKWARD_WS)
+           BACKWARD_WS) + ((mods,) if mods.active else ())
     call = _calls.get(key)
     if call is None:
         call = _calls.put(key, _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate,
-                                                 warp_specialized))
+                                                 warp_specialized, mods))
     return call
 
 
@@ -200,7 +244,7 @@ def backward_after_forward(forward_call, scalars: tuple, q, k, v, o, lse, do, kv
     return call(q, k, v, o, lse, do, kv_lens)
 
 
-def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized):
+def _prepare_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized, mods=NO_MODS):
     from ..runtime.device import device_arch
     from .kernels import BACKWARD, kernel_for
     q, v = tensors[0], tensors[2]
@@ -217,11 +261,13 @@ def _prepare_backward(tensors, causal, window, scale, deterministic, mma, valida
         raise RuntimeInputError(f"attention_backward: head dims must be multiples of {HEAD_DIM_MULTIPLE}, got q {d}, "
                                 f"v {dv}")
     padded_d, padded_dv = (-(-n // BACKWARD_DIM_MULTIPLE) * BACKWARD_DIM_MULTIPLE for n in (d, dv))
+    if (padded_d, padded_dv) != (d, dv) and mods.active:
+        raise RuntimeInputError(f"attention_backward: head dims {d}/{dv}: {modified_refusal(mods)}")
     if (padded_d, padded_dv) != (d, dv):
         return PaddedBackward.prepare(tensors, d, dv, padded_d, padded_dv, causal, window, scale, deterministic, mma,
                                       validate, warp_specialized)
     spec = chosen_backward_spec(device_arch(), qv.dtype, d, mask, dv, window, scale, deterministic, mma,
-                                warp_specialized)
+                                warp_specialized, mods)
     return kernel_for(spec, BACKWARD).prepare_call(tensors, validate)
 
 
@@ -266,14 +312,23 @@ class PaddedBackward:
 
 def chosen_backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                          window: tuple[int, int] | None = None, scale: float | None = None, deterministic: bool = False,
-                         mma: str | None = None, warp_specialized: bool | None = None) -> KernelSpec:
+                         mma: str | None = None, warp_specialized: bool | None = None,
+                         mods: Modifications = NO_MODS) -> KernelSpec:
     """The spec attention_backward runs: the warp-specialized backward when `warp_specialized` is True (or None
     with BACKWARD_WS on, `mma` unset and ws_refusal without objection); else `mma` "wgmma" / "mma.sync" forced,
-    or None: wgmma when BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync."""
+    or None: wgmma when BACKWARD_WGMMA is on and wgmma_refusal has no objection, else mma.sync. Score
+    modifications (`mods`) take the warp-specialized backward unless `warp_specialized` is False or `mma` is given
+    (refused then: no other backward spells them)."""
     if warp_specialized is None:
-        warp_specialized = BACKWARD_WS and mma is None and not ws_refusal(arch, head_dim, head_dim_v, deterministic)
+        warp_specialized = (BACKWARD_WS or mods.active) and mma is None and (
+            mods.active or not ws_refusal(arch, head_dim, head_dim_v, deterministic))
     if warp_specialized:
-        return backward_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, deterministic, Mma.WGMMA, True)
+        return backward_spec(arch, dtype, head_dim, mask, head_dim_v, window, scale, deterministic, Mma.WGMMA, True,
+                             mods)
+    if mods.active:
+        raise RuntimeInputError(f"attention_backward: {modified_refusal(mods)}"
+                                + (f"; mma={mma!r} was asked for" if mma is not None else
+                                   "; warp_specialized=False was asked for"))
     if mma is None:
         chosen = Mma.WGMMA if BACKWARD_WGMMA and not wgmma_refusal(arch, head_dim, head_dim_v,
                                                                    deterministic) else Mma.SYNC

@@ -194,19 +194,21 @@ _calls = SignatureCache()
 
 
 def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifications, aux: dict,
-                     validate: bool | None = None):
+                     validate: bool | None = None, recorded: bool = False):
     """(O, LSE) of attention with score and mask modifications (dispatch/modified.py): the tuned table's
     schedule with them, its aux tensors checked against the launch before anything runs (their data too,
-    where `validate` checks index tensors on the host: runtime/index_checks.py)."""
+    where `validate` checks index tensors on the host: runtime/index_checks.py). `recorded`: autograd records
+    the call (dispatch/autograd.py, which checked that a backward takes the modifications); otherwise inputs
+    that need a gradient are refused, since nothing would give it."""
     from ..errors import RuntimeInputError, SpecError
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
     from .modified import check_launch
     from ..runtime.arguments import mask_arguments
     mask, window, scale = mask_arguments("attention", causal, window, scale)
-    if _needs_gradient(q, k, v, *aux.values()):
-        raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) are "
-                                "forward-only: no backward spells them yet, so no gradient can be given; call under "
+    if not recorded and _needs_gradient(q, k, v, *aux.values()):
+        raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) "
+                                "give gradients through PyTorch's autograd only (torch tensors); call under "
                                 "torch.no_grad() or pass tensors that do not require grad")
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)

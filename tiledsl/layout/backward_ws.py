@@ -35,6 +35,11 @@ DQ_STAGING_MAX = 2             # staged dQ_i buffers: the consumers write step s
 # reduce-adds; red.global.add.v4 takes a 16-byte chunk per lane, so three warps share a tile's chunks
 WRITER_WARPS = {"writer_tma": 1, "writer_red": 3}
 WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERED)
+# The score modifications the warp-specialized backward spells (mods/model.py's field names): softcap's and
+# ALiBi's scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of
+# its own. One of softcap and ALiBi at a time: softcap's 1 - tanh^2 is read back from P, which ALiBi's bias
+# would have to be taken out of again.
+WS_BUILT_MODS = ("softcap", "softcap_via", "alibi", "sinks")
 
 
 @dataclass(frozen=True)
@@ -76,11 +81,23 @@ def ws_has_template(spec: KernelSpec) -> str:
     b, p = spec.backward, spec.problem
     if p.dtype not in TEMPLATE_DTYPES:
         return f"the warp-specialized backward computes in fp16 or bf16, not {p.dtype.value}"
-    if p.mods.active:
-        return "the warp-specialized backward has no template for score and mask modifications yet"
+    why = ws_mods_refusal(p.mods)
+    if why:
+        return why
     if b.dq not in WS_DQ_MODES:
         return (f"the warp-specialized backward sums dQ as {', '.join(m.value for m in WS_DQ_MODES)}, not "
                 f"`dq accumulate {b.dq.value}`")
+    return ""
+
+
+def ws_mods_refusal(mods) -> str:
+    """Why the warp-specialized backward can't take these score and mask modifications ("" when it can)."""
+    missing = [key for key in mods.config() if key not in WS_BUILT_MODS]
+    if missing:
+        return (f"the warp-specialized backward has no template for the modifications {', '.join(missing)} yet "
+                f"(it spells {', '.join(k for k in WS_BUILT_MODS if k != 'softcap_via')})")
+    if mods.softcap is not None and mods.alibi is not None:
+        return "the warp-specialized backward takes softcap or ALiBi, not both in one spec yet"
     return ""
 
 

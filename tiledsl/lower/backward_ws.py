@@ -7,7 +7,8 @@ the writer's loop are the template's, with the boxes and counts named here: `cop
 bulk copy with the barrier it completes on, so a test can add them up against the barrier's expected bytes."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from ..device_limits import H200, DeviceLimits, entry_registers
 from ..hw import PANEL_COLUMNS, PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS, WGMMA_ROWS
@@ -18,6 +19,7 @@ from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
+from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .plan import (INDEX_ERRORS, SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region,
                    make_plan)
 from .steps import INT32S, OUT16, OUT32, parameters, smem_constants, softmax_constants, spec_line, stride_lines
@@ -40,6 +42,9 @@ CONSUMER_ORDER = {
                 "softmax_grad", "stage_ds", "sync_ds", "mma_dv", "mma_dk", "mma_dq", "wait_grads", "arrive_q_empty"),
 }
 DQ_OUT = {True: ("wait_dq_empty", "stage_dq", "arrive_dq_full"), False: ("accumulate_dq",)}
+# The score modification's steps (schedule/modify.py), where the graph has them: after the step named here.
+MOD_STEPS = (("score_mod", "wait_s"), ("score_mod_grad", "softmax_grad"))
+SINK_THREADS = 256   # the sink gradient kernel: one block per query head
 
 _TEXT = {
     "wait_q_full": "wait q_full: Q_i, dO_i, LSE_i, D_i of the ring slot have landed",
@@ -62,8 +67,8 @@ _TEXT = {
     "stage_dq": "dQ_i (fp32) -> the staging buffer (TMA reduce boxes, 128 B swizzle)",
     "arrive_dq_full": "arrive dq_full (every consumer thread, after fence.proxy.async)",
     "accumulate_dq": "dQ_accum += dQ_i from registers (red.global.add.v4.f32; scale at the convert)",
+    "score_mod_grad": "dS^T *= 1 - tanh^2 of the capped score, tanh read back from P^T and LSE_i",
 }
-_STEP = {name: name for name in _TEXT}
 
 
 # The main kernel's parameters (plan.parameters: the signature and the launch's order): Q, K, V, dO and dQ_accum
@@ -102,6 +107,9 @@ class WsBackwardPlan(KernelPlan):
     box_rows: dict = None              # tensor -> rows of its TMA box (the runtime encodes the maps with them)
     copies: tuple[Copy, ...] = ()
     barriers: tuple = ()               # layout.WsBarrier records, in the kernel's barrier order
+    # The score modifications (layout.backward_ws.WS_BUILT_MODS; KernelPlan's fields): softcap and ALiBi recomputed
+    # as the forward's (templates/score_mods.cuh), softcap's 1 - tanh^2 on dS; sinks: the sink gradient kernel.
+    sink_threads: int = SINK_THREADS
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
@@ -130,9 +138,12 @@ def consumer_body(spec: KernelSpec, staged: bool, split: str) -> tuple[LoopOp, .
     graph = build_backward_graph(spec)
     names = [n for n in emission_order(graph) if graph.op(n).loops[-1:] == ("loop_q",)
              and graph.op(n).role is Role.CONSUMER]
-    expected = CONSUMER_ORDER[split] + DQ_OUT[staged]
-    assert tuple(names) == expected, f"consumer order {names}, the template's {expected}"
-    return tuple(LoopOp(_STEP[n], spec_line(spec, graph.op(n).key or "backward"), _TEXT[n],
+    expected = list(CONSUMER_ORDER[split] + DQ_OUT[staged])
+    for step, after in MOD_STEPS:
+        if step in graph:
+            expected.insert(expected.index(after) + 1, step)
+    assert names == expected, f"consumer order {names}, the template's {expected}"
+    return tuple(LoopOp(n, spec_line(spec, graph.op(n).key or "backward"), _TEXT.get(n, graph.op(n).text),
                         pending=graph.op(n).pending, node=n) for n in names)
 
 
@@ -141,6 +152,7 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
     """The plan of the module `name` (lower.backward.lower_backward names it and calls here).
     `q_empty_arrivals` overrides the arrivals that free a ring slot (tests: a wrong count must hang)."""
     p, b = spec.problem, spec.backward
+    mods = p.mods
     lay = backward_ws_layout(spec, limits)
     main = lay.main
     buf = {x.name: x for x in main.buffers}
@@ -238,9 +250,17 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         Constant("PRE_ROWS", "int", BACKWARD_PRE_ROWS, "preprocess / convert: q rows per block"),
         Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
         *softmax_constants(p),
+        *mod_constants(p, sc // 8),
     ]
+    if mods.softcap is not None:
+        consts.append(Constant("SOFTCAP_TANH_UNITS", "float", math.log(2.0) / mods.softcap,
+                               "softcap: ln 2 / cap, from log2 P + LSE log2 (= cap tanh log2 e) back to tanh"))
+    if mods.sinks:
+        consts.append(Constant("SINK_THREADS", "int", SINK_THREADS, "sink gradient: threads of its one block per head"))
     ops, wgmma = _wrappers(sc, lay.split, d, dv, dq_cols)
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
+    if mods.sinks:
+        names["sink_grad"] = f"{name}_sink_grad"
     w = lambda key: spec_line(spec, key)   # noqa: E731
     dq_how = {"writer_tma": f"the writer's TMA reduce-add ({'in kv tile order, ' if ordered else ''}"
                             f"{d // STAGING_BOX_COLUMNS} boxes)",
@@ -267,9 +287,16 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                             "included; NaN for a bad kv_lens entry)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
+    if mods.sinks:
+        regions["sink_grad"] = Region(w("sinks"), "dsink[h] = -sum over (batch, row) of exp(sink_h - LSE) * D: one "
+                                      "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
+    # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
+    fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
+    # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
+    mod_lines = mod_parameters(replace(mods, sinks=False))
     return make_plan(spec, Family.FA2, TEMPLATE, consts, regions, consumer_body(spec, staged, lay.split),
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=br), 1, main.register_estimate,
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers, shared=WS_SHARED, parameters=WS_MAIN_PARAMETERS)
+                     barriers=lay.barriers, shared=WS_SHARED, parameters=WS_MAIN_PARAMETERS + mod_lines, **fields)

@@ -41,7 +41,7 @@ class AuxArguments:
         on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count."""
         mods, args = self.spec.problem.mods, ()
         if mods.alibi is AlibiSlopes.GEOMETRIC:
-            slopes = _geometric_slopes(b.like, b.device_id, shapes.heads)
+            slopes = geometric_slope_tensor(b.like, b.device_id, shapes.heads)
             b.keep.append(slopes)
             args += (pointer_arg(view(slopes, AUX_ALIBI)), i32(0))
         elif mods.alibi is AlibiSlopes.GIVEN:
@@ -61,30 +61,34 @@ class AuxArguments:
         return args
 
     def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
-        """The aux tensor `name`, checked: its element type (float32 or int32), one of `shapes` (None: the
-        caller checks), contiguous, on q's GPU."""
-        if len(b.tensors) != len(self.CALL):
-            raise RuntimeInputError(f"{self.name}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
-                                    "to the kernel's call or bind")
-        given = str(getattr(b.tensors[self.CALL.index(name)], "dtype", ""))
-        if not given.endswith("int32" if dtype == "int32" else "float32"):
-            raise RuntimeInputError(f"{self.name}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
-                                    f"got {given or type(b.tensors[self.CALL.index(name)]).__name__}")
-        t = b.view(self.CALL.index(name))
-        if shapes is not None and t.shape not in shapes:
-            raise RuntimeInputError(f"{self.name}: {name} has shape {t.shape}; this launch needs "
-                                    f"{' or '.join(map(str, shapes))}")
-        if not is_compact(t.shape, t.strides):
-            raise RuntimeInputError(f"{self.name}: {name} must be contiguous, got strides {t.strides}")
-        if t.device_id != b.device_id:
-            raise RuntimeInputError(f"{self.name}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
-        return t
+        return aux_view(b, self.name, self.CALL, name, shapes, dtype)
+
+
+def aux_view(b: CallBuilder, kernel: str, call: tuple, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
+    """The aux tensor `name` of a call whose tensors are named `call` (`kernel`'s), checked: its element type
+    (float32 or int32), one of `shapes` (None: the caller checks), contiguous, on q's GPU."""
+    if len(b.tensors) != len(call):
+        raise RuntimeInputError(f"{kernel}: {name} is an aux tensor of the call: pass aux={{{name!r}: ...}} "
+                                "to the kernel's call or bind")
+    given = str(getattr(b.tensors[call.index(name)], "dtype", ""))
+    if not given.endswith("int32" if dtype == "int32" else "float32"):
+        raise RuntimeInputError(f"{kernel}: {name} must be {'int32' if dtype == 'int32' else 'float32'}, "
+                                f"got {given or type(b.tensors[call.index(name)]).__name__}")
+    t = b.view(call.index(name))
+    if shapes is not None and t.shape not in shapes:
+        raise RuntimeInputError(f"{kernel}: {name} has shape {t.shape}; this launch needs "
+                                f"{' or '.join(map(str, shapes))}")
+    if not is_compact(t.shape, t.strides):
+        raise RuntimeInputError(f"{kernel}: {name} must be contiguous, got strides {t.strides}")
+    if t.device_id != b.device_id:
+        raise RuntimeInputError(f"{kernel}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
+    return t
 
 
 _GEOMETRIC: dict[tuple[str, int, int], object] = {}   # (framework, device, heads) -> ALiBi's slopes, float32
 
 
-def _geometric_slopes(like, device_id: int, heads: int):
+def geometric_slope_tensor(like, device_id: int, heads: int):
     """ALiBi's geometric slopes for `heads` on `like`'s device, made once (a host copy, so the first
     call of a head count only: a captured call finds them made)."""
     torch_like = type(like).__module__.startswith("torch")

@@ -8,18 +8,63 @@ producer's bulk copies read whole tiles; padded rows hold LSE = +inf, D = 0, so 
 dQ_accum (fp32, like dQ, zeroed), and under `dq accumulate ordered` one int32 semaphore per (batch, head, q tile)."""
 from __future__ import annotations
 
+from ..errors import RuntimeInputError
+from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes
+from ..spec import DType
 from .backward import BackwardKernel
+from .aux_args import aux_view, geometric_slope_tensor
 from .launch import CallBuilder, i32, pointer_arg, strides_args
 from .tensor_maps import map_arg
+from .tensors import signature, view
 
 
 class WsBackwardKernel(BackwardKernel):
-    """`dq, dk, dv = kernel(q, k, v, o, lse, do, kv_lens)`, as BackwardKernel (the same input checks)."""
+    """`dq, dk, dv = kernel(q, k, v, o, lse, do, kv_lens)`, as BackwardKernel (the same input checks). With score
+    modifications the call takes their aux tensors (`aux={"alibi_slopes": ..., "sinks": ...}`, as the forward
+    kernel's) and with sinks returns dsink (float32, (heads,)) fourth."""
+
+    def __init__(self, spec, plan):
+        super().__init__(spec, plan)
+        self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())   # after CALL, in this order
+        if self.aux_names:
+            self.CALL = type(self).CALL + self.aux_names
+
+    def __call__(self, q, k, v, o, lse, do, kv_lens=None, *, validate: bool | None = None, aux=None):
+        aux = dict(aux or {})
+        missing = [n for n in self.aux_names if aux.get(n) is None]
+        extra = sorted(set(aux) - set(self.aux_names))
+        if missing or extra:
+            raise RuntimeInputError(f"{self.name}: aux tensors " + "; ".join(
+                (["missing " + ", ".join(missing)] if missing else []) + (["not read by this kernel: "
+                                                                            + ", ".join(extra)] if extra else []))
+                + f" (it reads: {', '.join(self.aux_names) or 'none'})")
+        tensors = (q, k, v, o, lse, do, kv_lens) + tuple(aux[n] for n in self.aux_names)
+        key = (tuple(map(signature, tensors)), validate)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls.put(key, self.prepare_call(tensors, validate))
+        return call(*tensors)
+
+    def mod_arguments(self, b: CallBuilder, batch: int, heads: int) -> dict:
+        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones)."""
+        alibi = self.spec.problem.mods.alibi
+        if alibi is AlibiSlopes.GEOMETRIC:
+            slopes = geometric_slope_tensor(b.like, b.device_id, heads)
+            b.keep.append(slopes)
+            return {"alibi_slopes": view(slopes, AUX_ALIBI), "alibi_batch_stride": 0}
+        if alibi is AlibiSlopes.GIVEN:
+            t = aux_view(b, self.name, self.CALL, AUX_ALIBI, ((heads,), (batch, heads)))
+            return {"alibi_slopes": t, "alibi_batch_stride": heads if len(t.shape) == 2 else 0}
+        return {}
 
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
         (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
+        mods = self.mod_arguments(b, batch, heads)
+        if plan.sinks:
+            vsinks = aux_view(b, self.name, self.CALL, AUX_SINKS, ((heads,),))
+            vdsink = b.new_output("dsink", (heads,), DType.FP32)
         br, bc = plan.launch.tile_q, plan.tile_kv
         pairs, kv_pairs = batch * heads, batch * kv_heads
         tiles = -(-q_len // br)
@@ -34,6 +79,10 @@ class WsBackwardKernel(BackwardKernel):
             b.launch(fns["preprocess"], (q_rows // plan.pre_rows, pairs, 1), plan.pre_threads, 0,
                      (ptr(vo), ptr(vdo), ptr(vlse), ptr(lse_rows), ptr(d_rows), ptr(dq_accum), ptr(semaphores),
                       i32(q_len), i32(q_rows), i32(heads), *st(vo), *st(vdo)), f"{self.name} preprocess")
+        if plan.sinks and heads:   # after the preprocess: it reads the LSE and D rows (padded: +inf, 0)
+            b.launch(fns["sink_grad"], (heads, 1, 1), plan.sink_threads, 0,
+                     (ptr(lse_rows), ptr(d_rows), ptr(vsinks), ptr(vdsink), i32(q_rows), i32(batch), i32(heads)),
+                     f"{self.name} sink gradient")
         kv_blocks = -(-kv_len // bc)
         if kv_blocks and kv_pairs:
             rows = plan.box_rows
@@ -45,7 +94,7 @@ class WsBackwardKernel(BackwardKernel):
                                        lse_rows=lse_rows, d_rows=d_rows, dq_accum=dq_accum, semaphores=semaphores,
                                        dk=vdk, dv=vdv, kv_lens=lens, q_len=q_len, q_rows=q_rows, kv_len=kv_len,
                                        heads=heads, kv_group=heads // kv_heads, pairs=kv_pairs,
-                                       **self.strides(dk=vdk, dv=vdv))
+                                       **self.strides(dk=vdk, dv=vdv), **mods)
             b.launch(fns["main"], (kv_blocks * kv_pairs, 1, 1), plan.launch.threads, plan.launch.smem_bytes, args,
                      f"{self.name} main")
         if q_len and pairs:

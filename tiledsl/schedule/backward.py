@@ -95,7 +95,8 @@ class _Backward:
                                 else "dV_j = P^T dO_i"), shape=("Bc", "dv"), deps=(P, have["dO"]), variant=dkv)
         if wgmma:
             dp = mma_dp()
-        s = add_score_mod(self.g, f"{p}score_mod", loops, Role.ALL, TILE, s)
+        role = Role.CONSUMER if self.ws and loops[0] == "loop_kv" else Role.ALL   # who runs the elementwise steps
+        s = add_score_mod(self.g, f"{p}score_mod", loops, role, TILE, s)
         m = self.op(f"{p}mask", OpKind.MASK, loops, mask_key(self.g), mask_text(self.g.spec.problem),
                     shape=("Br", "Bc"), deps=(s,), variant=mask.value)
         P = self.op(f"{p}recompute_p", OpKind.RECOMPUTE_P, loops, "backward", "P = exp(S - LSE)   (0 where LSE = -inf: "
@@ -109,7 +110,7 @@ class _Backward:
         dropped = "dS = P * (dP * Z / (1 - p) - D_i)" if self.g.spec.problem.mods.dropout else "dS = P * (dP - D_i)"
         ds = self.op(f"{p}softmax_grad", OpKind.SOFTMAX_GRAD, loops, "backward", dropped,
                      shape=("Br", "Bc"), deps=(P, dp, have["LSE"]))
-        ds = add_score_mod_grad(self.g, f"{p}score_mod_grad", loops, TILE, ds)
+        ds = add_score_mod_grad(self.g, f"{p}score_mod_grad", loops, role, TILE, ds)
         if dkv and dv_late:
             mma_dv()
         if dkv:
@@ -135,7 +136,17 @@ class _Backward:
         d = self.op("rowsum_d", OpKind.ROWSUM_D, loops, "backward", "D_i = rowsum(dO_i * O_i)", shape=("Br",),
                     deps=(o, do))
         self.store("store_d", loops, "D", "q", "1", "D[i*Br : (i+1)*Br] = D_i", deps=(d,))
-        add_sink_grad(self.g, "sink_grad", loops, d)
+
+    def sink_gradient(self) -> None:
+        """With sinks: dsink by a kernel of its own after the preprocess, one block per query head summing its
+        rows' terms in a fixed order (deterministic, no atomics, nothing to zero first)."""
+        if not self.g.spec.problem.mods.sinks:
+            return
+        loops = self.loop("sink_loop_q", (), "q", "sinks", "for i in q tiles of every batch entry (serial in one "
+                          "block per query head)", kernel="sink_grad")
+        rows = self.op("sink_load_lse_d", OpKind.LOAD_LSE_D, loops, "sinks", "LSE_i, D_i -> registers",
+                       shape=("Br",), hbm=(Access("lse", "read", "q", "1"), Access("D", "read", "q", "1")))
+        add_sink_grad(self.g, "sink_grad", loops, rows)
 
     def kv_outer(self) -> None:
         b, g = self.b, self.g
@@ -213,6 +224,7 @@ def build_backward_graph(spec: KernelSpec) -> ScheduleGraph:
     g = ScheduleGraph(spec)
     builder = _Backward(g)
     builder.preprocess()
+    builder.sink_gradient()
     if spec.backward.order is LoopOrder.KV_OUTER:
         builder.kv_outer()
     else:

@@ -55,7 +55,8 @@ def add_ws_ops(b, kv: tuple[str, ...], q: tuple[str, ...], have: dict[str, str],
         g.connect("wait_kv_full", n, "K_j, V_j landed", SYNC)
     op("wait_s", OpKind.MMA_WAIT, q, C, "backward.tile", "wait for S^T (dP^T's wgmma stays in flight)",
        ((out["S"], "S^T", EdgeKind.DATA), (out["dP"], "issued first", SYNC)), variant="S", pending=1)
-    g.connect("wait_s", out["mask"], "S^T", SYNC)
+    # the score modification (softcap, ALiBi) works on S^T once it has landed, before the mask
+    g.connect("wait_s", "score_mod" if "score_mod" in g else out["mask"], "S^T", SYNC)
     staged_p = split == "columns"
     if staged_p:   # P^T's halves go to shared memory: dV's A operand covers both consumers' query columns
         op("stage_p", OpKind.STAGE, q, C, "backward.tile", "P^T (this consumer's query columns) -> shared memory",
@@ -64,10 +65,11 @@ def add_ws_ops(b, kv: tuple[str, ...], q: tuple[str, ...], have: dict[str, str],
        ((out["dP"], "dP^T", EdgeKind.DATA),) + ((("stage_p", "P^T stores run under dP^T's wgmma", SYNC),)
                                                 if staged_p else ()), variant="dP", pending=0)
     g.connect("wait_dp", out["dS"], "dP^T", SYNC)
+    ds = "score_mod_grad" if "score_mod_grad" in g else out["dS"]   # dS^T through the modification, when any
     # dV after dS^T: P^T's fp32 values die as its fragments are packed (layout.backward_wgmma_dv_schedule)
-    g.connect(out["dS"], out["dV"], "issued with dK, after dS^T", SYNC)
+    g.connect(ds, out["dV"], "issued with dK, after dS^T", SYNC)
     op("stage_ds", OpKind.STAGE, q, C, "backward.tile", "dS^T (this consumer's part) -> shared memory",
-       ((out["dS"], "dS^T", EdgeKind.DATA),) + (() if staged_p else ((out["dK"], "dV, dK run under the stores",
+       ((ds, "dS^T", EdgeKind.DATA),) + (() if staged_p else ((out["dK"], "dV, dK run under the stores",
                                                                      SYNC),)), variant="dS^T")
     op("sync_ds", OpKind.WAIT, q, C, WG, "named barrier of the consumers: " + ("P^T and " if staged_p else "")
        + "dS^T complete", (("stage_ds", "dS^T", SYNC),) + ((("stage_p", "P^T", SYNC),) if staged_p else ()),

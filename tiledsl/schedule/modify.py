@@ -6,7 +6,7 @@
   dropout         after the online softmax (l sums the undropped P): P V reads P * Z / (1 - p); in the
                   backward, after P's recompute, for dV and dS
   score_mod_grad  the backward's dS through the modification: dS *= d(modified S) / dS
-  sink_grad       the backward's preprocess: dsink_h = -sum_i exp(sink_h - lse_i) D_i
+  sink_grad       the backward's kernel after the preprocess: dsink_h = -sum_i exp(sink_h - lse_i) D_i
 Sinks change no op: the running m, l of the kv loop start at (sink_h, 1) instead of (-inf, 0) (split 0's
 only, with split-KV), so the sink joins the softmax once.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..mods.expr import ONE, source
 from ..mods.model import AlibiSlopes, Documents, Modifications
 from ..spec import Problem
-from .ops import MASK_TEXT, Access, Op, OpKind, Space
+from .ops import MASK_TEXT, Op, OpKind, Space
 
 SINK_INIT = (("m", "sink_h"), ("l", "1 (the sink's weight)"))   # the kv loop's running m, l with sinks
 
@@ -77,25 +77,24 @@ def add_dropout(g, name: str, loops, role, probabilities: str, lag: int = 0) -> 
     return name
 
 
-def add_score_mod_grad(g, name: str, loops, key: str, ds: str) -> str:
+def add_score_mod_grad(g, name: str, loops, role, key: str, ds: str) -> str:
     """The backward's chain rule through the score modification (none when d(mod)/dS is 1)."""
     mods = g.spec.problem.mods
     derivative = mods.score_derivative()
     if derivative is None or derivative == ONE:
         return ds
-    g.add(name, Op(OpKind.SCORE_MOD_GRAD, Space.REGISTERS, ("Br", "Bc"), loops, key=_mod_key(g, "score"),
+    g.add(name, Op(OpKind.SCORE_MOD_GRAD, Space.REGISTERS, ("Br", "Bc"), loops, role, key=_mod_key(g, "score"),
                    text=f"dS *= d(modified S)/dS = {source(derivative)}   (score = S before the modification)"))
     g.connect(ds, name, "dS")
     return name
 
 
 def add_sink_grad(g, name: str, loops, d: str) -> str | None:
-    """The preprocess's sink gradient, after D (None without sinks)."""
+    """The sink gradient, after `d` (the node giving D_i; None without sinks)."""
     if not g.spec.problem.mods.sinks:
         return None
     g.add(name, Op(OpKind.SINK_GRAD, Space.HBM, ("Br",), loops, key="sinks",
-                   text="dsink[h] -= sum_i exp(sink_h - lse_i) * D_i   (fp32 atomicAdd, one per block)",
-                   hbm=(Access("lse", "read", "q", "1"),)))
+                   text="dsink[h] -= sum_i exp(sink_h - lse_i) * D_i   (fp32, summed in a fixed order)"))
     g.connect(d, name, "D_i")
     return name
 
