@@ -128,6 +128,25 @@ def test_paged_attention_with_modifications(device, mods):
     assert (sinks.data_ptr() in values) == ("sinks" in mods)
 
 
+@pytest.mark.parametrize("q_len", [1, 256], ids=["decode", "prefill"])
+def test_a_warm_modified_call_only_launches(device, monkeypatch, q_len):
+    """attention with softcap / sinks: the first call of a signature checks the aux tensors and picks the kernel;
+    a warm call reads the pointers (the sinks' too) and launches."""
+    import tiledsl.dispatch.modified as modified
+    checks = []
+    real = modified.check_launch
+    monkeypatch.setattr(modified, "check_launch", lambda *a, **kw: checks.append(1) or real(*a, **kw))
+    sinks = device.tensor((32,), "float32")
+    k, v = device.tensor((2, 8, 512, 128)), device.tensor((2, 8, 512, 128))
+
+    def fresh():
+        return (device.tensor((2, 32, q_len, 128)),)
+    call = lambda q: tiledsl.attention(q, k, v, softcap=30.0, sinks=sinks)   # noqa: E731
+    cold, hot, (name, *_, values), (q,) = warm(device, call, fresh)
+    assert hot == {} and len(checks) == 1
+    assert values[0] == q.data_ptr() and sinks.data_ptr() in values
+
+
 def test_varlen_attention_with_max_seqlens(device):
     cu = device.index([0, 100, 350, 351])
 

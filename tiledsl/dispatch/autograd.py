@@ -36,6 +36,8 @@ torch.compile that import runs for real, not traced). Without torch the pure hel
 import, for the CPU tests. No `from __future__ import annotations` here: torch.library reads the
 ops' schema from their annotations, which must be real types.
 """
+from ..errors import RuntimeInputError
+from ..layout.backward_ws import ws_mods_refusal
 from . import backward, tuned
 
 WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops take no Optional tuple
@@ -97,14 +99,11 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
     """api.attention's body for torch tensors with score and mask modifications: the modified forward op under
     torch.compile, EagerModifiedAttention when an input needs a gradient, else the modified forward itself.
     Modifications without a backward (layout.backward_ws.ws_mods_refusal) run only where no gradient is needed."""
-    from ..errors import RuntimeInputError
-    from ..layout.backward_ws import ws_mods_refusal
     torch = _torch
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
-    with_backward = not ws_mods_refusal(mods)
-    if with_backward and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not ws_mods_refusal(mods):
         softcap, alibi, slopes, sinks = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
         o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, bool(causal), has_window,

@@ -200,16 +200,33 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     where `validate` checks index tensors on the host: runtime/index_checks.py). `recorded`: autograd records
     the call (dispatch/autograd.py, which checked that a backward takes the modifications); otherwise inputs
     that need a gradient are refused, since nothing would give it."""
+    if not recorded and _needs_gradient(q, k, v, *aux.values()):
+        from ..errors import RuntimeInputError
+        raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) "
+                                "give gradients through PyTorch's autograd only (torch tensors); call under "
+                                "torch.no_grad() or pass tensors that do not require grad")
+    key = (signature(q), signature(k), signature(v), signature(kv_lens), causal, window, scale, validate, mods,
+           tuple((name, signature(t)) for name, t in sorted(aux.items())))
+    hit = _modified_calls.get(key)
+    if hit is None:
+        hit = _modified_calls.put(key, _prepare_modified(q, k, v, causal, window, scale, kv_lens, mods, aux, validate))
+    call, scale_slots, names = hit
+    return call(q, k, v, kv_lens, None, None, *scale_slots, *[aux[n] for n in names])
+
+
+_modified_calls = SignatureCache()
+
+
+def _prepare_modified(q, k, v, causal, window, scale, kv_lens, mods: Modifications, aux: dict, validate):
+    """(PreparedCall, the FP8 scales' slots its CALL has before the aux tensors, the aux tensors' names in CALL
+    order) of modified_forward's first call of a signature: the inputs and aux tensors checked, the kernel
+    picked."""
     from ..errors import RuntimeInputError, SpecError
     from ..runtime.device import device_arch
     from ..runtime.tensors import view
     from .modified import check_launch
     from ..runtime.arguments import mask_arguments
     mask, window, scale = mask_arguments("attention", causal, window, scale)
-    if not recorded and _needs_gradient(q, k, v, *aux.values()):
-        raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) "
-                                "give gradients through PyTorch's autograd only (torch tensors); call under "
-                                "torch.no_grad() or pass tensors that do not require grad")
     qv, kv, vv = view(q, "q"), view(k, "k"), view(v, "v")
     check_q_v(qv.dtype, qv.shape, vv.shape)
     batch, heads, q_len, d = qv.shape
@@ -221,7 +238,10 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
     except SpecError as err:
         raise RuntimeInputError(f"attention: {err.message} (tiledsl.spec_for(...) prints the spec; the float64 "
                                 "reference, tiledsl.reference.forward.reference_attention, runs it)") from None
-    return kernel(q, k, v, kv_lens=kv_lens, aux=aux, validate=validate)
+    # the decode kernels' CALL has FP8 scales' slots (unused: 16-bit caches) before the aux tensors
+    scale_slots = (None, None) if kernel.spec.family is Family.DECODE else ()
+    tensors = (q, k, v, kv_lens, None, None) + scale_slots + kernel.aux_tensors(aux)
+    return kernel.prepare_call(tensors, validate=validate), scale_slots, kernel.aux_names
 
 
 def _needs_gradient(*tensors) -> bool:
