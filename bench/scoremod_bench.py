@@ -90,7 +90,6 @@ def check_backward(mod: str, causal: bool) -> str:
     """"" when tiledsl's backward with `mod` matches the float64 reference's gradients at a small shape."""
     from tiledsl.dispatch.backward import chosen_backward_spec
     from tiledsl.dispatch.modified import modifications
-    from tiledsl.mods.model import geometric_slopes
     from tiledsl.reference.backward import reference_backward
     from tiledsl.spec import DType, Mask
     batch, heads, n = 1, 2, 257
@@ -108,9 +107,7 @@ def check_backward(mod: str, causal: bool) -> str:
                             **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks") if key in keywords})
     spec = chosen_backward_spec("sm_90a", DType.BF16, HEAD_DIM, Mask.CAUSAL if causal else Mask.NONE, HEAD_DIM,
                                 mods=mods)
-    aux = {name: t.detach().double().cpu().numpy() for name, t in _aux_of(keywords).items()}
-    if keywords.get("alibi_slopes") == "geometric":
-        aux["alibi_slopes"] = np.array(geometric_slopes(heads))
+    aux = {name: t.detach().double().cpu().numpy() for name, t in _aux_of(keywords).items()}   # geometric: none
     inputs = [x.detach().double().cpu().numpy() for x in (q, k, v)]
     o, lse = reference_attention(spec, *inputs, aux=aux)
     ref = reference_backward(spec, *inputs, do.double().cpu().numpy(), o, lse, aux=aux)
