@@ -83,14 +83,14 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
             raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
                                     f"modifications ({', '.join(mods.config())}); pass bf16 or fp16 q, k, v for them")
         if mods.active and type(q).__module__.startswith("torch"):   # autograd and torch.compile's path
-            if _entry is None:
+            if _entry.tuned is None:
                 _load_entry_points()
             return _entry.autograd.torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse,
                                                             deterministic, validate, mods, tensors)
         if mods.active:
             out, lse = modified_forward(q, k, v, causal, window, scale, kv_lens, mods, tensors, validate)
             return (out, lse) if return_lse else out
-    if _entry is None:
+    if _entry.tuned is None:
         _load_entry_points()
     if fp8:
         out, lse = _entry.tuned.fp8_forward(q, k, v, causal, window, scale, kv_lens, q_descale, k_descale, v_descale,
@@ -108,15 +108,20 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     return (out, lse) if return_lse else out
 
 
-_entry = None   # the implementing modules, imported on the first call (importing them pulls in the runtime)
+class _EntryPoints:
+    """The implementing modules, imported on the first call (importing them pulls in the runtime). Filled in by
+    attribute on this one object: under torch.compile a model's first call is traced, and dynamo follows stores
+    to an existing object's attributes but not the making of a new namespace."""
+    autograd = None
+    tuned = None
+
+
+_entry = _EntryPoints()
 
 
 def _load_entry_points() -> None:
-    global _entry
-    from types import SimpleNamespace
-
     from .dispatch import autograd, tuned
-    _entry = SimpleNamespace(autograd=autograd, tuned=tuned)
+    _entry.autograd, _entry.tuned = autograd, tuned
 
 
 def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None, *,
