@@ -1279,7 +1279,7 @@ hopper_d64_e4m3_dsh_q128_kv128_p1r40_c2r232_s2tma(const __grid_constant__ Tensor
 // [hopper_fp8_d64.tile:7] P_j -> e4m3 A fragments (256 P, rounded) of the P V wgmma
         pack_p<C>(p_frag, acc_s);
 
-// [hopper_fp8_d64.tile:9] wait v_full (V_j has landed, transposed into V^T by the producer)
+// [hopper_fp8_d64.tile:9] wait vt_full (V^T_j written by the transposers)
         mbarrier_wait(vt_full(bars, (it - 0) % C::STAGES), ((it - 0) / C::STAGES) & 1);
 
 // [hopper_fp8_d64.tile:7] O += P_j V_j (RS wgmma, P from registers, issued)
@@ -1290,7 +1290,7 @@ hopper_d64_e4m3_dsh_q128_kv128_p1r40_c2r232_s2tma(const __grid_constant__ Tensor
         fence_accumulators(reinterpret_cast<float (&)[C::O_TILES * 4]>(acc_o));
         fence_fragments(p_frag);
 
-// [hopper_fp8_d64.tile:9] arrive v_empty (V_j's slot free)
+// [hopper_fp8_d64.tile:9] arrive v_empty (V^T_j's slot free)
         if (lane == 0) mbarrier_arrive(v_empty(bars, (it - 0) % C::STAGES));
 
     }

@@ -123,3 +123,19 @@ def test_json_of_a_spec_check_refuses_is_the_error_at_its_line(tmp_path, capsys)
     captured = capsys.readouterr()
     assert captured.out == "" and "descale = per_block indexes the tiles" in captured.err and "bad.tile:5" in \
         captured.err
+
+
+@pytest.mark.parametrize("kv, landing", [(128, 2), (256, 1)])
+def test_explain_shows_the_transposers_and_their_barrier(kv, landing):
+    """The producer warpgroup's warps 1..3 are a role of their own: they wait for V to land, wait for V^T's slot,
+    transpose and arrive on vt_full (96 threads, no TMA bytes), which the consumers' P V and the producer's next V
+    copy wait on; V lands in a ring of `landing` slots."""
+    text = explain(fp8(kv=kv))
+    assert "transposer 3 warp(s) of the producer warpgroup, 96 threads" in text
+    vt = next(line for line in text.splitlines() if line.strip().startswith("vt_full"))
+    assert vt.split()[:4] == ["vt_full", "mbarrier", "96", "0"]
+    assert "arrive_vt_full (transposer) -> wait_v_slot, wait_v_full (consumer/producer)" in vt
+    v_full = next(line for line in text.splitlines() if line.strip().startswith("v_full "))
+    assert "-> wait_v_landed (transposer)" in v_full and (f"[{landing} per stage]" in v_full) == (landing > 1)
+    assert "transposer: V^T_j = V_j^T -> shared" in text
+    assert f"vt_full[(j - {landing}) % 2]" in text if landing == 1 else "vt_full[j % 2]" in text

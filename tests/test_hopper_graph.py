@@ -26,6 +26,7 @@ def specs():
 @pytest.mark.parametrize("spec", specs(), ids=lambda s: s.kernel_name)
 def test_barriers_balance_and_full_barriers_carry_the_bytes_of_their_loads(spec):
     g = run_passes(spec)
+    fp8 = spec.problem.fp8
     sync_ops = [n for n in g.names() if g.op(n).kind in (OpKind.ARRIVE, OpKind.WAIT)]
     arrives = {g.op(n).barrier for n in sync_ops if g.op(n).kind is OpKind.ARRIVE}
     waits = {g.op(n).barrier for n in sync_ops if g.op(n).kind is OpKind.WAIT}
@@ -38,10 +39,17 @@ def test_barriers_balance_and_full_barriers_carry_the_bytes_of_their_loads(spec)
         (arrive,) = bar.arrive
         loads = [u for u, v, d in g.edges(EdgeKind.SYNC) if v == arrive and g.op(u).kind.value.startswith("load")]
         assert bar.tx_bytes == g.op(arrive).tx_bytes == nbytes == sum(g.op(n).bytes for n in loads) > 0, name
-        assert (bar.count, bar.arrive_role, bar.wait_role) == (1, "producer", "consumer")
+        # FP8: V lands for the producer's transposing warps, which write V^T for the consumers
+        waiter = "transposer" if fp8 and name == "v_full" else "consumer"
+        assert (bar.count, bar.arrive_role, bar.wait_role) == (1, "producer", waiter)
     for name in ("q_empty", "k_empty", "v_empty"):   # one arrival per consumer warp
         assert g.barriers[name].count == 4 * spec.schedule.consumer_warpgroups
-        assert (g.barriers[name].arrive_role, g.barriers[name].wait_role) == ("consumer", "producer")
+        waiter = "transposer" if fp8 and name == "v_empty" else "producer"   # FP8: V^T's slot
+        assert (g.barriers[name].arrive_role, g.barriers[name].wait_role) == ("consumer", waiter)
+    if fp8:   # every transposing thread arrives; the consumers' P V and the producer's next V copy wait
+        vt = g.barriers["vt_full"]
+        assert (vt.count, vt.tx_bytes, vt.arrive_role, vt.wait_role) == (96, 0, "transposer", "consumer/producer")
+        assert g.barriers["v_full"].stages == lay.buffer("V").stages and vt.stages == spec.schedule.stages
 
 
 @pytest.mark.parametrize("consumers,stages,pingpong,intra", SWITCHES)

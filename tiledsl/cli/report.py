@@ -110,7 +110,7 @@ def op_table(graph: ScheduleGraph) -> list[str]:
                 detail += f" {op.barrier}"
             if op.buffer:
                 detail += f"[{op.buffer}]" if op.barrier else f" slot {op.buffer}"
-        lines.append(f"{i:>3}. {name:<16} {op.kind.value:<15} {op.role.value:<8} {detail:<50} "
+        lines.append(f"{i:>3}. {name:<16} {op.kind.value:<15} {op.role.value:<10} {detail:<50} "
                      f"{source_tag(graph.spec, op.key)}")
     return lines
 

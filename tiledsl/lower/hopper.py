@@ -78,6 +78,7 @@ DOCUMENT_SPAN_SHARED = SharedBuffer("document_span", "SPAN_OFFSET")    # `mask =
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
+         (OpKind.WAIT, "vt_full"): "wait_v_full",   # FP8: V^T written (plan.v_ready names the barrier)
          (OpKind.WAIT, "turn"): "turn_wait",
          (OpKind.ARRIVE, "turn"): "turn_pass", (OpKind.ARRIVE, "k_empty"): "release_k",
          (OpKind.ARRIVE, "v_empty"): "release_v",

@@ -204,9 +204,14 @@ class _Builder:
         g = self.g
         pages = self.page_lookup(loops)
         slice_text = f"   (each warp its own Bc/{self.groups} keys)" if self.kv_scope == "warp" else ""
+        transposed = self.specialized and self.spec.problem.fp8   # V lands, the transposers write V^T
         for t, kind, dim in (("k", OpKind.LOAD_K, "d"), ("v", OpKind.LOAD_V, "dv")):
             name = f"load_{t}"
-            if self.specialized:
+            if self.specialized and t == "v" and transposed:
+                g.add("wait_v_slot", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline",
+                                        barrier="vt_full", text="wait vt_full of the tile V's landing slot held "
+                                                                "last (the transposers have copied it)"))
+            elif self.specialized:
                 g.add(f"wait_{t}_empty", Op(OpKind.WAIT, loops=loops, role=Role.PRODUCER, key="pipeline",
                                             barrier=f"{t}_empty", text=f"wait {t}_empty (slot free)"))
             rows = f"{t.upper()}_cache[pages_j[key / page], key % page]" if pages else f"{t.upper()}[j*Bc : (j+1)*Bc]"
@@ -218,8 +223,31 @@ class _Builder:
             if self.specialized:
                 g.add(f"arrive_{t}_full", Op(OpKind.ARRIVE, loops=loops, role=Role.PRODUCER, key="pipeline",
                                              barrier=f"{t}_full", text=f"arrive {t}_full (TMA transaction bytes)"))
-                g.connect(f"wait_{t}_empty", name, f"{t}_empty", EdgeKind.SYNC)
+                free = "wait_v_slot" if t == "v" and transposed else f"wait_{t}_empty"
+                g.connect(free, name, g.op(free).barrier, EdgeKind.SYNC)
                 g.connect(name, f"arrive_{t}_full", f"{t.upper()}_j", EdgeKind.SYNC)
+        if transposed:
+            self.transpose_v(loops)
+
+    def transpose_v(self, loops: tuple[str, ...]) -> None:
+        """FP8: the producer warpgroup's warps 1.. copy each V tile, as it lands, into V^T's ring (FP8 wgmma reads
+        P V's B operand K-major); the consumers' P V reads V^T."""
+        g = self.g
+
+        def op(kind, name, **kw):
+            g.add(name, Op(kind, loops=loops, role=Role.TRANSPOSER, key="pipeline", **kw))
+        op(OpKind.WAIT, "wait_v_landed", barrier="v_full", text="wait v_full (V_j has landed)")
+        op(OpKind.WAIT, "wait_vt_empty", barrier="v_empty",
+           text="wait v_empty (V^T's slot: the consumers' P V of the tile it held is done)")
+        op(OpKind.TRANSPOSE_V, "transpose_v", space=Space.SHARED, shape=("dv", "Bc"),
+           text="V^T_j = V_j^T -> shared (ldmatrix.trans, byte permutes, stmatrix; keys in P's fragment order)")
+        op(OpKind.ARRIVE, "arrive_vt_full", barrier="vt_full",
+           text="arrive vt_full (every transposing thread, its stores fenced for the async proxy)")
+        g.connect("arrive_v_full", "wait_v_landed", "v_full", EdgeKind.SYNC)
+        g.connect("load_v", "transpose_v", "V_j")
+        g.connect("wait_v_landed", "transpose_v", "", EdgeKind.SYNC)
+        g.connect("wait_vt_empty", "transpose_v", "", EdgeKind.SYNC)
+        g.connect("transpose_v", "arrive_vt_full", "V^T_j", EdgeKind.SYNC)
 
     def wait_for(self, t: str, loops: tuple[str, ...]) -> str:
         """The consumer's wait until the K or V tile (t = "k" | "v") or both ("kv") has landed."""

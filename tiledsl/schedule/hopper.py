@@ -61,16 +61,16 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
         "pack_p": op(OpKind.PACK_P, pv_lag, space=Space.REGISTERS, shape=("Br", "Bc"), key="tile",
                      text=f"P{tile['pv']} -> " + ("e4m3 A fragments (256 P, rounded)" if p.fp8 else "bf16/fp16 A "
                                                   "fragments") + " of the P V wgmma"),
-        "wait_v_full": op(OpKind.WAIT, pv_lag, key="pipeline", barrier="v_full",
-                          text=f"wait v_full (V{tile['pv']} has landed" + (
-                              ", transposed into V^T by the producer)" if p.fp8 else ")")),
+        "wait_v_full": op(OpKind.WAIT, pv_lag, key="pipeline", barrier="vt_full" if p.fp8 else "v_full",
+                          text=f"wait vt_full (V^T{tile['pv']} written by the transposers)" if p.fp8
+                          else f"wait v_full (V{tile['pv']} has landed)"),
         "mma_pv": op(OpKind.MMA_PV, pv_lag, space=Space.REGISTERS, shape=("Br", "dv"), key="tile", variant="accumulate",
                      text=f"O += P{tile['pv']} V{tile['pv']} (RS wgmma, P from registers, issued)",
                      **b.mma_instruction(p.head_dim_v)),
         "wait_pv": op(OpKind.MMA_WAIT, done_lag, key=ov if intra else "tile", variant="PV", pending=0,
                       text=f"wait for O += P{tile['done']} V{tile['done']}" + (" (issued last trip)" if intra else "")),
         "arrive_v_empty": op(OpKind.ARRIVE, done_lag, key="pipeline", barrier="v_empty",
-                             text=f"arrive v_empty (V{tile['done']}'s slot free)"),
+                             text=f"arrive v_empty ({'V^T' if p.fp8 else 'V'}{tile['done']}'s slot free)"),
     }
     for name in _ORDER_INTRA if intra else _ORDER:
         if name == "score_mod":   # the modifications' ops (schedule/modify.py), when the spec has them
@@ -98,9 +98,13 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
     link("online_softmax", "online_softmax", "m, l", later=1)
     link("online_softmax", "rescale_o", "alpha")
     link(probabilities, "pack_p", "P")
-    link("arrive_v_full", "wait_v_full", "v_full", sync)
+    if p.fp8:   # P V reads V^T, written by the producer's transposing warps (graph._Builder.transpose_v)
+        link("arrive_vt_full", "wait_v_full", "vt_full", sync)
+        link("transpose_v", "mma_pv", "V^T_j")
+    else:
+        link("arrive_v_full", "wait_v_full", "v_full", sync)
+        link("load_v", "mma_pv", "V_j")
     link("wait_v_full", "mma_pv", "", sync)
-    link("load_v", "mma_pv", "V_j")
     link("pack_p", "mma_pv", "P fragments")
     link("rescale_o", "mma_pv", "O")
     link("mma_pv", "wait_pv", "O")
@@ -116,8 +120,12 @@ def consumer_tile_math(b, loops: tuple[str, ...], q_ready: str) -> dict[str, str
         if intra:
             link("mma_pv", "turn_pass", "", sync, later=1)
         g.carry(kv_loop, "turn_pass", "turn_wait", "turn (round the consumers)", sync)
-    for t in ("k", "v"):   # the consumer frees each slot for the producer's next trip
-        g.carry(kv_loop, f"arrive_{t}_empty", f"wait_{t}_empty", f"{t}_empty", sync)
+    g.carry(kv_loop, "arrive_k_empty", "wait_k_empty", "k_empty", sync)   # the consumer frees K's slot
+    if p.fp8:   # V^T's slot goes back to the transposers; V's landing slot to the producer once transposed
+        g.carry(kv_loop, "arrive_v_empty", "wait_vt_empty", "v_empty", sync)
+        g.carry(kv_loop, "arrive_vt_full", "wait_v_slot", "vt_full (V's landing slot)", sync)
+    else:
+        g.carry(kv_loop, "arrive_v_empty", "wait_v_empty", "v_empty", sync)
     return {"O": "wait_pv", "m": "online_softmax", "l": "online_softmax"}
 
 

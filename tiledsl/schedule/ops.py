@@ -30,6 +30,7 @@ class OpKind(str, Enum):
     MMA_WAIT = "mma_wait"               # Hopper: wait for an async wgmma (wgmma.wait_group `pending`)
     PACK_P = "pack_p"                   # Hopper: P (fp32 accumulators) -> the P V wgmma's A fragments
     PAGE_LOOKUP = "page_lookup"         # paged KV: the kv tile's block-table entries -> page indices
+    TRANSPOSE_V = "transpose_v"         # FP8: V_j (keys x dv bytes) -> V^T_j, the K-major B operand of P V
     SCORE_MOD = "score_mod"             # softcap, ALiBi, score_mod on S (schedule/modify.py)
     DROPOUT = "dropout"                 # P *= Z / (1 - p), Z from Philox counters
     SCORE_MOD_GRAD = "score_mod_grad"   # backward: dS *= d(modified S) / dS
@@ -63,6 +64,7 @@ class Role(str, Enum):
     PRODUCER = "producer"    # the load warpgroup of a warp-specialized kernel
     CONSUMER = "consumer"    # the MMA/softmax warpgroups
     WRITER = "writer"        # the warp that adds staged partial sums to HBM (the warp-specialized backward's dQ)
+    TRANSPOSER = "transposer"   # the producer warpgroup's warps that copy FP8's V tiles into V^T
 
 
 class EdgeKind(str, Enum):

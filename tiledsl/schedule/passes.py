@@ -23,6 +23,7 @@ from ..device_limits import H200, DeviceLimits
 from .ops import Barrier, EdgeKind, OpKind, Role, Space
 from .graph import ScheduleGraph, build_graph, kv_groups
 from ..layout.base import Layout, cp_async_pending
+from ..layout.hopper import FP8_TRANSPOSERS
 from ..families import layout_of
 from ..spec import AUTO, DTYPE_BYTES, Family, KernelSpec
 
@@ -90,8 +91,8 @@ class Pipelining(Pass):
         for name in graph.names():
             op = graph.op(name)
             tensors, _, state = op.barrier.partition("_")
-            uses_kv = op.kind in (OpKind.LOAD_K, OpKind.LOAD_V, OpKind.MMA_QK, OpKind.MMA_PV) or tensors in ("k", "v",
-                                                                                                             "kv")
+            uses_kv = op.kind in (OpKind.LOAD_K, OpKind.LOAD_V, OpKind.MMA_QK, OpKind.MMA_PV, OpKind.TRANSPOSE_V) or \
+                tensors in ("k", "v", "kv", "vt")
             if uses_kv:
                 graph.update(name, stages=depth, buffer=ring)
             elif op.kind is OpKind.LOAD_Q or tensors == "q":
@@ -125,10 +126,13 @@ class WarpRoles(Pass):
                 "consumer": {"warpgroups": s.consumer_warpgroups, "threads": 128 * s.consumer_warpgroups,
                              "registers": s.consumer_regs or None},
             }
+            if graph.spec.problem.fp8:   # warps of the producer warpgroup (no warpgroup of their own)
+                graph.roles["transposer"] = {"warpgroups": 0, "threads": 32 * FP8_TRANSPOSERS,
+                                             "registers": s.producer_regs or None}
         else:
             graph.roles = {"all": {"warps": s.warps, "threads": 32 * s.warps, "axis": s.warp_axis.value,
                                    "registers": None}}
-        graph.sizes["threads"] = sum(r["threads"] for r in graph.roles.values())
+        graph.sizes["threads"] = sum(r["threads"] for r in graph.roles.values() if r.get("warpgroups", 1))
         graph.sizes["mma_threads"] = graph.roles["consumer" if "consumer" in graph.roles else "all"]["threads"]
 
     def verify(self, graph):
@@ -143,6 +147,8 @@ class WarpRoles(Pass):
                 _promise(op.role is Role.PRODUCER, self, f"{name} must be a producer op")
             elif op.kind in (OpKind.MMA_QK, OpKind.MMA_PV, OpKind.ONLINE_SOFTMAX, OpKind.RESCALE_O):
                 _promise(op.role is Role.CONSUMER, self, f"{name} must be a consumer op")
+            elif op.kind is OpKind.TRANSPOSE_V:
+                _promise(op.role is Role.TRANSPOSER, self, f"{name} must be a transposer op")
         for u, v, _ in graph.edges(EdgeKind.SYNC):
             a, b = graph.op(u), graph.op(v)
             if a.kind is OpKind.ARRIVE and b.kind is OpKind.WAIT:
@@ -216,9 +222,17 @@ class Barriers(Pass):
             tx, stages = 0, 1 if tensor == "q" else graph.sizes["stages"]
             if name == "turn":
                 kind, count, stages = "named", 2 * warpgroup_threads, consumer["warpgroups"]
+            elif all(graph.op(n).role is Role.TRANSPOSER for n in arrive):   # FP8's V^T: every transposing thread
+                kind, count = "mbarrier", graph.roles["transposer"]["threads"]
             elif state == "full":
                 buffer = lay.buffer(self.TILE[tensor])
                 kind, count, tx = "mbarrier", 1, buffer.bytes if tensor == "q" else buffer.stage_bytes
+                if tensor == "v" and buffer.stages != stages:   # FP8: V lands in a shallower ring than V^T's
+                    for n in (*arrive, *wait, "load_v"):
+                        graph.update(n, stages=buffer.stages, buffer=f"j % {buffer.stages}")
+                    # the producer waits for the transpose of the tile that landed in the slot last
+                    graph.update("wait_v_slot", buffer=f"(j - {buffer.stages}) % {stages}")
+                    stages = buffer.stages
                 for n in arrive:
                     graph.update(n, tx_bytes=tx)
             else:
@@ -230,7 +244,8 @@ class Barriers(Pass):
     def verify(self, graph):
         for b in graph.barriers.values():
             _promise(bool(b.arrive) and bool(b.wait), self, f"barrier {b.name} lacks an arrive or a wait")
-            _promise(b.tx_bytes > 0 or not b.name.endswith("_full"), self, f"{b.name} completes no bytes")
+            _promise(b.tx_bytes > 0 or not b.name.endswith("_full") or b.arrive_role == Role.TRANSPOSER.value, self,
+                     f"{b.name} completes no bytes")
 
 
 def _scope_order(graph: ScheduleGraph, loop: str | None) -> list[str]:
