@@ -1,7 +1,7 @@
 """FP8 attention forward on the H200: accuracy (FA3's table) and speed, peers in the same run.
 
     python bench/fp8_forward_bench.py OUT.json
-    python bench/fp8_forward_bench.py --variants OUT.json
+    python bench/fp8_forward_bench.py --variants OUT.json [--head-dims 256 ...]
 
 
 Accuracy rows {"kind": "accuracy", "variant": bf16 | fp8_tensor | fp8_block | fp8_block_hadamard, "head_dim": 128,
@@ -17,8 +17,8 @@ also tflops_pingpong: the same schedule with `overlap pingpong`.
 seqlen 16384), none and causal, per-head descales: rows {"kind": "variant", "variant", "tuned" (TUNED_FP8's pick),
 kernel, family, dtype, head_dim, seqlen, causal, tflops (eager through tiledsl.attention, TUNED_FP8 pointed at the
 variant), tflops_graph (the same call replayed from a CUDA graph), max_abs_vs_base (O against the "base" variant's on
-the same input), peers {cudnn_fp8, sdpa_cudnn_bf16}}. The kernels compile in parallel first (NVRTC's disk cache), so
-the run is a few minutes.
+the same input), peers {cudnn_fp8, sdpa_cudnn_bf16}}; `--head-dims` times only those head dims' variants. The kernels
+compile in parallel first (NVRTC's disk cache), so the run is a few minutes.
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def _compile_all(specs) -> None:
         list(pool.map(lambda k: compile_cubin(k.source, k.name, arch), kernels))
 
 
-def variant_rows(torch) -> list[dict]:
+def variant_rows(torch, head_dims: list[int] | None = None) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from tiledsl.dispatch import tuned
@@ -194,12 +194,13 @@ def variant_rows(torch) -> list[dict]:
     batch, heads, seqlen = 1, 16, 16384
     picked = {d: next(n for n, s in v.items() if s == tuned.TUNED_FP8[("sm_90", d)])
               for d, v in tuned.FP8_VARIANTS.items()}
+    timed = {d: v for d, v in tuned.FP8_VARIANTS.items() if head_dims is None or d in head_dims}
     specs = {(d, causal, name): _variant_spec(d, causal, schedule, Descale.PER_HEAD)   # quantize_fp8 default
-             for d, variants in tuned.FP8_VARIANTS.items() for causal in (False, True)
+             for d, variants in timed.items() for causal in (False, True)
              for name, schedule in variants.items()}
     _compile_all(list(specs.values()))
     rows = []
-    for d, variants in tuned.FP8_VARIANTS.items():
+    for d, variants in timed.items():
         q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda").to(torch.bfloat16) for _ in range(3))
         q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
         for causal in (False, True):
@@ -238,13 +239,18 @@ def variant_rows(torch) -> list[dict]:
 def main(argv: list[str]) -> int:
     variants = "--variants" in argv[1:]
     args = [a for a in argv[1:] if a != "--variants"]
-    if len(args) != 1:
+    head_dims = None
+    if "--head-dims" in args:
+        at = args.index("--head-dims")
+        head_dims = [int(a) for a in args[at + 1:]]
+        args = args[:at]
+    if len(args) != 1 or head_dims == []:
         print(__doc__)
         return 2
     import torch
     import tiledsl.dispatch.tuned  # noqa: F401  (the kernel names of the rows)
     if variants:
-        rows = variant_rows(torch)
+        rows = variant_rows(torch, head_dims)
     else:
         rows = accuracy_rows(torch)
         for r in rows:

@@ -318,8 +318,8 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
 # overlap at d256 (two stages of K, V, V^T and O's staging fit 227 KB). The producer keeps 40 registers for its
 # V-transposing warps, the consumers 232 each. Per-block descales are one per kernel tile: TUNED_FP8_BLOCK keeps the
 # 128-key tiles (64 at d256) quantize_fp8(block=128) and its docs name, with the fastest of those schedules.
-def fp8_schedule(tile_kv: int, pingpong: bool = False, intra: bool = False) -> Schedule:
-    return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=2, copy=CopyVia.TMA, mma=Mma.WGMMA,
+def fp8_schedule(tile_kv: int, pingpong: bool = False, intra: bool = False, stages: int = 2) -> Schedule:
+    return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=stages, copy=CopyVia.TMA, mma=Mma.WGMMA,
                     producer_warpgroups=1, producer_regs=40, consumer_warpgroups=2, consumer_regs=232,
                     pingpong=pingpong, intra_overlap=intra)
 
@@ -333,10 +333,12 @@ def _fp8_variants(tile_kv: int) -> dict[str, Schedule]:
 # 256-key tiles halve the per-tile work of the softmax and O's rescale; their S takes the registers intra overlap
 # would need, and V lands in one slot (layout/hopper.fp8_buffers) to fit shared memory.
 _FP8_WIDE = {"kv256": fp8_schedule(256), "kv256_pingpong": fp8_schedule(256, pingpong=True)}
+# d256's 64-key tiles fit three stages of K and V^T when V lands in one slot
+_FP8_DEEP = {"s3": fp8_schedule(64, stages=3), "s3_intra": fp8_schedule(64, intra=True, stages=3)}
 FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
     64: _fp8_variants(128) | _FP8_WIDE,
     128: _fp8_variants(128) | _FP8_WIDE,
-    256: _fp8_variants(64),
+    256: _fp8_variants(64) | _FP8_DEEP,
 }
 
 TUNED_FP8: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
