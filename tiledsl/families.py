@@ -129,16 +129,20 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     return None
 
 
-# The modifications each family's forward template spells (mods/model.py's field names); the rest are refused.
-# The hopper template takes them on batched sequences (its varlen variant takes none); the decode template on
-# contiguous, paged and FP8 KV caches alike.
-BUILT_MODS = {Family.HOPPER: ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix"),
-              Family.DECODE: ("softcap", "softcap_via", "alibi", "sinks")}
+# The modifications each family's forward template spells on each sequence layout (mods/model.py's field
+# names); the rest are refused. The hopper template takes them on batched sequences, and its varlen variant
+# the score modifications (its sequences are the documents already: a document or prefix mask, and the
+# expressions, are refused there); the decode template on contiguous, paged and FP8 KV caches alike. FP8
+# inputs take none.
+SCORE_MODS = ("softcap", "softcap_via", "alibi", "sinks")
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + ("document", "prefix"),
+              (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
+              (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS}
 
 
-def takes_mods(family: Family, mods) -> bool:
-    """Whether `family`'s batched 16-bit template spells every modification of `mods` (BUILT_MODS)."""
-    return not set(mods.config()) - set(BUILT_MODS.get(family, ()))
+def takes_mods(family: Family, mods, layout: SeqLayout = SeqLayout.BATCHED) -> bool:
+    """Whether `family`'s 16-bit template on `layout` spells every modification of `mods` (BUILT_MODS)."""
+    return not set(mods.config()) - set(BUILT_MODS.get((family, layout), ()))
 
 
 def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
@@ -146,8 +150,7 @@ def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     mods = spec.problem.mods
     if not mods.active:
         return None
-    batched_16bit = spec.problem.seq_layout is SeqLayout.BATCHED and not spec.problem.fp8   # FP8: none built yet
-    built = BUILT_MODS.get(spec.family, ()) if batched_16bit else ()
+    built = BUILT_MODS.get((spec.family, spec.problem.seq_layout), ()) if not spec.problem.fp8 else ()
     config = {key: value for key, value in mods.config().items() if key not in built}
     if not config:
         return None
@@ -266,11 +269,11 @@ def missing_template(spec: KernelSpec) -> str:
     refusal = _mods_refusal(spec)
     if not refusal:
         return ""
-    # the family's batched 16-bit kernels spell some (BUILT_MODS): say which of its kernels lack them
+    # the family's 16-bit kernels spell some (BUILT_MODS): say which of its kernels lack them
     kernels = " and ".join(([f"{spec.problem.dtype.value} (FP8)"] if spec.problem.fp8 else [])
                            + (["varlen"] if spec.problem.seq_layout is SeqLayout.VARLEN else []))
-    which = f"the {spec.family.value} family's {kernels} kernels" if kernels and spec.family in BUILT_MODS else \
-        f"the {spec.family.value} family"
+    which = f"the {spec.family.value} family's {kernels} kernels" \
+        if kernels and any(family is spec.family for family, _ in BUILT_MODS) else f"the {spec.family.value} family"
     return f"{refusal[1]} have no CUDA template yet for {which}"
 
 

@@ -18,7 +18,9 @@ sequence's first row. The work list -- (sequence, query tile) pairs -- comes one
   per (batch, tiles): no sync, capturable in a CUDA graph.
 
 FP8 kernels (dtype = e4m3) take float8_e4m3fn q, k, v and their float32 descales after the outputs: one value
-each, or (sequences, kv_heads) each (runtime/fp8_descales.py); O is the spec's out_dtype.
+each, or (sequences, kv_heads) each (runtime/fp8_descales.py); O is the spec's out_dtype. Kernels with score
+modifications (softcap, ALiBi, sinks) take their aux tensors after the outputs instead (runtime/aux_args.py):
+ALiBi's slopes (heads,) or (sequences, heads), the sinks (heads,).
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def upload_int32(pairs, like):
 class VarlenHopperKernel(HopperKernel):
     """A compiled varlen hopper kernel: `o, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k)`
     (module docstring for the layouts and the two work lists). `max_seqlen_q/k`, when given, bound
-    the lengths: with both and without `validate`, no host reads (capturable)."""
+    the lengths: with both and without `validate`, no host reads (capturable). `aux`: the score
+    modifications' tensors by name (runtime/aux_args.py), after the outputs in CALL."""
 
     CALL = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "out", "lse")
 
@@ -107,9 +110,9 @@ class VarlenHopperKernel(HopperKernel):
         self._host_calls = SignatureCache(WORK_LISTS * 4)
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None, lse=None,
-                 *, validate: bool | None = None, q_descale=None, k_descale=None, v_descale=None):
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.descale_tensors(q_descale, k_descale,
-                                                                                         v_descale)
+                 *, validate: bool | None = None, aux=None, q_descale=None, k_descale=None, v_descale=None):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.aux_tensors(aux) + \
+            self.descale_tensors(q_descale, k_descale, v_descale)
         max_seqlen_q, max_seqlen_k = (length_bound(self.name, name, value) for name, value in (
             ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)))
         if max_seqlen_q is not None and max_seqlen_k is not None and not validate:
@@ -205,6 +208,8 @@ class VarlenHopperKernel(HopperKernel):
         b.keep.append(work)
         ov = b.output(5, (total_q, heads, p.head_dim_v), p.output_dtype)
         lv = b.output(6, (heads, total_q), DType.FP32, contiguous=True)
+        # the aux tensors checked before an empty launch returns: a wrong one is refused whatever the lengths
+        mods = self.mod_args(b, Shapes(batch, heads, kv_heads, 0, 0))
         descales = ()
         if p.fp8:   # per tensor or per (sequence, kv head): the lengths would only size per-block descales
             descales = descale_views(b, len(self.CALL) - 3, p.descales, Shapes(batch, heads, kv_heads, 0, 0), tile_q,
@@ -221,7 +226,7 @@ class VarlenHopperKernel(HopperKernel):
         args = (map_arg(qp, tile_q, qk_element), k_map, v_map, pointer_arg(ov), pointer_arg(lv), pointer_arg(cu_qv),
                 pointer_arg(cu_kv), pointer_arg(view(work, "work")), self.error_word_arg(qv.device_id, b.like),
                 i32(heads), i32(heads // kv_heads), i32(total_q), i32(kw.shape[0]), i32(covered_q),
-                i64(ov.strides[1]), i64(ov.strides[0]), i32(items)) + tuple(pointer_arg(t) for t in descales)
+                i64(ov.strides[1]), i64(ov.strides[0]), i32(items)) + mods + tuple(pointer_arg(t) for t in descales)
         persistent = self.persistent
         if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
             persistent = p.mask is Mask.NONE or -(-most // tile_kv) + 1 <= PERSISTENT_MASKED_TILES
@@ -230,11 +235,11 @@ class VarlenHopperKernel(HopperKernel):
                  args, self.name)
 
     def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, out=None,
-                       lse=None, q_descale=None, k_descale=None, v_descale=None):
+                       lse=None, q_descale=None, k_descale=None, v_descale=None, aux=None):
         """(out, lse, launches) of one call checked on the host, for benchmarks that replay the launch
         alone (runtime/launch.run_now)."""
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.descale_tensors(q_descale, k_descale,
-                                                                                         v_descale)
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) + self.aux_tensors(aux) + \
+            self.descale_tensors(q_descale, k_descale, v_descale)
         offsets = (host(cu_seqlens_q, "cu_seqlens_q"), host(cu_seqlens_k, "cu_seqlens_k"))
         b = self.prepare_call(tensors, immediate=True, host_offsets=offsets, max_seqlen_q=max_seqlen_q,
                               max_seqlen_k=max_seqlen_k)

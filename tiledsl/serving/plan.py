@@ -22,7 +22,8 @@ buffers are its own).
 
 `VarlenAttention` does the same for packed variable-length batches: `plan(cu_seqlens_q,
 cu_seqlens_k)` checks the offsets and builds the longest-first work list on the host, uploads both
-and the list in one copy; `run(q, k, v, out=None)` launches the hopper varlen kernel.
+and the list in one copy; `run(q, k, v, out=None)` launches the hopper varlen kernel (with softcap, ALiBi
+and sinks as PagedAttention takes them).
 
 Up to DECODE_MAX_QUERIES queries per sequence (`plan(..., q_len=)`) run the paged decode kernel;
 more run chunked prefill (fa2 mma.sync over the paged cache).
@@ -287,14 +288,23 @@ class VarlenAttention:
     max_batch sequences and max_items work items (query tiles; None: max_batch x 64) bound a plan.
     dtype float8_e4m3fn is FP8 attention (serving/varlen.py): `descale` "per_head" ((sequences, kv_heads) descales)
     or "per_tensor" and `out_dtype` (bf16 or fp16) pick its kernel; run() then takes q_descale, k_descale and
-    v_descale (None: 1.0)."""
+    v_descale (None: 1.0). Score modifications are part of the wrapper, as in PagedAttention (16-bit only):
+    `softcap` (a float), `alibi_slopes` ("geometric", or a float32 (heads,) / (sequences, heads) tensor) and `sinks`
+    (a float32 (heads,) tensor, or True: each run passes its layer's `sinks=`), read by pointer on every run."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype, device, max_batch: int,
                  max_items: int | None = None, causal: bool = False, window: tuple[int, int] | None = None,
-                 scale: float | None = None, descale: str | None = None, out_dtype=None):
+                 scale: float | None = None, descale: str | None = None, out_dtype=None, softcap=None,
+                 alibi_slopes=None, sinks=None):
+        from ..dispatch.modified import modifications
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_batch = dtype, device, max_batch
         self.fp8_options = _fp8_options(_dtype(dtype), descale, out_dtype)
+        self.mods, _ = modifications("VarlenAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if self.mods.active and self.fp8_options is not None:
+            raise RuntimeInputError("VarlenAttention: FP8 (float8_e4m3fn) attention has no kernel with score "
+                                    "modifications; use dtype bf16 or fp16 for them")
+        self.aux = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}   # the runs' aux tensors unless a run passes its own
         self.max_items = max_items or max_batch * 64
         self.causal, self.window, self.scale = causal, None if window is None else tuple(window), scale
         self.framework = _framework(device)
@@ -324,32 +334,56 @@ class VarlenAttention:
         cu_q_view, cu_k_view, work_view = self.metadata.upload([cu_q, cu_k, pairs])
         self.planned = (int(cu_q[-1]), int(cu_k[-1]), cu_q_view, cu_k_view, work_view.reshape(-1, 2), len(pairs),
                         most, kernel)
+        self.plan_shape = (len(q_lens), int(q_lens.max(initial=0)), int(k_lens.max(initial=0)))
 
     def _kernel(self):
         from ..runtime.tensors import TensorView
         from .varlen import varlen_kernel
         q = TensorView("q", 0, (1, self.num_heads, self.head_dim), (0, 0, 1), _dtype(self.dtype), 0, None)
-        return varlen_kernel(q, q, self.causal, self.window, self.scale, self.fp8_options)
+        return varlen_kernel(q, q, self.causal, self.window, self.scale, self.fp8_options, self.mods)
 
     def run(self, q, k, v, out=None, *, lse=None, return_lse: bool = False, q_descale=None, k_descale=None,
-            v_descale=None):
+            v_descale=None, sinks=None, alibi_slopes=None):
         """O (total_q, heads, dv) of the planned batch for one layer's packed q, k, v (into `out`); an FP8 wrapper
-        takes the layer's descales."""
+        takes the layer's descales. `sinks` / `alibi_slopes`: this layer's, for a wrapper made with them (None: the
+        wrapper's)."""
         if self.planned is None:
             raise RuntimeInputError("VarlenAttention.run: call plan(cu_seqlens_q, cu_seqlens_k) first")
         total_q, total_k, cu_q, cu_k, work, items, most, kernel = self.planned
         descales = kernel.descale_tensors(q_descale, k_descale, v_descale)   # () unless FP8; refused on 16-bit
+        aux = ()
+        if kernel.aux_names:
+            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+            aux = tuple(self.aux[n] if given[n] is None else given[n] for n in kernel.aux_names)
+        elif sinks is not None or alibi_slopes is not None:
+            raise RuntimeInputError("VarlenAttention.run: sinks / alibi_slopes are for a wrapper made with them "
+                                    "(VarlenAttention(..., sinks=True or a tensor, alibi_slopes=...))")
         key = (signature(q), signature(k), signature(v), signature(out), signature(lse), id(work), items, most,
-               tuple(map(signature, descales)))
+               tuple(map(signature, descales)), tuple(map(signature, aux)))
         call = self._calls.get(key)
         if call is None:
             if signature(q)[0][0] != total_q or signature(k)[0][0] != total_k:
                 raise RuntimeInputError(f"VarlenAttention.run: the plan holds {total_q} query and {total_k} key "
                                         f"tokens; q has {signature(q)[0][0]}, k {signature(k)[0][0]}")
-            call = self._calls.put(key, kernel.prepare_call((q, k, v, cu_q, cu_k, out, lse) + descales,
+            self._check_aux(kernel, aux)
+            call = self._calls.put(key, kernel.prepare_call((q, k, v, cu_q, cu_k, out, lse) + aux + descales,
                                                             planned_work=(work, items, most)))
-        out, lse = call(q, k, v, cu_q, cu_k, out, lse, *descales)
+        out, lse = call(q, k, v, cu_q, cu_k, out, lse, *aux, *descales)
         return (out, lse) if return_lse else out
+
+    def _check_aux(self, kernel, aux: tuple) -> None:
+        """The run's aux tensors (kernel.aux_names' order) against the plan: given, and of the shapes the
+        modifications take (dispatch/modified.check_launch: no sync)."""
+        if not aux:
+            return
+        from ..dispatch.modified import check_launch
+        missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
+        if missing:
+            raise RuntimeInputError(f"VarlenAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
+                                    f"run(..., {missing[0]}=tensor) for this layer")
+        batch, q_len, kv_len = self.plan_shape
+        check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len, kv_len,
+                     ragged=True, where="VarlenAttention.run")
 
 
 def _fp8_options(dtype: DType, descale: str | None, out_dtype) -> tuple | None:

@@ -12,6 +12,10 @@ capturable in a CUDA graph (runtime/varlen.py: the work list then covers every s
 ceil(max_seqlen_q / tile) tiles). Without them, or with `validate=True`, cu_seqlens is copied to the
 host (a sync), checked, and the work list ordered longest first.
 
+softcap, alibi_slopes and sinks run in the same kernel (the hopper template's score modifications; b of a per-(b, h)
+slope is the sequence's index); a warm call of a signature reads their pointers and launches. score_mod, mask_mod
+and aux are refused, saying so (a document mask is what the packing already is).
+
 FP8 (float8_e4m3fn q, k, v) runs the hopper family's e4m3 kernels with `layout = varlen`: q_descale, k_descale,
 v_descale float32, one value each or (sequences, kv_heads) each (sequence b's row; Q's shared by its kv head's
 query heads, FlashAttention-3's convention), O in out_dtype (bf16 or fp16).
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..mods.model import NO_MODS
+from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
 from ..runtime.arguments import length_bound, mask_arguments, switch
 from ..runtime.launch import SignatureCache
 from ..runtime.tensors import signature
@@ -40,8 +44,9 @@ def varlen_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: 
                                problem=dataclasses.replace(spec.problem, seq_layout=SeqLayout.VARLEN))
 
 
-_kernels: dict = {}   # (q's and v's signature, mask, scale) -> the varlen kernel
-# call key -> PreparedCall of a call that reads nothing on the host (max_seqlen_q and max_seqlen_k given)
+_kernels: dict = {}   # (q's and v's signature, mask, scale, FP8 options, modifications) -> the varlen kernel
+# call key -> (PreparedCall, the aux tensors' names it takes after the outputs) of a call that reads nothing on the
+# host (max_seqlen_q and max_seqlen_k given)
 _calls = SignatureCache()
 
 
@@ -63,38 +68,82 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     both given, bound the lengths and let the call run without host reads; `validate=True` (or
     leaving them out) checks cu_seqlens on the host instead. fp16 or bf16, head dims 64, 128 and 256
     (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors).
-    softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's (b: the sequence's index;
-    the sequences are the documents already); no kernel spells them yet: the call checks them and says so.
+    softcap (a float), alibi_slopes ("geometric" or float32 (heads,) / (sequences, heads)) and sinks (float32
+    (heads,)) are attention's, b the sequence's index, and run in the varlen kernel (module docstring);
+    score_mod, mask_mod and aux (the sequences are the documents already) are checked and refused, saying so.
     float8_e4m3fn q, k, v are FP8 attention (module docstring): `q_descale`, `k_descale`, `v_descale` (None: 1.0)
     and `out_dtype` (bf16 or fp16, default bf16); forward only, no modifications."""
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("varlen_attention", "return_lse", return_lse)
     fp8 = "float8" in str(getattr(q, "dtype", ""))
-    modified = not (softcap is None and alibi_slopes is None and sinks is None and score_mod is None
-                    and mask_mod is None and aux is None)
-    fp8_options = _fp8_options(fp8, modified, q_descale, k_descale, v_descale, out_dtype)
-    if modified:
+    modified = not (softcap is None and alibi_slopes is None and sinks is None)
+    expressions = not (score_mod is None and mask_mod is None and aux is None)
+    fp8_options = _fp8_options(fp8, modified or expressions, q_descale, k_descale, v_descale, out_dtype)
+    if expressions:
         _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
     descales = (q_descale, k_descale, v_descale) if fp8 else ()
+    keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
     if bounded:
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None) + descales
-        key = (tuple(map(signature, tensors[:5] + descales)), causal, window, scale, max_seqlen_q, max_seqlen_k,
+        head = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
+        key = (tuple(map(signature, head[:5] + descales)), causal, window, scale, max_seqlen_q, max_seqlen_k,
                fp8_options)
-        call = _calls.get(key)
-        if call is None:
-            kernel = _kernel_of(q, v, causal, window, scale, fp8_options)
-            call = _calls.put(key, kernel.prepare_call(
-                tensors, max_seqlen_q=length_bound("varlen_attention", "max_seqlen_q", max_seqlen_q),
-                max_seqlen_k=length_bound("varlen_attention", "max_seqlen_k", max_seqlen_k)))
-        out, lse = call(*tensors)
+        if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
+            key += (softcap if isinstance(softcap, (int, float)) else repr(softcap),
+                    alibi_slopes if isinstance(alibi_slopes, str) else signature(alibi_slopes), signature(sinks))
+        hit = _calls.get(key)
+        if hit is None:
+            hit = _calls.put(key, _prepare_bounded(head, descales, causal, window, scale, max_seqlen_q, max_seqlen_k,
+                                                   fp8_options, keywords))
+        call, aux_names = hit
+        if aux_names:   # after the outputs, in the kernel's CALL order (_prepare_bounded's)
+            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+            out, lse = call(*head, *[given[n] for n in aux_names], *descales)
+        else:
+            out, lse = call(*head, *descales)
     else:
-        kernel = _kernel_of(q, v, causal, window, scale, fp8_options)
+        mods, tensors = _modifications(keywords)
+        kernel = _kernel_of(q, v, causal, window, scale, fp8_options, mods)
+        _check_aux(mods, tensors, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
         out, lse = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate,
-                          **dict(zip(("q_descale", "k_descale", "v_descale"), descales)))
+                          aux=tensors, **dict(zip(("q_descale", "k_descale", "v_descale"), descales)))
     return (out, lse) if return_lse else out
+
+
+def _modifications(keywords: dict):
+    """(the Modifications of softcap / alibi_slopes / sinks, their aux tensors by name); (NO_MODS, {}) without."""
+    if not keywords:
+        return NO_MODS, {}
+    from ..dispatch.modified import modifications
+    return modifications("varlen_attention", **keywords)
+
+
+def _check_aux(mods, tensors: dict, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> None:
+    """The aux tensors' shapes and kinds against the launch (dispatch/modified.check_launch: no sync), after the
+    kernel's pick has checked q's shape: the batch is the sequences cu_seqlens_q describes."""
+    if not mods.active:
+        return
+    from ..dispatch.modified import check_launch
+    from ..runtime.tensors import view
+    qv = view(q, "q")
+    check_launch(mods, tensors, max(view(cu_seqlens_q, "cu_seqlens_q").shape[0] - 1, 0), qv.shape[1],
+                 max_seqlen_q or qv.shape[0], max_seqlen_k or view(k, "k").shape[0], ragged=True,
+                 where="varlen_attention")
+
+
+def _prepare_bounded(head, descales, causal, window, scale, max_seqlen_q, max_seqlen_k, fp8_options, keywords):
+    """(PreparedCall, the aux tensors' names it takes after the outputs) of a bounded call's first call of a
+    signature: the modifications' tensors checked, the kernel picked, the launch prepared."""
+    q, k, v, cu_seqlens_q = head[:4]
+    mods, tensors = _modifications(keywords)
+    kernel = _kernel_of(q, v, causal, window, scale, fp8_options, mods)
+    _check_aux(mods, tensors, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    call = kernel.prepare_call(head + kernel.aux_tensors(tensors) + descales,
+                               max_seqlen_q=length_bound("varlen_attention", "max_seqlen_q", max_seqlen_q),
+                               max_seqlen_k=length_bound("varlen_attention", "max_seqlen_k", max_seqlen_k))
+    return call, kernel.aux_names
 
 
 def _fp8_options(fp8: bool, modified: bool, q_descale, k_descale, v_descale, out_dtype) -> tuple | None:
@@ -120,30 +169,35 @@ def _fp8_options(fp8: bool, modified: bool, q_descale, k_descale, v_descale, out
     return kind, fp8_out_dtype(out_dtype, "varlen_attention")
 
 
-def _kernel_of(q, v, causal, window, scale, fp8_options=None):
-    key = (signature(q), signature(v), causal, window, scale, fp8_options)
+def _kernel_of(q, v, causal, window, scale, fp8_options=None, mods=NO_MODS):
+    key = (signature(q), signature(v), causal, window, scale, fp8_options, mods)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale, fp8_options)
+        kernel = _kernels[key] = _varlen_kernel(q, v, causal, window, scale, fp8_options, mods)
     return kernel
 
 
-def _varlen_kernel(q, v, causal, window, scale, fp8_options=None):
+def _varlen_kernel(q, v, causal, window, scale, fp8_options=None, mods=NO_MODS):
     from ..runtime.tensors import view
-    return varlen_kernel(view(q, "q"), view(v, "v"), causal, window, scale, fp8_options)
+    return varlen_kernel(view(q, "q"), view(v, "v"), causal, window, scale, fp8_options, mods)
 
 
-def varlen_kernel(qv, vv, causal: bool, window, scale, fp8_options: tuple | None = None):
+def varlen_kernel(qv, vv, causal: bool, window, scale, fp8_options: tuple | None = None, mods=NO_MODS):
     """The varlen kernel for packed q, v views (its dtype and head dims) and the mask; `fp8_options`: (descale
-    granularity, O's dtype) of e4m3 q, v (FP8 attention). Refusals name varlen_attention."""
+    granularity, O's dtype) of e4m3 q, v (FP8 attention); `mods`: score modifications (families.BUILT_MODS's
+    varlen entry; FP8 takes none). Refusals name varlen_attention."""
     from ..errors import RuntimeInputError
     from ..runtime.device import device_arch
     from ..dispatch.kernels import kernel_for
+    from ..families import missing_template
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)
     if len(qv.shape) != 3 or len(vv.shape) != 3:
         raise RuntimeInputError(f"varlen_attention: q and v must be 3-d (total tokens, heads, head_dim), got shapes "
                                 f"{qv.shape} and {vv.shape}")
     if fp8_options is not None:
+        if mods.active:
+            raise RuntimeInputError("varlen_attention: FP8 (float8_e4m3fn) attention has no kernel with score or "
+                                    "mask modifications; pass bf16 or fp16 q, k, v for them")
         if qv.dtype is not DType.E4M3 or vv.dtype is not DType.E4M3:
             raise RuntimeInputError("varlen_attention: FP8 attention takes float8_e4m3fn q, k and v; got q "
                                     f"{getattr(qv.dtype, 'value', qv.dtype)}, v {getattr(vv.dtype, 'value', vv.dtype)}")
@@ -154,18 +208,22 @@ def varlen_kernel(qv, vv, causal: bool, window, scale, fp8_options: tuple | None
     if qv.dtype not in (DType.FP16, DType.BF16):
         raise RuntimeInputError(f"varlen_attention: q must be fp16, bf16 or (FP8 attention) float8_e4m3fn, got "
                                 f"{getattr(qv.dtype, 'value', qv.dtype)}")
-    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale)
+    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1], window, scale, mods)
     if spec is None:
         raise RuntimeInputError(f"varlen_attention: q has head_dim {qv.shape[-1]} and v {vv.shape[-1]}; packed "
                                 "sequences run on the tuned hopper schedules: head_dim 64, 128 or 256 (q and v alike), "
                                 "on sm_90")
+    why = missing_template(spec) if mods.active else ""
+    if why:
+        raise RuntimeInputError(f"varlen_attention: {why} (tiledsl.reference.serving.varlen_attention(..., "
+                                "mods=, aux=) runs them in float64)")
     return kernel_for(spec)
 
 
 def _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
                           keywords) -> None:
-    """varlen attention with score and mask modifications: checked (dispatch/modified.py), then refused:
-    the varlen kernel spells none yet (a call that modifies nothing goes on)."""
+    """varlen attention with expressions (score_mod, mask_mod, aux): checked (dispatch/modified.py), then refused:
+    the varlen kernel spells none of them (families.BUILT_MODS; a call whose expressions modify nothing goes on)."""
     from ..dispatch.modified import check_launch, modifications
     from ..errors import RuntimeInputError
     from ..families import missing_template
