@@ -333,12 +333,12 @@ def _fp8_variants(tile_kv: int) -> dict[str, Schedule]:
 # 256-key tiles halve the per-tile work of the softmax and O's rescale; their S takes the registers intra overlap
 # would need, and V lands in one slot (layout/hopper.fp8_buffers) to fit shared memory.
 _FP8_WIDE = {"kv256": fp8_schedule(256), "kv256_pingpong": fp8_schedule(256, pingpong=True)}
-# d256's 64-key tiles fit three stages of K and V^T when V lands in one slot
-_FP8_DEEP = {"s3": fp8_schedule(64, stages=3), "s3_intra": fp8_schedule(64, intra=True, stages=3)}
+# (d256's 64-key tiles fit three stages of K and V^T with V landing in one slot, fp8_schedule(64, stages=3); slower
+# than two on the H200, bench/NOTES.md, so not a variant.)
 FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
     64: _fp8_variants(128) | _FP8_WIDE,
     128: _fp8_variants(128) | _FP8_WIDE,
-    256: _fp8_variants(64) | _FP8_DEEP,
+    256: _fp8_variants(64),
 }
 
 TUNED_FP8: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
