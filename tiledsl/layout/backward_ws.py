@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..device_limits import H200, DeviceLimits, consumer_regs_fit, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, PANEL_ROW_BYTES, SWIZZLE_ATOM, WARP_THREADS, WARPGROUP_THREADS, \
     WGMMA_ROWS
+from ..mods.model import SCORE_MODS
 from ..spec import DqAccumulate, KernelSpec
 from .base import REGISTER_OVERHEAD, TEMPLATE_DTYPES, Buffer, Layout, Registers, align, finish, require
 
@@ -39,7 +40,7 @@ WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERE
 # ALiBi's scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of
 # its own. One of softcap and ALiBi at a time: softcap's 1 - tanh^2 is read back from P, which ALiBi's bias
 # would have to be taken out of again.
-WS_BUILT_MODS = ("softcap", "softcap_via", "alibi", "sinks")
+WS_BUILT_MODS = SCORE_MODS
 
 
 @dataclass(frozen=True)

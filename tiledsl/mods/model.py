@@ -39,6 +39,10 @@ class Documents(Enum):
 
 
 # The built-in modifications' aux tensors (name -> (rank, element type, what it holds)).
+# The score modifications' fields (Modifications' names) that every template with modifications spells: softcap
+# (and how its tanh runs), ALiBi and sinks (families.BUILT_MODS, layout/backward_ws.WS_BUILT_MODS).
+SCORE_MODS = ("softcap", "softcap_via", "alibi", "sinks")
+
 AUX_ALIBI = "alibi_slopes"
 AUX_SINKS = "sinks"
 AUX_DOCUMENT_IDS = "document_ids"
