@@ -157,6 +157,17 @@ def test_varlen_attention_with_max_seqlens(device):
     assert hot == {} and "varlen" in name and values[0] == q.data_ptr()
 
 
+def test_a_varlen_kernel_refuses_bind_and_names_prepare_varlen(device):
+    """bind() reads batched arguments; a packed kernel says where its replayable launch comes from."""
+    from tiledsl.dispatch.kernels import kernel_for
+    from tiledsl.serving.varlen import varlen_spec
+    from tiledsl.spec import DType, Mask
+    kernel = kernel_for(varlen_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL))
+    q, k = device.tensor((351, 16, 128)), device.tensor((351, 4, 128))
+    with pytest.raises(RuntimeInputError, match="has no bind\\(\\); prepare_varlen"):
+        kernel.bind(q, k, k)
+
+
 def test_backward(device):
     def fresh():
         q, k, v, o, do = (device.tensor((2, 4, 300, 64)) for _ in range(5))

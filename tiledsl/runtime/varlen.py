@@ -132,6 +132,13 @@ class VarlenHopperKernel(HopperKernel):
                                                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
         return call(*tensors)
 
+    def bind(self, *args, **options):
+        """HopperKernel.bind reads batched (q, k, v, kv_lens, ...) arguments: a packed call binds through
+        prepare_varlen instead."""
+        raise RuntimeInputError(f"{self.name}: a varlen kernel has no bind(); prepare_varlen(q, k, v, cu_seqlens_q, "
+                                "cu_seqlens_k, ...) checks one call and returns (out, lse, launches) to replay "
+                                "(runtime/launch.run_now)")
+
     def check_packed(self, q: TensorView, k: TensorView, v: TensorView) -> tuple[int, int]:
         """(heads, kv_heads) after checking the packed tensors; errors name the tensor."""
         p = self.spec.problem
