@@ -1,6 +1,7 @@
 """Every kernel tiledsl can emit, rendered to a folder: the bundled specs (search spaces expanded,
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
-head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward). A
+head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward, and
+softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels). A
 refactor that should change no kernel is checked by rendering before and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
@@ -95,6 +96,32 @@ def backward_specs():
                             pass
 
 
+def modified_specs():
+    """(what, KernelSpec) of the kernels with softcap, ALiBi and sinks the API picks: the hopper forward, decode
+    (contiguous and paged), varlen and the warp-specialized backward, none and causal."""
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    from tiledsl.dispatch.modified import modifications
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.serving.paged import paged_spec
+    from tiledsl.serving.varlen import varlen_spec
+    from tiledsl.spec import DType, Mask
+    sets = [dict(softcap=30.0), dict(alibi_slopes="geometric"), dict(sinks=True), dict(softcap=30.0, sinks=True),
+            dict(softcap=30.0, alibi_slopes="geometric", sinks=True)]
+    for keywords in sets:
+        mods, _ = modifications("inventory", **{k: (object() if v is True else v) for k, v in keywords.items()})
+        both = "softcap" in keywords and "alibi_slopes" in keywords   # the WS backward takes one of the two
+        for mask in (Mask.NONE, Mask.CAUSAL):
+            for d in (64, 128, 256):
+                yield "modified prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
+                yield "modified varlen", varlen_spec(ARCH, DType.BF16, d, mask, d, None, None, mods)
+                if not both:
+                    yield "modified backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d, mods=mods)
+            for d in (64, 128):
+                for q_len in (1, 4):
+                    yield "modified decode", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, q_len, mods)[0]
+                    yield "modified paged decode", paged_spec(DType.BF16, d, d, mask, 16, q_len, mods=mods)
+
+
 def bundled_specs():
     from tiledsl.cli.common import concrete_specs
     paths = sorted(str(p) for p in Path("specs").glob("*.tile"))
@@ -108,13 +135,15 @@ def sources():
     from tiledsl.lower.backward import backward_kernel_name, lower_backward
     from tiledsl.layout.backward import backward_has_template
     out: dict[str, str] = {}
-    forward = list(bundled_specs()) + list(api_specs())
+    forward = list(bundled_specs()) + list(api_specs()) + [(what, spec) for what, spec in modified_specs()
+                                                            if spec.backward is None]
     for _, spec in forward:
         if spec.kernel_name not in out:
             out[spec.kernel_name] = render(lower(spec))
         if spec.backward is not None and not backward_has_template(spec):
             out.setdefault(backward_kernel_name(spec), render(lower_backward(spec)))
-    for _, spec in backward_specs():
+    modified_backward = [(what, spec) for what, spec in modified_specs() if spec.backward is not None]
+    for _, spec in list(backward_specs()) + modified_backward:
         name = backward_kernel_name(spec)
         if name not in out:
             out[name] = render(lower_backward(spec))
