@@ -59,6 +59,14 @@ def modifications(where: str = "attention", *, softcap=None, alibi_slopes=None, 
     return (Modifications(**fields) if fields else NO_MODS), tensors
 
 
+def keywords_key(softcap, alibi_slopes, sinks) -> tuple:
+    """What a prepared call's key holds of the built-in keywords: softcap's value, ALiBi's kind or its tensor's
+    signature, the sinks' signature (the tensors themselves are read by pointer on every call)."""
+    from ..runtime.tensors import signature
+    return (softcap if isinstance(softcap, (int, float)) else repr(softcap),
+            alibi_slopes if isinstance(alibi_slopes, str) else signature(alibi_slopes), signature(sinks))
+
+
 def expression(where: str, role: str, given, aux: dict, differentiable: bool = False):
     """(the tree of `given`: DSL text, a callable or a tree, the aux dict with captured tensors)."""
     from ..mods.expr import Aux, Apply, Const, Var

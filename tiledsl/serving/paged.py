@@ -12,6 +12,7 @@ tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runti
 """
 from __future__ import annotations
 
+from ..dispatch.modified import keywords_key
 from ..errors import RuntimeInputError
 from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
 from ..runtime.arguments import mask_arguments, switch
@@ -79,8 +80,7 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
                               dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
                                    mask_mod=mask_mod, aux=aux))
     if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
-        key += (softcap if isinstance(softcap, (int, float)) else repr(softcap),
-                alibi_slopes if isinstance(alibi_slopes, str) else signature(alibi_slopes), signature(sinks))
+        key += keywords_key(softcap, alibi_slopes, sinks)
     hit = _calls.get(key)
     if hit is None:
         keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..dispatch.modified import keywords_key
 from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
 from ..runtime.arguments import length_bound, mask_arguments, switch
 from ..runtime.launch import SignatureCache
@@ -91,8 +92,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         key = (tuple(map(signature, head[:5] + descales)), causal, window, scale, max_seqlen_q, max_seqlen_k,
                fp8_options)
         if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
-            key += (softcap if isinstance(softcap, (int, float)) else repr(softcap),
-                    alibi_slopes if isinstance(alibi_slopes, str) else signature(alibi_slopes), signature(sinks))
+            key += keywords_key(softcap, alibi_slopes, sinks)
         hit = _calls.get(key)
         if hit is None:
             hit = _calls.put(key, _prepare_bounded(head, descales, causal, window, scale, max_seqlen_q, max_seqlen_k,
