@@ -1,7 +1,9 @@
-// FP8 quantization of one attention input (batch, heads, seqlen, D) of 16-bit values: optional rotation by
+// FP8 quantization of one attention input (batch, heads, seqlen, D) of 16-bit values, or packed sequences
+// (total, heads, D) with cu_seqlens (each sequence's rows are its own batch entry): optional rotation by
 // diag(signs) H / sqrt(D) (H the Sylvester Hadamard matrix; the same for Q and K, so it cancels in Q K^T),
-// absmax per group of rows, descale = absmax / 448, bytes = e4m3(x * (448 / absmax)) (1 and 1 for all zeros). The host defines D, THREADS, ITERS
-// (rows each thread holds), ROTATE, INPUT_BF16, INV_SQRT_D before this header.
+// absmax per group of rows, descale = absmax / 448, bytes = e4m3(x * (448 / absmax)) (1 and 1 for all zeros). The
+// host defines D, THREADS, ITERS (rows each thread holds), ROTATE, INPUT_BF16, INV_SQRT_D before this header, and
+// pastes index_bounds.cuh (packed offsets: the error word's report).
 //
 // A row is D / 16 consecutive lanes, each holding 16 consecutive values: two 16-byte loads in, one 16-byte store
 // out. The butterflies of strides 1..8 run in registers, the longer ones are shuffles between the row's lanes;
@@ -72,22 +74,43 @@ __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
 
 // mode 0: the block is its descale group (per block): absmax, descale, bytes, one read. mode 1: absmax of the
 // block's rows atomically maxed into absmax[slot] (float bits order as unsigned ints for values >= 0). mode 2:
-// bytes with descale[slot]. Grid: (row blocks of block_rows, heads, batch); `group_rows`: rows per descale group
-// (mode 0: block_rows; per block in two passes a multiple of block_rows = ROWS), 0 per head (group heads of a kv
-// head share one) or per tensor (group 0).
+// bytes with descale[slot]. Grid: (row blocks of block_rows, heads, batch or sequences); `group_rows`: rows per
+// descale group (mode 0: block_rows; per block in two passes a multiple of block_rows = ROWS), 0 per head (group
+// heads of a kv head share one) or per tensor (group 0). With `cu_seqlens` (packed: per head or per tensor only)
+// batch entry s is rows cu_seqlens[s] .. cu_seqlens[s + 1] - 1 of `total`, the grid covers `rows` of each; offsets
+// outside the tensor, going down, or a sequence longer than `rows` are reported (tensor code `offsets_tensor`) and
+// that sequence's bytes are not written.
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_fp8(
         const u16* __restrict__ x, unsigned char* __restrict__ out, float* __restrict__ descale,
         unsigned int* __restrict__ absmax, const float* __restrict__ signs_in, int rows, int heads, int group,
-        int group_rows, int block_rows, i64 batch_stride, i64 head_stride, i64 row_stride, int mode) {
+        int group_rows, int block_rows, i64 batch_stride, i64 head_stride, i64 row_stride, i64 out_batch_stride,
+        i64 out_head_stride, i64 out_row_stride, const int* __restrict__ cu_seqlens, int total, int offsets_tensor,
+        int* error_words, int mode) {
     __shared__ float warp_max[WARPS];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int lane_in_row = lane % ROW_LANES, warp_row = lane / ROW_LANES;
     const int head = blockIdx.y, batch = blockIdx.z;
     const int first_row = blockIdx.x * block_rows;
+    int start = 0;   // the sequence's first row in the tensor (packed), and its rows from here on
+    if (cu_seqlens) {
+        start = cu_seqlens[batch];
+        const int end = cu_seqlens[batch + 1];
+        const bool bad = offsets_bad(start, end, total), long_one = !bad && end - start > rows;
+        if (bad || long_one) {   // every block of the sequence stops; one reports
+            if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && mode != 2) {
+                if (bad) report_offsets(cu_seqlens, batch, total, offsets_tensor, error_words);
+                else report_bad_index(error_words, INDEX_SEQUENCE_OVER_MAX, offsets_tensor, batch, batch + 1,
+                                      end - start, rows);
+            }
+            return;
+        }
+        rows = end - start;
+        if (first_row >= rows) return;   // the grid covers the longest sequence: nothing of this one here
+    }
     const i64 pair = (i64)batch * heads + head;
     const i64 slot = group_rows ? pair * ((rows + group_rows - 1) / group_rows) + first_row / group_rows
                                 : (group > 0 ? (i64)batch * (heads / group) + head / group : 0);
-    const u16* base = x + batch * batch_stride + head * head_stride + lane_in_row * VALUES;
+    const u16* base = x + batch * batch_stride + head * head_stride + start * row_stride + lane_in_row * VALUES;
 #if ROTATE
     float signs[VALUES];   // this lane's columns are the same in every row
 #pragma unroll
@@ -134,7 +157,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_fp8(
         const float b = __uint_as_float(absmax[slot]);
         inverse = b > 0.f ? E4M3_MAX / b : 1.f;
     }
-    unsigned char* out_rows = out + pair * (i64)rows * D + lane_in_row * VALUES;
+    unsigned char* out_rows = out + batch * out_batch_stride + head * out_head_stride + start * out_row_stride
+                              + lane_in_row * VALUES;
 #pragma unroll
     for (int i = 0; i < ITERS; ++i) {
         const int local = i * ROWS_PER_PASS + warp * WARP_ROWS + warp_row, row = first_row + local;
@@ -147,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_fp8(
         bytes.y = e4m3x4(r[4], r[5], r[6], r[7]);
         bytes.z = e4m3x4(r[8], r[9], r[10], r[11]);
         bytes.w = e4m3x4(r[12], r[13], r[14], r[15]);
-        *reinterpret_cast<uint4*>(out_rows + (i64)row * D) = bytes;
+        *reinterpret_cast<uint4*>(out_rows + (i64)row * out_row_stride) = bytes;
     }
 }
 

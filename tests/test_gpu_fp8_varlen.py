@@ -10,7 +10,8 @@ with `layout = varlen`) on the GPU:
   persistent and one-block-per-item launches; outputs NaN-poisoned with guard rows either side;
 * varlen_attention given max_seqlen_q / max_seqlen_k (no host read, the bounded work list) gives the same bits,
   with no host sync, and so does VarlenAttention's planned run; its refusals name the tensor; quantize_fp8's
-  per-tensor output of packed tensors read as strided views; one compute-sanitizer memcheck of small launches.
+  per-tensor output of packed tensors read as strided views; quantize_fp8 of packed sequences (cu_seqlens) against
+  the per-sequence model, its offsets bounded on the device; one compute-sanitizer memcheck of small launches.
 
     python -m pytest -m gpu tests/test_gpu_fp8_varlen.py
 """
@@ -210,6 +211,100 @@ def test_quantize_fp8_of_packed_tensors_per_tensor_feeds_varlen_in_place():
     ref_o, _ = varlen_fp8_kernel_attention(spec, *raw, cu.cpu().numpy(), cu.cpu().numpy(),
                                            *(x.cpu().numpy() for x in batched[3:]))
     assert _relative(o.float().cpu().numpy(), ref_o) <= TOL_O
+
+
+PACKED_CASES = [  # (d, lens q, lens k, heads, kv heads, block, rotate)
+    (128, MIXED, MIXED, 4, 2, None, None), (64, UNEVEN_Q, UNEVEN_K, 4, 1, None, "hadamard"),
+    (256, [17, 0, 1000], [5, 4097, 0], 2, 2, "tensor", None), (128, [0, 0], [3, 0], 8, 2, None, "hadamard"),
+]
+
+
+@pytest.mark.parametrize("d, q_lens, k_lens, heads, kv_heads, block, rotate", PACKED_CASES)
+def test_quantize_fp8_of_packed_sequences_matches_the_per_sequence_model(d, q_lens, k_lens, heads, kv_heads, block,
+                                                                        rotate):
+    """quantize_fp8 with cu_seqlens: bytes and (sequences, kv_heads) descales equal to quantize_model on each
+    sequence (rotated as rotate_rows does), unchanged with both bounds given (no host sync then); poisoned outputs
+    in the packed layout are all written; the result feeds varlen_attention."""
+    import torch
+
+    import tiledsl
+    from tiledsl.reference.fp8 import hadamard_signs, rotate_rows, varlen_fp8_kernel_attention
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.serving.varlen import fp8_varlen_spec
+    rng = np.random.default_rng()
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (q_lens, k_lens))
+    q, k, v = (torch.from_numpy(rng.standard_normal((total, h, d)).astype(np.float32) * 3).to(torch.bfloat16).cuda()
+               for total, h in ((cu_q[-1], heads), (cu_k[-1], kv_heads), (cu_k[-1], kv_heads)))
+    cu_qd, cu_kd = torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda()
+    got = tiledsl.quantize_fp8(q, k, v, block=block, rotate=rotate, seed=3, cu_seqlens_q=cu_qd, cu_seqlens_k=cu_kd)
+    torch.cuda.synchronize()
+    signs = hadamard_signs(d, 3)
+    for i, (name, x, cu) in enumerate((("q", q, cu_q), ("k", k, cu_k), ("v", v, cu_k))):
+        host = x.float().cpu().numpy()
+        if rotate and name != "v":
+            host = rotate_rows(host, signs)
+        raw, descale = _quantize(host, cu, kv_heads, block == "tensor")
+        assert got[i].shape == x.shape and got[i].dtype == torch.float8_e4m3fn
+        np.testing.assert_array_equal(got[3 + i].cpu().numpy(), descale, err_msg=f"{name}'s descales")
+        np.testing.assert_array_equal(got[i].view(torch.uint8).cpu().numpy(), raw, err_msg=f"{name}'s bytes")
+    tiledsl.quantize_fp8(q, k, v, block=block, rotate=rotate, seed=3, cu_seqlens_q=cu_qd, cu_seqlens_k=cu_kd,
+                         max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))   # compiled and warm
+    with no_host_sync():
+        bounded = tiledsl.quantize_fp8(q, k, v, block=block, rotate=rotate, seed=3, cu_seqlens_q=cu_qd,
+                                       cu_seqlens_k=cu_kd, max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+    for a, b in zip(got, bounded):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    if cu_q[-1] and cu_k[-1]:
+        o = tiledsl.varlen_attention(*got[:3], cu_qd, cu_kd, max(q_lens), max(k_lens), causal=True,
+                                     q_descale=got[3], k_descale=got[4], v_descale=got[5])
+        torch.cuda.synchronize()
+        kind = Descale.PER_TENSOR if block == "tensor" else Descale.PER_HEAD
+        spec = fp8_varlen_spec(device_arch(), d, Mask.CAUSAL, None, None, kind, DType.BF16)
+        raw = [x.view(torch.uint8).cpu().numpy() for x in got[:3]]
+        ref_o, _ = varlen_fp8_kernel_attention(spec, *raw, cu_q, cu_k, *(x.cpu().numpy() for x in got[3:]))
+        assert _relative(o.float().cpu().numpy(), ref_o) <= TOL_O
+
+
+def test_quantize_fp8_of_packed_sequences_reports_bad_offsets_and_refuses_bad_arguments():
+    import torch
+
+    import tiledsl
+    from tiledsl import RuntimeInputError
+    lens = [5, 130, 0]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 128, device="cuda").to(torch.bfloat16) for h in (4, 2, 2))
+    down = cu.clone()
+    down[2] = 2   # below the entry before it
+    tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=down, max_seqlen_q=130, max_seqlen_k=200)
+    with pytest.raises(RuntimeInputError, match=r"cu_seqlens_k\[2\] = 2 is below the entry before it \(5\)"):
+        tiledsl.check_errors()
+    tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100, max_seqlen_k=130)
+    with pytest.raises(RuntimeInputError, match=r"sequence 1 has 130 queries \(cu_seqlens_q\), more than "
+                                                r"max_seqlen_q = 100"):
+        tiledsl.check_errors()
+    tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=0)
+    with pytest.raises(RuntimeInputError, match=r"sequence [01] has (5|130) keys \(cu_seqlens_k\), more than "
+                                                r"max_seqlen_k = 0"):
+        tiledsl.check_errors()
+    past = cu.clone()
+    past[3] = 10**6
+    tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=past, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=130)
+    with pytest.raises(RuntimeInputError, match=r"cu_seqlens_q\[3\] = 1000000 is out of range: the packed tensor "
+                                                r"holds 135"):
+        tiledsl.check_errors()
+    with pytest.raises(RuntimeInputError, match="block None .* or 'tensor'"):
+        tiledsl.quantize_fp8(q, k, v, block=128, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(RuntimeInputError, match="cu_seqlens_k must be an int32 tensor"):
+        tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu.long())
+    with pytest.raises(RuntimeInputError, match="need both cu_seqlens_q and cu_seqlens_k"):
+        tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu)
+    with pytest.raises(RuntimeInputError, match=r"\(total, heads, d\)"):
+        tiledsl.quantize_fp8(q[None], k[None], v[None], cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(RuntimeInputError, match="max_seqlen_q must be an int >= 0"):
+        tiledsl.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=-1)
+    with pytest.raises(RuntimeInputError, match="bound packed sequences"):
+        tiledsl.quantize_fp8(q[None], k[None], v[None], max_seqlen_q=4)
 
 
 def test_memcheck_small_fp8_varlen_launches(tmp_path):

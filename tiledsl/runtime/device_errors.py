@@ -30,7 +30,7 @@ CODES = {
     4: "{tensor}[{batch}] = {value} is over the {bound} keys k holds",
     5: "{tensor}[{index}] = {value} is out of range: the packed tensor holds {bound} tokens",
     6: "{tensor}[{index}] = {value} is below the entry before it ({bound}): offsets must not decrease",
-    7: "sequence {batch} has {value} queries ({tensor}), more than max_seqlen_q = {bound}",
+    7: "sequence {batch} has {value} {lengths} ({tensor}), more than {max_name} = {bound}",
     8: "{tensor} entry {index} (flat) = {real} is not a finite number >= 0 (value = byte * descale; batch {batch})",
     9: "{tensor} entry {index} (flat) = 0: a per-block V descale must be > 0 (quantize_fp8 gives an all-zero tile 1; "
        "batch {batch})",
@@ -38,6 +38,8 @@ CODES = {
 TENSORS = {1: "block_table", 2: "kv_lens", 3: "cu_seqlens_q", 4: "cu_seqlens_k", 5: "q_descale", 6: "k_descale",
            7: "v_descale"}
 REAL_VALUED = {8, 9}   # codes whose value word holds a float32's bits (FP8 descales)
+# code 7's words for each packed-offsets tensor: what its sequences count, and the bound the caller gave
+PACKED_LENGTHS = {3: ("queries", "max_seqlen_q"), 4: ("keys", "max_seqlen_k")}
 
 _words: dict[int, tuple] = {}   # device -> (pinned int32 array, its NumPy view)
 
@@ -69,8 +71,9 @@ def describe(words) -> str:
     code, tensor, batch, index, value, bound = (int(w) for w in words[:6])
     template = CODES.get(code, "an unknown report (code {code})")
     real = struct.unpack("<f", struct.pack("<i", value))[0] if code in REAL_VALUED else None
+    lengths, max_name = PACKED_LENGTHS.get(tensor, ("rows", "the bound"))
     return template.format(tensor=TENSORS.get(tensor, f"tensor {tensor}"), batch=batch, index=index, value=value,
-                           bound=bound, last=bound - 1, code=code, real=real)
+                           bound=bound, last=bound - 1, code=code, real=real, lengths=lengths, max_name=max_name)
 
 
 def take(device_id: int) -> RuntimeInputError | None:
