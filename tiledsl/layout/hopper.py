@@ -113,6 +113,13 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     buffers, smem = fp8_buffers(spec, s.stages)
     if smem > limits.max_shared_per_block and s.stages > 1:
         buffers, smem = fp8_buffers(spec, 1)
+    # Still over: a block of one work item (`launch grid`) may stage O in K's ring, as large as O where two stages of
+    # Bc keys of d bytes hold Br rows of dv 16-bit values; the two consumers meet before either writes it (ping-pong's
+    # turns would make that meeting wait on a turn, so not there).
+    k_ring = buffers[1].bytes
+    if (smem > limits.max_shared_per_block and s.launch is LaunchKind.GRID and not s.pingpong
+            and k_ring >= s.tile_q * dv * 2):
+        buffers, smem = fp8_buffers(spec, 1, o_in_k=True)
     # Under intra overlap tile j-1's e4m3 P fragments (4 keys a register) live while S_j is computed.
     p_fragments = [Registers("P fragments", bc // 8, f"Bc/8 = {bc}/8", True)] if s.intra_overlap else []
     registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
@@ -123,9 +130,10 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
                   stages=s.stages, rows_per_warp=16, keys_per_warp=bc)
 
 
-def fp8_buffers(spec: KernelSpec, v_landing: int) -> tuple[list[Buffer], int]:
+def fp8_buffers(spec: KernelSpec, v_landing: int, o_in_k: bool = False) -> tuple[list[Buffer], int]:
     """(the FP8 kernel's buffers, the shared memory they take) with V landing in `v_landing` slots: Q, the K and V
-    rings, V^T's ring (as deep as K's), O's staging and the mbarriers."""
+    rings, V^T's ring (as deep as K's), O's staging and the mbarriers. `o_in_k`: O is staged in K's ring, which a
+    block of one work item reads no more once both consumers are past their last Q K^T."""
     p, s = spec.problem, spec.schedule
     d, dv, bc = p.head_dim_qk, p.head_dim_v, s.tile_kv
     buffers = qkv_buffers(spec, s.tile_q, bc, s.stages, d, dv, SWIZZLE_ATOM, panels=True, element_bytes=1)
@@ -140,10 +148,12 @@ def fp8_buffers(spec: KernelSpec, v_landing: int) -> tuple[list[Buffer], int]:
                           f"{s.stages}x dv*Bc = {s.stages}x {dv}*{bc}"))
     end = buffers_end(buffers, SWIZZLE_ATOM)
     o_bytes = s.tile_q * dv * 2
-    buffers.append(Buffer("O staging", end, o_bytes, SWIZZLE_ATOM, layout=f"wgmma {PANEL_COLUMNS}-col panels",
-                          formula=f"Br*dv*2 = {s.tile_q}*{dv}*2"))
+    k = buffers[1]
+    o_offset = k.offset if o_in_k else end
+    buffers.append(Buffer("O staging", o_offset, o_bytes, SWIZZLE_ATOM, layout=f"wgmma {PANEL_COLUMNS}-col panels",
+                          formula=f"Br*dv*2 = {s.tile_q}*{dv}*2", reuses="K" if o_in_k else ""))
     barriers = hopper_barriers(s.stages, transposes_v=True)
-    bar_offset = end + o_bytes
+    bar_offset = end if o_in_k else end + o_bytes
     buffers.append(Buffer("mbarriers", bar_offset, MBARRIER_BYTES * barriers, MBARRIER_BYTES,
                           formula=f"{barriers} x {MBARRIER_BYTES} (Q full/empty; K, V full/empty, V^T full x "
                                   f"{s.stages})"))

@@ -39,6 +39,7 @@ from .steps import (INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, O_SHARED, OUT16, OUT
 class HopperPlan(KernelPlan):
     pingpong: bool = False
     o_in_q: bool = False                # O staged in Q's panels (no room for its own buffer)
+    o_in_k: bool = False                # FP8, one item a block: O staged in K's ring once both consumers are past it
     loop_start: int = 0                 # 1 under intra overlap: the first tile's Q Kᵀ runs before the loop
     prologue: tuple[LoopOp, ...] = ()   # the first tile's Q Kᵀ and softmax (intra overlap)
     epilogue: tuple[LoopOp, ...] = ()   # the last tile's P V (intra overlap)
@@ -212,7 +213,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     fp8 = p.fp8
     qk_row, v_row = (fp8_swizzle(p.head_dim_qk), fp8_swizzle(p.head_dim_v)) if fp8 else (PANEL_ROW_BYTES,) * 2
     panel_q, panel_kv, panel_v = s.tile_q * qk_row, s.tile_kv * qk_row, s.tile_kv * v_row
-    o_in_q = o.reuses == "Q"
+    o_in_q, o_in_k = o.reuses == "Q", o.reuses == "K"
     consts = [
         Constant("BR", "int", s.tile_q, "query rows per block (tile q)"),
         Constant("BC", "int", s.tile_kv, "keys per kv tile (tile kv)"),
@@ -239,7 +240,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("V_PANEL_BYTES", "u32", panel_v, "V^T's source panels" if fp8
                  else "also the wgmma leading offset of V read transposed"),
         Constant("V_STAGE_BYTES", "u32", bars["v_full"].tx_bytes, "one V tile: transaction bytes of its full barrier"),
-        Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else "O staging, apart from Q"),
+        Constant("O_OFFSET", "u32", o.offset, "O staging: Q's panels" if o_in_q else
+                 "O staging: K's ring, after the last Q K^T" if o_in_k else "O staging, apart from Q"),
         Constant("BAR_OFFSET", "u32", mbarriers.offset, "mbarriers"),
         Constant("Q_FULL_BAR", "int", 0),
         Constant("Q_EMPTY_BAR", "int", 1),
@@ -300,7 +302,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), 1, lay.register_estimate,
                      plan_class=HopperPlan, mma=mma_qk.mma, wgmma_qk=WgmmaAsm.of(mma_qk, 3),
                      wgmma_pv=WgmmaAsm.of(mma_pv, 5),
-                     pingpong=s.pingpong, o_in_q=o_in_q,
+                     pingpong=s.pingpong, o_in_q=o_in_q, o_in_k=o_in_k,
                      shared=(FP8_SHARED if fp8 else HOPPER_SHARED)
                      + ((WORK_ITEM_SHARED,) if s.launch is LaunchKind.DYNAMIC else ())
                      + ((DOCUMENT_SPAN_SHARED,) if p.mods.document is not None else ()),
