@@ -335,11 +335,12 @@ def _fp8_variants(tile_kv: int) -> dict[str, Schedule]:
 # would need, and V lands in one slot (layout/hopper.fp8_buffers) to fit shared memory.
 _FP8_WIDE = {"kv256": fp8_schedule(256), "kv256_pingpong": fp8_schedule(256, pingpong=True)}
 # (d256's 64-key tiles fit three stages of K and V^T with V landing in one slot, fp8_schedule(64, stages=3); slower
-# than two on the H200, bench/NOTES.md, so not a variant.) d256's 128-key tiles fit only with O staged in K's ring,
-# which a block of one work item (`launch grid`) frees after its last Q K^T (layout/hopper.fp8_buffers).
+# than two on the H200, bench/NOTES.md, so not a variant.) A block of one work item (`launch grid`) may stage O in
+# K's ring, free after its last Q K^T (layout/hopper.hopper_fp8_layout): d256's 128-key tiles fit only so, and
+# d128's 256-key tiles so keep V's landing ring two deep.
 FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
     64: _fp8_variants(128) | _FP8_WIDE,
-    128: _fp8_variants(128) | _FP8_WIDE,
+    128: _fp8_variants(128) | _FP8_WIDE | {"kv256_grid": replace(fp8_schedule(256), launch=LaunchKind.GRID)},
     256: _fp8_variants(64) | {"kv128_grid": replace(fp8_schedule(128), launch=LaunchKind.GRID)},
 }
 

@@ -109,17 +109,16 @@ def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     require(not over, spec, "warpgroups", over)
     threads = WARPGROUP_THREADS * (s.producer_warpgroups + consumers)
     # V lands in a ring of its own that only the transposers read, each tile right as it lands: as deep as K's
-    # where that fits, else one slot (the producer's next V copy then waits for the transpose of the last).
-    buffers, smem = fp8_buffers(spec, s.stages)
-    if smem > limits.max_shared_per_block and s.stages > 1:
-        buffers, smem = fp8_buffers(spec, 1)
-    # Still over: a block of one work item (`launch grid`) may stage O in K's ring, as large as O where two stages of
-    # Bc keys of d bytes hold Br rows of dv 16-bit values; the two consumers meet before either writes it (ping-pong's
-    # turns would make that meeting wait on a turn, so not there).
-    k_ring = buffers[1].bytes
-    if (smem > limits.max_shared_per_block and s.launch is LaunchKind.GRID and not s.pingpong
-            and k_ring >= s.tile_q * dv * 2):
-        buffers, smem = fp8_buffers(spec, 1, o_in_k=True)
+    # where that fits, else one slot (the producer's next V copy then waits for the transpose of the last). A block
+    # of one work item (`launch grid`) may stage O in K's ring instead of its own panels, where the ring holds
+    # Br rows of dv 16-bit values: the two consumers meet before either writes it (ping-pong's turns would make
+    # that meeting wait on a turn, so not there). The first of these that fits: the deeper landing ring first.
+    k_ring_holds_o = s.launch is LaunchKind.GRID and not s.pingpong and s.stages * bc * d >= s.tile_q * dv * 2
+    placements = (False, True) if k_ring_holds_o else (False,)
+    for landing, in_k in [(landing, in_k) for landing in dict.fromkeys((s.stages, 1)) for in_k in placements]:
+        buffers, smem = fp8_buffers(spec, landing, o_in_k=in_k)
+        if smem <= limits.max_shared_per_block:
+            break
     # Under intra overlap tile j-1's e4m3 P fragments (4 keys a register) live while S_j is computed.
     p_fragments = [Registers("P fragments", bc // 8, f"Bc/8 = {bc}/8", True)] if s.intra_overlap else []
     registers = [Registers("O accumulator", dv // 2, f"dv/2 = {dv}/2", True),
