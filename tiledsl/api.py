@@ -37,7 +37,7 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     float8_e4m3fn q, k and v are FP8 attention (the hopper family's e4m3 kernels, head dims 64, 128, 256):
     `q_descale`, `k_descale`, `v_descale` are float32 (value = byte * descale): one value each, (batch, kv_heads)
     each (FlashAttention-3's convention; Q's shared by its kv head's query heads), or per tile ((batch, heads,
-    q tiles) and (batch, kv_heads, kv tiles) of the kernel's 128-query / 128-key tiles, 64 keys at d256), as
+    q tiles) and (batch, kv_heads, kv tiles) of the kernel's 128-query / 128-key tiles), as
     tiledsl.quantize_fp8 makes them; None: 1.0. Descales are finite and >= 0 (per-block V descales > 0),
     as quantize_fp8's are: the kernel checks each one it reads (no sync), makes the rows that read a bad one NaN and
     reports it (the next call or tiledsl.check_errors() raises it). O is `out_dtype`

@@ -94,7 +94,8 @@ def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0, 
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or not t.is_cuda:
             raise RuntimeInputError(f"quantize_fp8: {name} must be a CUDA torch tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.bfloat16, torch.float16) or t.dim() != rank or t.stride(-1) != 1:
+        # an empty tensor's strides say nothing (no byte is read)
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.dim() != rank or (t.stride(-1) != 1 and t.numel()):
             raise RuntimeInputError(f"quantize_fp8: {name} must be bf16 or fp16 {layout} with a unit "
                                     f"stride on d, got {t.dtype} {tuple(t.shape)} strides {t.stride()}"
                                     + (" (packed sequences: cu_seqlens given)" if packed else ""))

@@ -315,10 +315,10 @@ def _prepare_forward(q, k, v, causal, window, scale, kv_lens, k_scale, v_scale, 
 
 # FP8 prefill (dtype = e4m3): per head dim, the schedules the bench times side by side (bench/fp8_forward_bench.py
 # --variants) and, in TUNED_FP8, the one attention() runs: the fastest over none and causal at 16k tokens
-# (bench/NOTES.md has the numbers): 256-key tiles at d64 and d128 (V landing in one slot at d128), kv 64 with intra
-# overlap at d256 (two stages of K, V, V^T and O's staging fit 227 KB). The producer keeps 40 registers for its
-# V-transposing warps, the consumers 232 each. Per-block descales are one per kernel tile: TUNED_FP8_BLOCK keeps the
-# 128-key tiles (64 at d256) quantize_fp8(block=128) and its docs name, with the fastest of those schedules.
+# (bench/NOTES.md has the numbers): 256-key tiles at d64 and d128 (V landing in one slot at d128), 128-key tiles at
+# d256 one work item a block (O staged in K's ring). The producer keeps 40 registers for its V-transposing warps, the
+# consumers 232 each. Per-block descales are one per kernel tile: TUNED_FP8_BLOCK keeps the 128-key tiles
+# quantize_fp8(block=128) and its docs name, with the fastest of those schedules.
 def fp8_schedule(tile_kv: int, pingpong: bool = False, intra: bool = False, stages: int = 2) -> Schedule:
     return Schedule(tile_q=128, tile_kv=tile_kv, warps=12, stages=stages, copy=CopyVia.TMA, mma=Mma.WGMMA,
                     producer_warpgroups=1, producer_regs=40, consumer_warpgroups=2, consumer_regs=232,
@@ -345,9 +345,10 @@ FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
 }
 
 TUNED_FP8: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
-                                              for d, name in {64: "kv256", 128: "kv256", 256: "intra"}.items()}
+                                              for d, name in {64: "kv256", 128: "kv256", 256: "kv128_grid"}.items()}
 TUNED_FP8_BLOCK: dict[tuple[str, int], Schedule] = {("sm_90", d): FP8_VARIANTS[d][name]
-                                                    for d, name in {64: "base", 128: "intra", 256: "intra"}.items()}
+                                                    for d, name in {64: "base", 128: "intra",
+                                                                    256: "kv128_grid"}.items()}
 
 
 def fp8_descale_kind(q_descale, k_descale, v_descale):
