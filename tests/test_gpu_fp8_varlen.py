@@ -111,6 +111,15 @@ def test_fp8_varlen_against_the_kernels_arithmetic(d, mask, q_lens, k_lens, head
     kernel = kernel_for(spec)
     torch_out = torch.bfloat16 if out_dtype is DType.BF16 else torch.float16
     o, lse, o_buf, lse_buf = _poisoned(q8.shape[0], heads, d, torch_out)
+    if persistent and kernel.plan.launch_kind == "grid":   # one item a block (d256: O staged in K's ring)
+        from tiledsl.errors import LaunchError
+        kernel.persistent = True
+        try:
+            with pytest.raises(LaunchError, match="runs one work item per block"):
+                kernel(q8, k8, v8, cu_qd, cu_kd, out=o, lse=lse, q_descale=qs, k_descale=ks, v_descale=vs)
+        finally:
+            kernel.persistent = None
+        persistent = None
     kernel.persistent = persistent
     try:
         kernel(q8, k8, v8, cu_qd, cu_kd, out=o, lse=lse, q_descale=qs, k_descale=ks, v_descale=vs)

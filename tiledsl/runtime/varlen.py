@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..errors import RuntimeInputError
-from ..spec import DType, Mask
+from ..spec import DType, LaunchKind, Mask
 from .arguments import length_bound
 from .fp8_descales import descale_views
 from .hopper import PERSISTENT_MASKED_TILES, HopperKernel
@@ -235,7 +235,13 @@ class VarlenHopperKernel(HopperKernel):
                 i32(heads), i32(heads // kv_heads), i32(total_q), i32(kw.shape[0]), i32(covered_q),
                 i64(ov.strides[1]), i64(ov.strides[0]), i32(items)) + mods + tuple(pointer_arg(t) for t in descales)
         persistent = self.persistent
-        if persistent is None:   # as HopperKernel: the static walk balances long masked items badly
+        if self.plan.launch_kind == LaunchKind.GRID.value:
+            # one item a block: such a kernel may reuse a ring for O that the next item's loads would overwrite
+            if persistent:
+                raise LaunchError(f"{self.name}: a `launch grid` kernel runs one work item per block; persistent "
+                                  "launches need `launch persistent`")
+            persistent = False
+        elif persistent is None:   # as HopperKernel: the static walk balances long masked items badly
             persistent = p.mask is Mask.NONE or -(-most // tile_kv) + 1 <= PERSISTENT_MASKED_TILES
         blocks = min(items, self.slots(b.device_id)) if persistent else items
         b.launch(self.function(b.device_id), (blocks, 1, 1), self.plan.launch.threads, self.plan.launch.smem_bytes,
