@@ -339,7 +339,10 @@ _FP8_WIDE = {"kv256": fp8_schedule(256), "kv256_pingpong": fp8_schedule(256, pin
 # K's ring, free after its last Q K^T (layout/hopper.hopper_fp8_layout): d256's 128-key tiles fit only so, and
 # d128's 256-key tiles so keep V's landing ring two deep.
 FP8_VARIANTS: dict[int, dict[str, Schedule]] = {
-    64: _fp8_variants(128) | _FP8_WIDE,
+    # d64's 256-key tiles leave registers for intra overlap and shared memory for a third stage
+    64: _fp8_variants(128) | _FP8_WIDE | {"kv256_intra": fp8_schedule(256, intra=True),
+                                          "kv256_s3": fp8_schedule(256, stages=3),
+                                          "kv256_s3_intra": fp8_schedule(256, intra=True, stages=3)},
     128: _fp8_variants(128) | _FP8_WIDE | {"kv256_grid": replace(fp8_schedule(256), launch=LaunchKind.GRID)},
     256: _fp8_variants(64) | {"kv128_grid": replace(fp8_schedule(128), launch=LaunchKind.GRID)},
 }
