@@ -81,9 +81,9 @@ __device__ __forceinline__ KeyDocuments key_documents_of(const DocumentRows& row
 
 // The elementwise mask of a consumer's S^T slice (C: SliceC; 16 keys from k0 + warp_row by C::BR query columns
 // from q0): the keys past seq_kv, the spec's mask, each key's document interval (`keys`) and the prefix. A
-// (warp, q tile) pair every element of which is visible is left alone.
+// (warp, q tile) pair every element of which is visible is left alone; whether it was tested is returned.
 template <class C>
-__device__ __forceinline__ void mask_scores_mods(float (&acc_s)[1][C::BR / 8][4], int k0, int q0, int warp_row,
+__device__ __forceinline__ bool mask_scores_mods(float (&acc_s)[1][C::BR / 8][4], int k0, int q0, int warp_row,
                                                  int lane, bool kv_end, int seq_kv, int diag,
                                                  const KeyDocuments& keys) {
     const int key_lo = k0 + warp_row, pos_lo = q0 + diag;   // the warp's first key, the slice's first query's position
@@ -100,14 +100,15 @@ __device__ __forceinline__ void mask_scores_mods(float (&acc_s)[1][C::BR / 8][4]
     if constexpr (C::MASK == MASK_WINDOW)
         edge = edge || key_lo + 15 > pos_lo + C::WINDOW_RIGHT || key_lo < pos_lo + C::BR - 1 - C::WINDOW_LEFT;
     if constexpr (C::PREFIX > 0) edge = edge || (key_lo + 16 > C::PREFIX && key_lo + 15 > pos_lo);
-    if (!edge) return;
+    if (!edge) return false;
     int start[2] = {0, 0}, end[2] = {0, 0};
-    if constexpr (C::DOCUMENTS)
+    if constexpr (C::DOCUMENTS) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             start[h] = __shfl_sync(0xffffffffu, keys.share, (lane & ~3) | (2 * h));
             end[h] = __shfl_sync(0xffffffffu, keys.share, (lane & ~3) | (2 * h + 1));
         }
+    }
 #pragma unroll
     for (int nt = 0; nt < C::BR / 8; ++nt)
 #pragma unroll
@@ -121,4 +122,5 @@ __device__ __forceinline__ void mask_scores_mods(float (&acc_s)[1][C::BR / 8][4]
             if constexpr (C::PREFIX > 0) visible = visible && (key <= pos || key < C::PREFIX);
             if (!visible) acc_s[0][nt][e] = NEG_INF;
         }
+    return true;
 }
