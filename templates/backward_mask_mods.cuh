@@ -7,22 +7,56 @@
 template <class C>
 struct KeyRows : C { static constexpr int BR = C::BC; };
 
-// The keys' documents, [start of k0's document, end of the last key's): the query positions that can see a
-// key of the tile (positions of no document bound it by themselves). Empty past the sequence's keys.
-__device__ __forceinline__ int2 key_tile_span(const int* __restrict__ ids, int k0, int bc, int seq_kv) {
-    return k0 < seq_kv ? document_span(ids, k0, min(k0 + bc, seq_kv) - 1, seq_kv) : make_int2(0, 0);
-}
-__device__ __forceinline__ int2 key_tile_span_bounds(const int* __restrict__ bounds, int count, int k0, int bc,
-                                                     int seq_kv) {
-    return k0 < seq_kv ? document_span_bounds(bounds, count, k0, min(k0 + bc, seq_kv) - 1) : make_int2(0, 0);
+// The first t in [lo, hi] where `pred` (false, then true; true at hi) holds, found by a whole warp: each round
+// its lanes test 32 positions spread over the interval, which shrinks about 31-fold (a 16k-key search takes
+// three dependent loads, where a binary search takes fourteen). Every lane returns the same t.
+template <class Pred>
+__device__ __forceinline__ int warp_first_true(int lo, int hi, int lane, Pred pred) {
+    while (lo < hi) {
+        const int step = (hi - lo + 30) / 31;   // lane 31 tests hi (clamped)
+        const int f = __ffs(__ballot_sync(0xffffffffu, pred(min(lo + lane * step, hi)))) - 1;
+        const int next_hi = min(lo + f * step, hi);
+        lo = f > 0 ? lo + (f - 1) * step + 1 : next_hi;   // just past the last position tested false
+        hi = next_hi;
+    }
+    return lo;
 }
 
-// The sequence's row of document_ids or document_bounds, computed again where a role reads it: the empty asm
-// keeps the compiler from holding it, or what was read through it, in registers across the role split (the
-// producer warpgroup's setmaxnreg leaves it few).
-__device__ __forceinline__ const int* documents_again(const int* documents, int batch, i64 stride) {
-    asm volatile("" : "+l"(documents));
-    return documents + batch * stride;
+// The keys' documents, [start of k0's document, end of the last key's): the query positions that can see a
+// key of the tile (positions of no document bound it by themselves). Empty past the sequence's keys. By a
+// whole warp (warp_first_true), few registers: it runs before the roles' setmaxnreg.
+__device__ __forceinline__ int2 key_tile_span(const int* __restrict__ ids, int k0, int bc, int seq_kv, int lane) {
+    if (k0 >= seq_kv) return make_int2(0, 0);
+    const int last = min(k0 + bc, seq_kv) - 1;
+    const int doc_f = ids[k0], doc_l = ids[last];
+    const int start = doc_f < 0 ? k0 : warp_first_true(0, k0, lane, [&](int t) { return ids[t] == doc_f; });
+    const int end = doc_l < 0 ? last + 1 : warp_first_true(last + 1, seq_kv, lane, [&](int t) {
+        return t >= seq_kv || ids[t] != doc_l;
+    });
+    return make_int2(start, end);
+}
+
+// bounds_interval by a whole warp: the document d of key position p is the first with bounds[d + 1] > p.
+__device__ __forceinline__ int2 bounds_interval_warp(const int* __restrict__ bounds, int count, int p, int lane) {
+    if (p < 0 || count < 2 || p < bounds[0] || p >= bounds[count - 1]) return make_int2(0, 0);
+    const int d = warp_first_true(0, count - 2, lane, [&](int t) { return bounds[t + 1] > p; });
+    return make_int2(bounds[d], bounds[d + 1]);
+}
+
+__device__ __forceinline__ int2 key_tile_span_bounds(const int* __restrict__ bounds, int count, int k0, int bc,
+                                                     int seq_kv, int lane) {
+    if (k0 >= seq_kv) return make_int2(0, 0);
+    const int last = min(k0 + bc, seq_kv) - 1;
+    const int2 a = bounds_interval_warp(bounds, count, k0, lane), b = bounds_interval_warp(bounds, count, last, lane);
+    return make_int2(a.y > a.x ? a.x : k0, b.y > b.x ? b.y : last + 1);
+}
+
+// A pointer computed again where a role reads through it: the empty asm keeps the compiler from holding it, or
+// what was read through it, in registers across the role split (the producer warpgroup's setmaxnreg leaves few).
+template <class T>
+__device__ __forceinline__ const T* again(const T* p, i64 offset) {
+    asm volatile("" : "+l"(p));
+    return p + offset;
 }
 
 // Narrow the queries [q_lo, q_hi) that see the kv tile at k0 by the mask modifications: prefix(n) is causal
@@ -38,34 +72,22 @@ __device__ __forceinline__ void narrow_queries(int& q_lo, int& q_hi, int k0, int
     }
 }
 
-// The start of the document of key position p (p itself where it is in no document).
-__device__ __forceinline__ int document_start(const int* __restrict__ ids, int p) {
-    const int doc = ids[p];
-    if (doc < 0) return p;
-    int lo = 0, hi = p;   // the first t with ids[t] == doc lies in [lo, hi]: by contiguity false, then true
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (ids[mid] == doc) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
-}
-__device__ __forceinline__ int document_start_bounds(const int* __restrict__ bounds, int count, int p) {
-    const int2 keys = bounds_interval(bounds, count, p);
-    return keys.y > keys.x ? keys.x : p;
-}
-
 // The first kv tile whose keys' documents reach the q tile whose first query sits at key position `first`
-// (< seq_kv): the tile of that query's document's start (0 for a query before the keys). The kv tiles'
-// document spans only grow with the tile, so the tiles that see a q tile are contiguous from the later of
-// this one and the spec's mask's first (first_kv_tile).
+// (< seq_kv): the tile of the start of that query's document (of the query itself where it is in none; 0 for a
+// query before the keys). The kv tiles' document spans only grow with the tile, so the tiles that see a q tile
+// are contiguous from the later of this one and the spec's mask's first (first_kv_tile). By a whole warp.
 template <class C>
-__device__ __forceinline__ int document_first_kv_tile(const int* __restrict__ ids, int first) {
-    return first < 0 ? 0 : document_start(ids, first) / C::BC;
+__device__ __forceinline__ int document_first_kv_tile(const int* __restrict__ ids, int first, int lane) {
+    if (first < 0) return 0;
+    const int doc = ids[first];
+    return (doc < 0 ? first : warp_first_true(0, first, lane, [&](int t) { return ids[t] == doc; })) / C::BC;
 }
 template <class C>
-__device__ __forceinline__ int document_first_kv_tile_bounds(const int* __restrict__ bounds, int count, int first) {
-    return first < 0 ? 0 : document_start_bounds(bounds, count, first) / C::BC;
+__device__ __forceinline__ int document_first_kv_tile_bounds(const int* __restrict__ bounds, int count, int first,
+                                                             int lane) {
+    if (first < 0) return 0;
+    const int2 keys = bounds_interval_warp(bounds, count, first, lane);
+    return (keys.y > keys.x ? keys.x : first) / C::BC;
 }
 
 // The documents of a quad's two key rows (acc rows lane / 4 and lane / 4 + 8 of the warp's 16 keys): the query

@@ -12,6 +12,18 @@
 // The consumer's slice of S^T: all BR query columns (the keys split: each consumer owns 64 keys).
 struct SliceC : C { static constexpr int BR = TILE_Q; };
 
+// Run `body(lane)` on one warp of 32 threads (the warp searches and the documents kernel: lane 0's result).
+template <class F>
+void on_warp(F body) {
+    std::vector<std::thread> lanes;
+    for (int lane = 0; lane < 32; ++lane)
+        lanes.emplace_back([&, lane] {
+            this_lane = lane;
+            body(lane);
+        });
+    for (auto& t : lanes) t.join();
+}
+
 int main() {
     int seq_kv, q_len, count = 0;
     if (scanf("%d %d", &seq_kv, &q_len) != 2) return 2;
@@ -30,9 +42,13 @@ int main() {
         // backward_ws.cu.j2's q_range region: the spec's mask (none or causal here), then narrow_queries
         int q_lo = 0, q_hi = k0 < seq_kv ? q_len : 0;
         if (C::MASK == MASK_CAUSAL) q_lo = max(q_lo, k0 - diag);
-        int2 span = make_int2(0, 0);
-        if (DOCUMENT_KIND == 1) span = key_tile_span(ids.data(), k0, C::BC, seq_kv);
-        if (DOCUMENT_KIND == 2) span = key_tile_span_bounds(bounds.data(), count, k0, C::BC, seq_kv);
+        int2 span = make_int2(0, 0);   // the documents kernel's
+        on_warp([&](int lane) {
+            int2 mine = make_int2(0, 0);
+            if (DOCUMENT_KIND == 1) mine = key_tile_span(ids.data(), k0, C::BC, seq_kv, lane);
+            if (DOCUMENT_KIND == 2) mine = key_tile_span_bounds(bounds.data(), count, k0, C::BC, seq_kv, lane);
+            if (lane == 0) span = mine;
+        });
         narrow_queries<C>(q_lo, q_hi, k0, diag, span);
         const int tile_begin = q_lo / C::BR;
         const int tiles = q_hi > q_lo ? (q_hi + C::BR - 1) / C::BR - tile_begin : 0;
@@ -85,9 +101,12 @@ int main() {
     }
     for (int q0 = 0; q0 < q_len; q0 += C::BR) {   // ordered dQ: the first kv tile that adds to each q tile
         int first = 0;
-        if (DOCUMENT_KIND == 1 && q0 + diag < seq_kv) first = document_first_kv_tile<C>(ids.data(), q0 + diag);
-        if (DOCUMENT_KIND == 2 && q0 + diag < seq_kv)
-            first = document_first_kv_tile_bounds<C>(bounds.data(), count, q0 + diag);
+        on_warp([&](int lane) {
+            int mine = 0;
+            if (DOCUMENT_KIND == 1) mine = document_first_kv_tile<C>(ids.data(), q0 + diag, lane);
+            if (DOCUMENT_KIND == 2) mine = document_first_kv_tile_bounds<C>(bounds.data(), count, q0 + diag, lane);
+            if (lane == 0) first = mine;
+        });
         printf("first %d %d\n", q0, first);
     }
     return 0;

@@ -171,9 +171,9 @@ def q_range_text(mods) -> str:
         parts.append(f"prefix({mods.prefix}): a kv tile of prefix keys is seen by every q tile, later ones causally")
     if mods.document is not None:
         source = "document_ids" if mods.document.value == "ids" else "document_bounds"
-        parts.append(f"documents: only the queries at positions in the keys' documents (a binary search of {source} "
-                     "from the tile's first and last key, by every thread: producer and consumers walk the same q "
-                     "tiles); each key row's document interval, once per block")
+        parts.append(f"documents: only the queries at positions in the keys' documents (read from the documents "
+                     f"kernel's search of {source} by every thread: producer and consumers walk the same q tiles); "
+                     "each key row's document interval, once per block")
     return "; ".join(parts)
 
 
@@ -291,6 +291,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
     if mods.sinks:
         names["sink_grad"] = f"{name}_sink_grad"
+    if mods.document is not None:
+        names["documents"] = f"{name}_documents"
     w = lambda key: spec_line(spec, key)   # noqa: E731
     dq_how = {"writer_tma": f"the writer's TMA reduce-add ({'in kv tile order, ' if ordered else ''}"
                             f"{d // STAGING_BOX_COLUMNS} boxes)",
@@ -319,6 +321,10 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
     }
     if mods.modifies_mask:
         regions["q_range_mods"] = Region(w("mask"), q_range_text(mods))
+    if mods.document is not None:
+        regions["documents"] = Region(w("mask"), "per (batch, kv tile) the keys' documents [start, end) and, for "
+                                      "ordered dQ, per q tile the first kv tile that sees it (its semaphores start "
+                                      "past the mask's first): one warp each, searching 32 positions at a time")
     if mods.sinks:
         regions["sink_grad"] = Region(w("sinks"), "dsink[h] = -sum over (batch, row) of exp(sink_h - LSE) * D: one "
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
@@ -328,6 +334,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                    prefix=mods.prefix is not None)
     # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
     mod_lines = mod_parameters(replace(mods, sinks=False))
+    if mods.document is not None:   # the documents kernel's: read, not searched, by the main kernel
+        mod_lines += (parameters("const int2* __restrict__", "key_spans"),)
     return make_plan(spec, Family.FA2, TEMPLATE, consts, regions, consumer_body(spec, staged, lay.split),
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=br), 1, main.register_estimate,
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,

@@ -14,7 +14,7 @@ from ..spec import DType
 from .backward import BackwardKernel
 from .aux_args import aux_view, geometric_slope_tensor
 from .index_checks import add_check, host_validation
-from .launch import CallBuilder, i32, pointer_arg, strides_args
+from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
 from .tensors import signature, view
 
@@ -113,6 +113,15 @@ class WsBackwardKernel(BackwardKernel):
                      (ptr(lse_rows), ptr(d_rows), ptr(vsinks), ptr(vdsink), i32(q_rows), i32(batch), i32(heads)),
                      f"{self.name} sink gradient")
         kv_blocks = -(-kv_len // bc)
+        if plan.documents and kv_blocks and kv_pairs:   # after the preprocess: it zeroes the semaphores
+            # per (kv tile, batch) the keys' documents, at the main kernel's block of the batch entry's kv head 0
+            key_spans = b.workspace("key_spans", (kv_blocks * kv_pairs * 2,), "int32")
+            source = ((ptr(mods["document_ids"]), i64(mods["document_stride"])) if plan.documents == "ids" else
+                      (ptr(mods["document_bounds"]), i64(mods["document_stride"]), i32(mods["document_count"])))
+            b.launch(fns["documents"], (max(kv_blocks, tiles), batch, 1), 32, 0,
+                     (*source, ptr(lens), ptr(key_spans), ptr(semaphores), i32(q_len), i32(kv_len), i32(kv_blocks),
+                      i32(tiles), i32(kv_pairs), i32(kv_heads), i32(heads)), f"{self.name} documents")
+            mods["key_spans"] = key_spans
         if kv_blocks and kv_pairs:
             rows = plan.box_rows
             k_map, v_map = map_arg(vk, rows["k"]), map_arg(vv, rows["v"])
