@@ -145,3 +145,112 @@ def test_prefix_with_documents():
     ids = packed_ids(rng, 900, random_lengths(rng, 900, 200))
     check("ids", "none", 250, 900, 900, ids=ids)
     check("bounds", "none", 250, 900, 700, bounds=[0, 100, 100, 600, 900])
+
+
+# ---- the plan, the launches (tests/host_stubs.py's fake device), the refusals -----------------------------------
+
+def _spec(mask: str, d: int = 128, dq: str = "tma_reduce", mods=()):
+    from .test_backward_mods_cpu import spec
+    return spec(list(mods), d, mask, dq)
+
+
+def test_the_plan_reads_the_keys_spans_and_leaves_unmodified_kernels_alone():
+    from tiledsl.codegen.render import render
+    from tiledsl.lower.backward import lower_backward
+    plan = lower_backward(_spec("causal & document"))
+    assert (plan.mask_mods, plan.documents, plan.prefix) == (True, "ids", False)
+    assert plan.kernel_names["documents"].endswith("_documents")
+    names = [p.name for line in plan.parameters for p in line]
+    assert names[-3:] == ["document_ids", "document_stride", "key_spans"]
+    src = render(plan)
+    # producer and consumers walk the q tiles computed once before the role split, from the documents kernel's span
+    split = src.index("if (warpgroup == 0) {")
+    for line in ("const int2 key_span = key_spans[blockIdx.x - kv_head];", "narrow_queries<C>(q_lo, q_hi, k0, diag, "
+                 "key_span);", "const int steps = tiles * kv_group;"):
+        assert 0 < src.index(line) < split, line
+    assert "mask_scores_mods<SliceC>(" in src and "mask_scores<SliceC>(" not in src
+    plain = render(lower_backward(_spec("causal")))
+    assert "backward_mask_mods" not in plain and "key_span" not in plain and "_documents" not in plain
+    prefix = lower_backward(_spec("prefix(300)"))
+    assert (prefix.documents, prefix.prefix) == ("", True) and "documents" not in prefix.kernel_names
+    assert "PREFIX = 300" in render(prefix)
+
+
+@pytest.mark.parametrize("mask", ["causal & document", "document(bounds)", "prefix(100) & document"])
+@pytest.mark.parametrize("dq", ["tma_reduce", "ordered", "atomic"])
+def test_the_protocol_model_runs_the_document_kernels_to_the_end(mask, dq):
+    """Barrier balance: the producer, the writer and the consumers of a document kernel walk the same q steps
+    (test_backward_ws_protocol_cpu's model of the template, with the kernel's own barrier counts)."""
+    from tiledsl.lower.backward import lower_backward
+
+    from .test_backward_ws_protocol_cpu import STEPS, constants, run_block
+    plan = lower_backward(_spec(mask, 128, dq))
+    c = constants(plan)
+    for steps in STEPS:
+        for kv_end in (False, True):
+            phases = run_block(plan, steps, kv_end)
+            if steps:
+                assert sum(phases[f"q_full{s}"] for s in range(c["STAGES"])) == steps
+                assert sum(phases[f"q_empty{s}"] for s in range(c["STAGES"])) == steps
+
+
+def test_explain_shows_the_mask_and_its_narrowing(capsys):
+    from tiledsl.cli.main import main
+    main(["explain", str(ROOT / "specs" / "mods" / "document_backward_d128.tile")])
+    out = capsys.readouterr().out
+    assert "mask modifications (each block's q tiles): documents: only the queries at positions in the keys' " \
+        "documents" in out, out
+    assert "consumers' mask step: mask keys outside the sequence / diagonal / window, each key's document" in out
+
+
+@pytest.fixture
+def device(tmp_path):
+    from tests.host_stubs import stub_device
+    with stub_device(tmp_path, {}) as dev:
+        yield dev
+
+
+def test_attention_backward_launches_the_documents_kernel_first(device):
+    import tiledsl
+    q, k, v, o, do = (device.tensor((2, 4, 300, 128)) for _ in range(5))
+    k, v = (device.tensor((2, 2, 300, 128)) for _ in range(2))
+    lse = device.tensor((2, 4, 300), "float32")
+    ids = device.tensor((2, 300), "int32", host=np.zeros((2, 300), np.int32))
+    tiledsl.attention_backward(q, k, v, o, lse, do, causal=True, document_ids=ids, deterministic=True)
+    (pre, *_), (docs, grid, threads, _, _, values), (main, *_, main_values), (convert, *_) = (
+        device.last(n) for n in (4, 3, 2, 1))
+    assert pre.endswith("_preprocess") and docs.endswith("_documents") and main.endswith("_main")
+    assert "_doc_" in main and "ordered" in main
+    assert grid == (5, 2, 1) and threads == 32   # max(kv tiles, q tiles of 64) x batch
+    assert values[:2] == [ids.data_ptr(), 300]   # the ids and their batch stride
+    assert values[-7:] == [300, 300, 3, 5, 4, 2, 4]   # q_len, kv_len, kv tiles, q tiles, kv pairs, kv heads, heads
+    assert main_values[-3:-1] == [ids.data_ptr(), 300] and main_values[-1] == values[3]   # the same key spans
+    with pytest.raises(tiledsl.errors.RuntimeInputError, match="document_ids has shape"):
+        tiledsl.attention_backward(q, k, v, o, lse, do, document_ids=device.tensor((2, 299), "int32"))
+    with pytest.raises(tiledsl.errors.RuntimeInputError, match="resumes document"):
+        bad = np.zeros((2, 300), np.int32)
+        bad[0, 100:200] = 1
+        tiledsl.attention_backward(q, k, v, o, lse, do, document_ids=device.tensor((2, 300), "int32", host=bad))
+
+
+def test_a_training_step_with_document_ids_runs_the_document_backward(device):
+    import tiledsl
+    q, k, v = (device.tensor((2, 4, 300, 128), requires_grad=True) for _ in range(3))
+    ids = device.tensor((2, 300), "int32", host=np.repeat(np.arange(3, dtype=np.int32), 100)[None].repeat(2, 0))
+    o = tiledsl.attention(q, k, v, causal=True, document_ids=ids)
+    assert device.last()[0].startswith("hopper") and "_doc_" in device.last()[0]
+    grads = device.backward(o, device.tensor(o.shape))
+    assert len(grads) == 9 and grads[6:8] == (None, None)   # no gradient for the ids
+    assert device.last(3)[0].endswith("_documents") and "_doc_" in device.last(2)[0]
+
+
+def test_what_stays_refused():
+    """The warp-specialized backward takes documents and prefix(n) (with the score modifications); block masks,
+    dropout and expressions stay refused, by name."""
+    from tiledsl.dispatch.modified import modifications
+    from tiledsl.layout.backward_ws import ws_mods_refusal
+    from tiledsl.mods.model import Documents, Modifications
+    assert ws_mods_refusal(Modifications(prefix=5, document=Documents.BOUNDS, softcap=30.0, sinks=True)) == ""
+    assert "blocks" in ws_mods_refusal(Modifications(blocks=(128, 128)))
+    assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
+    assert "mask_mod" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0])
