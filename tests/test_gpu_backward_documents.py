@@ -45,6 +45,37 @@ def packed(rng, batch, kv_len, mean, pad=True):
     return ids, np.array([c + [c[-1]] * (width - len(c)) for c in bounds], np.int32)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """The document backward modules these tests load, compiled by NVRTC in threads (cubins land in the disk
+    cache); fresh inputs per run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    from tiledsl.dispatch.modified import modifications
+    from tiledsl.runtime.backward import compile_backward
+    from tiledsl.runtime.compile import compile_cubin
+    from tiledsl.runtime.device import device_arch
+    from tiledsl.spec import DType, Mask
+    ids, bounds = np.zeros((1, 8), np.int32), np.array([[0, 8]], np.int32)
+    sources = {}
+    for kw in ({"document_ids": ids}, {"document_bounds": bounds}, {"document_ids": ids, "softcap": 2.0}):
+        mods, _ = modifications("attention_backward", differentiable=True, **kw)
+        for d in (64, 128, 256):
+            for mask in (Mask.NONE, Mask.CAUSAL):
+                for det in (False, True):
+                    kernel = compile_backward(chosen_backward_spec(device_arch(), DType.BF16, d, mask, d,
+                                                                   deterministic=det, mods=mods))
+                    sources[kernel.name] = kernel.source
+    with ThreadPoolExecutor(16) as pool:
+        for f in [pool.submit(compile_cubin, src, name, device_arch()) for name, src in sources.items()]:
+            f.result()
+    torch.manual_seed(np.random.SeedSequence().entropy % 2 ** 31)
+    yield
+
+
 def run(d=128, causal=True, form="ids", q_len=300, kv_len=300, batch=2, heads=4, kv_heads=2, mean=70,
         kv_lens=None, dtype="bfloat16", window=None, deterministic=False, extra=None):
     import torch
@@ -180,11 +211,12 @@ def test_a_training_step_through_attention():
     ids, _ = packed(np.random.default_rng(), 2, 640, 100)
     ids = torch.tensor(ids, device="cuda")
     q, k, v = (torch.randn(2, 4, 640, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    o = tiledsl.attention(q, k, v, causal=True, document_ids=ids)
+    o = tiledsl.attention(q, k, v, causal=True, document_ids=ids, deterministic=True)
     do = torch.randn_like(o)
     o.backward(do)
     from tiledsl.dispatch.backward import attention_backward
     o2, lse = tiledsl.attention(q.detach(), k.detach(), v.detach(), causal=True, document_ids=ids, return_lse=True)
-    want = attention_backward(q.detach(), k.detach(), v.detach(), o2, lse, do, causal=True, document_ids=ids)
+    want = attention_backward(q.detach(), k.detach(), v.detach(), o2, lse, do, causal=True, document_ids=ids,
+                              deterministic=True)
     for got, w in zip((q.grad, k.grad, v.grad), want):
         assert torch.equal(got, w)
