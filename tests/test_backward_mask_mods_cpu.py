@@ -254,3 +254,14 @@ def test_what_stays_refused():
     assert "blocks" in ws_mods_refusal(Modifications(blocks=(128, 128)))
     assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
     assert "mask_mod" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0])
+
+
+def test_the_bundled_document_backward_spec_builds_both_passes():
+    from tiledsl.families import lower
+    from tiledsl.frontend.parse import load_spec
+    from tiledsl.lower.backward import lower_backward
+    s = load_spec(str(ROOT / "specs" / "mods" / "document_backward_d128.tile"))
+    assert s.problem.mods.document.value == "ids" and s.backward.warp_specialized
+    forward, backward = lower(s), lower_backward(s)
+    assert forward.documents == backward.documents == "ids" and backward.kernel_names["documents"]
+    assert [op.kind for op in backward.loop_body].count("mask") == 1
