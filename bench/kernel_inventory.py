@@ -1,7 +1,7 @@
 """Every kernel tiledsl can emit, rendered to a folder: the bundled specs (search spaces expanded,
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
 head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward, and
-softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels). A
+softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels, documents in the backward). A
 refactor that should change no kernel is checked by rendering before and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
@@ -120,6 +120,15 @@ def modified_specs():
                 for q_len in (1, 4):
                     yield "modified decode", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, q_len, mods)[0]
                     yield "modified paged decode", paged_spec(DType.BF16, d, d, mask, 16, q_len, mods=mods)
+    # documents in the warp-specialized backward (ids and bounds; alone, with softcap and sinks), deterministic too
+    for keywords in (dict(document_ids=True), dict(document_bounds=True), dict(document_ids=True, softcap=30.0,
+                                                                                sinks=True)):
+        mods, _ = modifications("inventory", **{k: (object() if v is True else v) for k, v in keywords.items()})
+        for mask in (Mask.NONE, Mask.CAUSAL):
+            for d in (64, 128, 256):
+                for deterministic in (False, True):
+                    yield "document backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d,
+                                                                    deterministic=deterministic, mods=mods)
 
 
 def bundled_specs():

@@ -17,8 +17,8 @@ documents of L^2 (L (L + 1) / 2 causal), the same count for every peer (fa4: fla
 function over the documents); tiledsl's document calls pass validate=False (no host check of the ids:
 sync-free, as the peers are).
 A tiledsl row whose modification has no kernel yet records the refusal in `error` and tflops None.
-`--pass backward`: rows of the backward alone (pass "backward") for none, softcap, ALiBi and sinks (learnable:
-dsink computed), causal and not, FLOPs of the mask's visible pairs (2.5x the forward's) over the time of
+`--pass backward`: rows of the backward alone (pass "backward") for none, softcap, ALiBi, sinks (learnable:
+dsink computed) and document (flex: its mask_mod over the ids, as a block mask; validate=False), causal and not, FLOPs of the mask's visible pairs (2.5x the forward's) over the time of
 forward + backward minus forward, for tiledsl (tiledsl.attention through autograd: the warp-specialized
 backward) and flex (FlexAttention compiled, the same score_mod, its backward by autograd); each tiledsl backward
 checked first against the float64 reference's gradients (batch 1, heads 2, seqlen 257).
@@ -83,7 +83,7 @@ def check_tiledsl(mod: str, causal: bool = True) -> str:
     return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
 
 
-BACKWARD_MODS = ("none", "softcap", "alibi", "sinks")
+BACKWARD_MODS = ("none", "softcap", "alibi", "sinks", "document")
 
 
 def check_backward(mod: str, causal: bool) -> str:
@@ -92,7 +92,7 @@ def check_backward(mod: str, causal: bool) -> str:
     from tiledsl.dispatch.modified import modifications
     from tiledsl.reference.backward import reference_backward
     from tiledsl.spec import DType, Mask
-    batch, heads, n = 1, 2, 257
+    batch, heads, n = 1, 2, 257 if mod != "document" else 2257   # a document row: documents of DOC_LEN
     q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -104,10 +104,12 @@ def check_backward(mod: str, causal: bool) -> str:
     except Exception as err:   # a modification without a backward yet: recorded, not timed
         return str(err).splitlines()[0][:300]
     mods, _ = modifications("attention_backward", differentiable=True,
-                            **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks") if key in keywords})
+                            **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks", "document_ids")
+                               if key in keywords})
     spec = chosen_backward_spec("sm_90a", DType.BF16, HEAD_DIM, Mask.CAUSAL if causal else Mask.NONE, HEAD_DIM,
                                 mods=mods)
-    aux = {name: t.detach().double().cpu().numpy() for name, t in _aux_of(keywords).items()}   # geometric: none
+    aux = {name: t.detach().double().cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
+           for name, t in _aux_of(keywords).items()}   # geometric: none
     inputs = [x.detach().double().cpu().numpy() for x in (q, k, v)]
     o, lse = reference_attention(spec, *inputs, aux=aux)
     ref = reference_backward(spec, *inputs, do.double().cpu().numpy(), o, lse, aux=aux)
@@ -127,17 +129,20 @@ def backward_rows(seqlens: list[int], mods: list[str], argv: list[str], out: Pat
         batch, heads = prefill_shape(n, HEAD_DIM)
         for mod, causal in cases:
             check = checks[f"{mod}_{'causal' if causal else 'none'}"]
-            flops = 2.5 * attention_flops(batch, heads, n, n, HEAD_DIM, causal)
+            flops = 2.5 * (document_flops(batch, heads, n, causal) if mod == "document" else
+                           attention_flops(batch, heads, n, n, HEAD_DIM, causal))
             q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
             keywords, score_mod, mask_mod, _, _ = modification(mod, batch, heads, n, is_causal=causal)
             learned = [keywords["sinks"].requires_grad_(True)] if "sinks" in keywords else []
             times = {}
             if not check:
-                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=causal, **keywords), True,
-                                         (q, k, v, *learned))
+                sync_free = {"validate": False} if mod == "document" else {}
+                times["tiledsl"] = timed(lambda: tiledsl.attention(q, k, v, causal=causal, **keywords, **sync_free),
+                                         True, (q, k, v, *learned))
             if mod != "sinks":   # FlexAttention has no form for sinks
-                block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") if causal else None
+                block_mask = create_block_mask(mask_mod, None, None, n, n, device="cuda") \
+                    if causal or mod == "document" else None
                 times["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask), True,
                                       (q, k, v))
 

@@ -125,7 +125,7 @@ def test_the_graph_gives_the_modification_the_consumers_and_explain_names_it():
 
 
 @pytest.mark.parametrize("mods, why", [
-    (["mask = causal & document"], "no template for the modifications document"),
+    (["mask = causal & blocks(q = 128, kv = 128)"], "no template for the modifications blocks"),
     (["softcap = 30", "alibi = geometric"], "softcap or ALiBi, not both"),
     (["dropout = 0.1"], "no template for the modifications dropout"),
     (["score_mod = score * 2"], "no template for the modifications score_mod"),
@@ -134,7 +134,7 @@ def test_modifications_without_a_template_are_refused_at_the_backward(mods, why)
     s = spec([m for m in mods if not m.startswith("mask")], mask="causal") if not mods[0].startswith("mask") else None
     if s is None:
         tq, tk, stages = TILES[128]
-        (s,) = parse_text(SPEC.format(d=128, mask="causal & document", mods="", tq=tq, tk=tk, stages=stages,
+        (s,) = parse_text(SPEC.format(d=128, mask=mods[0].split("= ", 1)[1], mods="", tq=tq, tk=tk, stages=stages,
                                       dq="tma_reduce"), "<mods>")
     assert why in backward_has_template(s)
     with pytest.raises(SpecError, match=re.escape(why)):
@@ -144,7 +144,7 @@ def test_modifications_without_a_template_are_refused_at_the_backward(mods, why)
 def test_the_other_backwards_and_head_dims_refuse_modifications_by_name():
     mods, _ = modifications("attention_backward", softcap=30.0)
     for kw in ({"mma": "wgmma"}, {"mma": "mma.sync"}, {"warp_specialized": False}):
-        with pytest.raises(RuntimeInputError, match=r"score modifications \(softcap\) have a backward only"):
+        with pytest.raises(RuntimeInputError, match=r"modifications \(softcap\) have a backward only"):
             chosen_backward_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, 128, mods=mods, **kw)
     with pytest.raises(RuntimeInputError, match="head dims"):
         chosen_backward_spec("sm_90a", DType.BF16, 96, Mask.NONE, 96, mods=mods)
@@ -160,13 +160,15 @@ def test_the_other_backwards_and_head_dims_refuse_modifications_by_name():
 
 def test_the_autograd_ops_arguments_round_trip():
     slopes, sinks = np.ones(4, np.float32), np.zeros(4, np.float32)
+    ids, bounds = np.zeros((2, 8), np.int32), np.array([[0, 8], [0, 4]], np.int32)
     for keywords in ({"softcap": 30.0}, {"alibi_slopes": "geometric"}, {"alibi_slopes": slopes, "sinks": sinks},
-                     {"softcap": 12.5, "sinks": sinks}):
+                     {"softcap": 12.5, "sinks": sinks}, {"document_ids": ids}, {"document_bounds": bounds, "sinks": sinks}):
         mods, aux = modifications("attention", **keywords)
         encoded = encode_mods(mods, aux)
         again, aux_again = decode_mods(*encoded)
         assert again == mods and aux_again.keys() == aux.keys()
-        assert mod_keywords(*encoded) == {"softcap": None, "alibi_slopes": None, "sinks": None} | keywords
+        assert mod_keywords(*encoded) == {"softcap": None, "alibi_slopes": None, "sinks": None, "document_ids": None,
+                                          "document_bounds": None} | keywords
     assert encode_mods(modifications("attention", alibi_slopes="geometric")[0], {})[1] == AlibiSlopes.GEOMETRIC.value
 
 
@@ -211,8 +213,8 @@ def test_an_autograd_step_with_sinks_returns_their_gradient(device):
     forward = device.last()[0]
     assert "softcap20_sinks" in forward and forward.startswith("hopper")
     do = device.tensor(o.shape)
-    dq, dk, dv, no_lens, no_slopes, dsink, no_scalars = device.backward(o, do)
-    assert (no_lens, no_slopes, no_scalars) == (None, None, None) and tuple(dsink.shape) == (4,)
+    dq, dk, dv, no_lens, no_slopes, dsink, no_ids, no_bounds, no_scalars = device.backward(o, do)
+    assert (no_lens, no_slopes, no_ids, no_bounds, no_scalars) == (None,) * 5 and tuple(dsink.shape) == (4,)
     (sink, *_, sink_values), (main, *_, main_values) = device.last(3), device.last(2)
     assert sink.endswith("_sink_grad") and sink_values[2:4] == [sinks.data_ptr(), dsink.data_ptr()]
     assert "softcap20_sinks" in main and [dk.data_ptr(), dv.data_ptr()] == main_values[9:11]

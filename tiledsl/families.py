@@ -31,7 +31,7 @@ from .layout.fa1 import fa1_layout
 from .layout.fa2 import fa2_layout, fa2_wgmma_layout
 from .layout.hopper import hopper_layout
 from .layout.model import graph_model_layout
-from .mods.model import SCORE_MODS
+from .mods.model import MASK_MODS, SCORE_MODS
 from .spec import KV_DTYPES, Axis, CopyVia, Descale, DType, Family, KernelSpec, LaunchKind, LoopOrder, Mma, SeqLayout
 
 PAGED, VARLEN = "paged", "varlen"
@@ -135,7 +135,7 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 # the score modifications (its sequences are the documents already: a document or prefix mask, and the
 # expressions, are refused there); the decode template on contiguous, paged and FP8 KV caches alike. FP8
 # inputs take none.
-BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + ("document", "prefix"),
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS,
               (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
               (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS}
 

@@ -5,14 +5,16 @@
     tiledsl::attention_backward(q, k, v, o, lse, do, kv_lens, causal, has_window, window_left,
                                 window_right, scale, deterministic, validate) -> (dq, dk, dv)
 
-With softcap, ALiBi or sinks (the modifications the warp-specialized backward spells) two more ops take them as
-arguments -- the softcap as a float, ALiBi as "" | "geometric" | "slopes" with its slopes tensor, the sinks
-tensor -- and the backward op returns dsink fourth (an empty tensor without sinks):
+With softcap, ALiBi, sinks or documents (the modifications the warp-specialized backward spells) two more ops
+take them as arguments -- the softcap as a float, ALiBi as "" | "geometric" | "slopes" with its slopes tensor, the
+sinks tensor, document_ids or document_bounds -- and the backward op returns dsink fourth (an empty tensor without
+sinks):
 
-    tiledsl::attention_forward_mods(q, k, v, kv_lens, alibi_slopes, sinks, causal, has_window, window_left,
-                                    window_right, scale, softcap, alibi, deterministic, validate) -> (o, lse)
-    tiledsl::attention_backward_mods(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, <the same scalars>)
-                                    -> (dq, dk, dv, dsink)
+    tiledsl::attention_forward_mods(q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, causal,
+                                    has_window, window_left, window_right, scale, softcap, alibi, deterministic,
+                                    validate) -> (o, lse)
+    tiledsl::attention_backward_mods(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, document_ids,
+                                     document_bounds, <the same scalars>) -> (dq, dk, dv, dsink)
 
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces a model that calls
 `tiledsl.attention` as one opaque op, and the forward's autograd formula (register_autograd) saves
@@ -62,23 +64,25 @@ def encode_scale(scale):
 
 
 def encode_mods(mods, aux: dict) -> tuple:
-    """(softcap, alibi, alibi_slopes, sinks): the modified ops' arguments for `mods` (softcap, ALiBi and sinks
-    only: layout.backward_ws.WS_BUILT_MODS) and their aux tensors by name."""
-    from ..mods.model import AUX_ALIBI, AUX_SINKS
+    """(softcap, alibi, alibi_slopes, sinks, document_ids, document_bounds): the modified ops' arguments for `mods`
+    (the API's keywords of layout.backward_ws.WS_BUILT_MODS) and their aux tensors by name."""
+    from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS
     alibi = "" if mods.alibi is None else mods.alibi.value
-    return mods.softcap, alibi, aux.get(AUX_ALIBI) if alibi == "slopes" else None, aux.get(AUX_SINKS)
+    return (mods.softcap, alibi, aux.get(AUX_ALIBI) if alibi == "slopes" else None, aux.get(AUX_SINKS),
+            aux.get(AUX_DOCUMENT_IDS), aux.get(AUX_DOCUMENT_BOUNDS))
 
 
-def mod_keywords(softcap, alibi: str, alibi_slopes, sinks) -> dict:
+def mod_keywords(softcap, alibi: str, alibi_slopes, sinks, document_ids=None, document_bounds=None) -> dict:
     """tiledsl.attention's (and attention_backward's) keywords back from encode_mods' values."""
     return {"softcap": softcap, "alibi_slopes": {"": None, "geometric": "geometric"}.get(alibi, alibi_slopes),
-            "sinks": sinks}
+            "sinks": sinks, "document_ids": document_ids, "document_bounds": document_bounds}
 
 
-def decode_mods(softcap, alibi: str, alibi_slopes, sinks) -> tuple:
+def decode_mods(softcap, alibi: str, alibi_slopes, sinks, document_ids=None, document_bounds=None) -> tuple:
     """(Modifications, aux tensors by name) of encode_mods' values."""
     from .modified import modifications
-    return modifications("attention", **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+    return modifications("attention", **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
+                                                     document_bounds))
 
 
 def gradient_refusal(mods, aux: dict, arch: str, head_dim: int, head_dim_v: int) -> str:
@@ -104,10 +108,10 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
     if torch.compiler.is_compiling() and not ws_mods_refusal(mods):
-        softcap, alibi, slopes, sinks = encode_mods(mods, aux)
+        softcap, alibi, slopes, sinks, ids, bounds = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
-        o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, bool(causal), has_window,
-                                                          left, right, encode_scale(scale), softcap, alibi,
+        o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, ids, bounds, bool(causal),
+                                                          has_window, left, right, encode_scale(scale), softcap, alibi,
                                                           bool(deterministic), validate)
     elif wants_grad:
         from ..runtime.device import device_arch
@@ -115,8 +119,8 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
         if why:
             raise RuntimeInputError(f"attention: no gradient through the modifications ({', '.join(mods.config())})"
                                     f": {why}; call under torch.no_grad() for the forward alone")
-        _, _, slopes, sinks = encode_mods(mods, aux)
-        o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks,
+        _, _, slopes, sinks, ids, bounds = encode_mods(mods, aux)
+        o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks, ids, bounds,
                                               eager_scalars(causal, window, scale, deterministic, validate) + (mods,))
     else:
         o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate)
@@ -220,16 +224,17 @@ def _register(torch):
 
     @torch.library.custom_op("tiledsl::attention_forward_mods", mutates_args=())
     def attention_forward_mods(q: Tensor, k: Tensor, v: Tensor, kv_lens: Optional[Tensor],
-                               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], causal: bool, has_window: bool,
-                               window_left: int, window_right: int, scale: Optional[float], softcap: Optional[float],
-                               alibi: str, deterministic: bool, validate: Optional[bool]) -> Tuple[Tensor, Tensor]:
-        mods, aux = decode_mods(softcap, alibi, alibi_slopes, sinks)
+                               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], document_ids: Optional[Tensor],
+                               document_bounds: Optional[Tensor], causal: bool, has_window: bool, window_left: int,
+                               window_right: int, scale: Optional[float], softcap: Optional[float], alibi: str,
+                               deterministic: bool, validate: Optional[bool]) -> Tuple[Tensor, Tensor]:
+        mods, aux = decode_mods(softcap, alibi, alibi_slopes, sinks, document_ids, document_bounds)
         return tuned.modified_forward(q, k, v, causal, decode_window(has_window, window_left, window_right), scale,
                                       kv_lens, mods, aux, validate, recorded=True)
 
     @attention_forward_mods.register_fake
-    def _(q, k, v, kv_lens, alibi_slopes, sinks, causal, has_window, window_left, window_right, scale, softcap, alibi,
-          deterministic, validate):
+    def _(q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, causal, has_window, window_left,
+          window_right, scale, softcap, alibi, deterministic, validate):
         from .tuned import check_q_v
         check_q_v(_dtype_name(torch, q.dtype), tuple(q.shape), tuple(v.shape))
         batch, heads, q_len = q.shape[:3]
@@ -238,35 +243,38 @@ def _register(torch):
     @torch.library.custom_op("tiledsl::attention_backward_mods", mutates_args=())
     def attention_backward_mods(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                                 kv_lens: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
-                                causal: bool, has_window: bool, window_left: int, window_right: int,
-                                scale: Optional[float], softcap: Optional[float], alibi: str, deterministic: bool,
-                                validate: Optional[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                                document_ids: Optional[Tensor], document_bounds: Optional[Tensor], causal: bool,
+                                has_window: bool, window_left: int, window_right: int, scale: Optional[float],
+                                softcap: Optional[float], alibi: str, deterministic: bool, validate: Optional[bool]
+                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         grads = backward.attention_backward(q, k, v, o, lse, do, causal=causal,
                                             window=decode_window(has_window, window_left, window_right), scale=scale,
                                             kv_lens=kv_lens, deterministic=deterministic, validate=validate,
-                                            **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+                                            **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
+                                                           document_bounds))
         dsink = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
         return tuple(g.contiguous() for g in grads[:3]) + (dsink,)
 
     @attention_backward_mods.register_fake
-    def _(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, causal, has_window, window_left, window_right, scale,
-          softcap, alibi, deterministic, validate):
+    def _(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, causal, has_window,
+          window_left, window_right, scale, softcap, alibi, deterministic, validate):
         dsink = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=torch.float32)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
     def setup_context_mods(ctx, inputs, output):
-        q, k, v, kv_lens, alibi_slopes, sinks, *scalars = inputs
+        q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, *scalars = inputs
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds)
         ctx.scalars = scalars   # causal, has_window, window_left, window_right, scale, softcap, alibi, deterministic,
         ctx.mark_non_differentiable(lse)   # validate
 
     def op_backward_mods(ctx, grad_o, grad_lse):
-        q, k, v, o, lse, kv_lens, alibi_slopes, sinks = ctx.saved_tensors
+        q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds = ctx.saved_tensors
         dq, dk, dv, dsink = torch.ops.tiledsl.attention_backward_mods(q, k, v, o, lse, grad_o.contiguous(), kv_lens,
-                                                                      alibi_slopes, sinks, *ctx.scalars)
-        # kv_lens, the slopes (constants) and the scalars: no gradient
-        return (dq, dk, dv, None, None, dsink if sinks is not None else None) + (None,) * len(ctx.scalars)
+                                                                      alibi_slopes, sinks, document_ids,
+                                                                      document_bounds, *ctx.scalars)
+        # kv_lens, the slopes (constants), the documents and the scalars: no gradient
+        return (dq, dk, dv, None, None, dsink if sinks is not None else None, None, None) + (None,) * len(ctx.scalars)
 
     attention_forward_mods.register_autograd(op_backward_mods, setup_context=setup_context_mods)
 
@@ -298,15 +306,17 @@ def _register(torch):
 
     class EagerModifiedAttention(torch.autograd.Function):
         """The modified forward op's autograd formula without the op (as EagerAttention): one non-tensor argument,
-        eager_scalars + (the Modifications,); the slopes and sinks tensors beside q, k, v and kv_lens."""
+        eager_scalars + (the Modifications,); the slopes, sinks and documents tensors beside q, k, v and kv_lens."""
 
         @staticmethod
-        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, scalars):
+        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, scalars):
             causal, window, scale, _, validate, mods = scalars
-            aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if t is not None}
+            aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks),
+                                           ("document_ids", document_ids), ("document_bounds", document_bounds))
+                   if t is not None}
             o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate,
                                             recorded=True)
-            ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks)
+            ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds)
             ctx.scalars = scalars
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
@@ -315,16 +325,17 @@ def _register(torch):
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
             if grad_o is None:
-                return (None,) * 7
-            q, k, v, o, lse, kv_lens, alibi_slopes, sinks = ctx.saved_tensors
+                return (None,) * 9
+            q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds = ctx.saved_tensors
             causal, window, scale, deterministic, validate, mods = ctx.scalars
-            softcap, alibi, _, _ = encode_mods(mods, {})
+            softcap, alibi, *_ = encode_mods(mods, {})
             grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
                                                 scale=scale, kv_lens=kv_lens, deterministic=deterministic,
                                                 validate=validate,
-                                                **mod_keywords(softcap, alibi, alibi_slopes, sinks))
+                                                **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
+                                                               document_bounds))
             dsink = grads[3] if sinks is not None else None   # (autograd drops it when sinks need none)
-            return grads[0], grads[1], grads[2], None, None, dsink, None
+            return grads[0], grads[1], grads[2], None, None, dsink, None, None, None
 
     return attention_forward, attention_backward, EagerAttention, EagerModifiedAttention
 

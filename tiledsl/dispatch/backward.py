@@ -130,7 +130,7 @@ def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v
 
 def modified_refusal(mods: Modifications) -> str:
     """What a backward with score modifications needs: the warp-specialized Hopper backward's head dims."""
-    return (f"score modifications ({', '.join(mods.config())}) have a backward only in the warp-specialized Hopper "
+    return (f"modifications ({', '.join(mods.config())}) have a backward only in the warp-specialized Hopper "
             f"backward (sm_90a, head dims {sorted(BACKWARD_WS_TUNED)} with qk = v); the wgmma and mma.sync backwards "
             "spell none")
 
@@ -177,7 +177,7 @@ _calls = SignatureCache()
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
                        validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
-                       alibi_slopes=None, sinks=None):
+                       alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -195,14 +195,19 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     pass the same ones): the warp-specialized backward recomputes the modified scores and takes dS through
     them; with `sinks` the result is (dq, dk, dv, dsink), dsink float32 (heads,). Other modifications, and
     problems the warp-specialized backward does not take, are refused (RuntimeInputError naming what is
-    missing)."""
+    missing).
+
+    `document_ids` (int32 (batch, kv_len)) or `document_bounds` (int32 (batch, documents + 1)) are the forward's
+    document mask (the same tensor): a block of keys walks only the q tiles of its keys' documents. Their order is
+    checked on the host as the forward's (mods/checks; a copy, skipped with validate=False)."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     mods, aux = NO_MODS, ()
-    if not (softcap is None and alibi_slopes is None and sinks is None):
+    if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
+            and document_bounds is None):
         from .modified import modifications
         mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                    differentiable=True)
+                                    document_ids=document_ids, document_bounds=document_bounds, differentiable=True)
         aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
     tensors = (q, k, v, o, lse, do, kv_lens) + aux
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..device_limits import H200, DeviceLimits, consumer_regs_fit, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, PANEL_ROW_BYTES, SWIZZLE_ATOM, WARP_THREADS, WARPGROUP_THREADS, \
     WGMMA_ROWS
-from ..mods.model import SCORE_MODS
+from ..mods.model import MASK_MODS, SCORE_MODS
 from ..spec import DqAccumulate, KernelSpec
 from .base import REGISTER_OVERHEAD, TEMPLATE_DTYPES, Buffer, Layout, Registers, align, finish, require
 
@@ -36,11 +36,12 @@ DQ_STAGING_MAX = 2             # staged dQ_i buffers: the consumers write step s
 # reduce-adds; red.global.add.v4 takes a 16-byte chunk per lane, so three warps share a tile's chunks
 WRITER_WARPS = {"writer_tma": 1, "writer_red": 3}
 WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERED)
-# The score modifications the warp-specialized backward spells (mods/model.py's field names): softcap's and
-# ALiBi's scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of
-# its own. One of softcap and ALiBi at a time: softcap's 1 - tanh^2 is read back from P, which ALiBi's bias
-# would have to be taken out of again.
-WS_BUILT_MODS = SCORE_MODS
+# The modifications the warp-specialized backward spells (mods/model.py's field names): softcap's and ALiBi's
+# scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of its own;
+# documents and prefix(n) narrow a block's q tiles and mask its partial ones (templates/backward_mask_mods.cuh).
+# One of softcap and ALiBi at a time: softcap's 1 - tanh^2 is read back from P, which ALiBi's bias would have to
+# be taken out of again.
+WS_BUILT_MODS = SCORE_MODS + MASK_MODS
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,12 @@ class WsBackwardPlan(KernelPlan):
     # The score modifications (layout.backward_ws.WS_BUILT_MODS; KernelPlan's fields): softcap and ALiBi recomputed
     # as the forward's (templates/score_mods.cuh), softcap's 1 - tanh^2 on dS; sinks: the sink gradient kernel.
     sink_threads: int = SINK_THREADS
+    # The mask modifications (templates/backward_mask_mods.cuh; mask_mods: any of them), as the hopper forward's
+    # fields: `documents` narrows a block's q tiles to the queries in its keys' documents and tests each key row's
+    # document interval; `prefix` keeps every q tile for the prefix's kv tiles.
+    mask_mods: bool = False
+    documents: str = ""   # "" | mods.model.Documents' value: "ids" | "bounds"
+    prefix: bool = False
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
@@ -133,6 +139,16 @@ def _wrappers(sc: int, split: str, d: int, dv: int, dq_cols: int) -> tuple[tuple
     return tuple(wrappers.values()), names
 
 
+def mask_text(mods) -> str:
+    """The consumers' mask step as explain prints it: the spec's mask and the mask modifications it tests."""
+    tested = [what for what, on in (("each key's document", mods.document is not None),
+                                     (f"the prefix ({mods.prefix} keys)", mods.prefix is not None)) if on]
+    if not tested:
+        return _TEXT["mask"]
+    return ("mask keys outside the sequence / diagonal / window, " + " and ".join(tested)
+            + " (only (warp, q tile) pairs not wholly visible)")
+
+
 def consumer_body(spec: KernelSpec, staged: bool, split: str) -> tuple[LoopOp, ...]:
     """The consumers' q-loop steps: the backward graph's consumer ops of loop_q in emission order."""
     graph = build_backward_graph(spec)
@@ -143,8 +159,22 @@ def consumer_body(spec: KernelSpec, staged: bool, split: str) -> tuple[LoopOp, .
         if step in graph:
             expected.insert(expected.index(after) + 1, step)
     assert names == expected, f"consumer order {names}, the template's {expected}"
-    return tuple(LoopOp(n, spec_line(spec, graph.op(n).key or "backward"), _TEXT.get(n, graph.op(n).text),
+    text = dict(_TEXT, mask=mask_text(spec.problem.mods))
+    return tuple(LoopOp(n, spec_line(spec, graph.op(n).key or "backward"), text.get(n, graph.op(n).text),
                         pending=graph.op(n).pending, node=n) for n in names)
+
+
+def q_range_text(mods) -> str:
+    """The q_range_mods region's line: how the mask modifications narrow a block's q tiles."""
+    parts = []
+    if mods.prefix is not None:
+        parts.append(f"prefix({mods.prefix}): a kv tile of prefix keys is seen by every q tile, later ones causally")
+    if mods.document is not None:
+        source = "document_ids" if mods.document.value == "ids" else "document_bounds"
+        parts.append(f"documents: only the queries at positions in the keys' documents (read from the documents "
+                     f"kernel's search of {source} by every thread: producer and consumers walk the same q tiles); "
+                     "each key row's document interval, once per block")
+    return "; ".join(parts)
 
 
 def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, q_empty_arrivals: int | None = None
@@ -261,6 +291,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
     if mods.sinks:
         names["sink_grad"] = f"{name}_sink_grad"
+    if mods.document is not None:
+        names["documents"] = f"{name}_documents"
     w = lambda key: spec_line(spec, key)   # noqa: E731
     dq_how = {"writer_tma": f"the writer's TMA reduce-add ({'in kv tile order, ' if ordered else ''}"
                             f"{d // STAGING_BOX_COLUMNS} boxes)",
@@ -287,13 +319,23 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                             "included; NaN for a bad kv_lens entry)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
+    if mods.modifies_mask:
+        regions["q_range_mods"] = Region(w("mask"), q_range_text(mods))
+    if mods.document is not None:
+        regions["documents"] = Region(w("mask"), "per (batch, kv tile) the keys' documents [start, end) and, for "
+                                      "ordered dQ, per q tile the first kv tile that sees it (its semaphores start "
+                                      "past the mask's first): one warp each, searching 32 positions at a time")
     if mods.sinks:
         regions["sink_grad"] = Region(w("sinks"), "dsink[h] = -sum over (batch, row) of exp(sink_h - LSE) * D: one "
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
     # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
     fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
+    fields |= dict(mask_mods=mods.modifies_mask, documents=mods.document.value if mods.document else "",
+                   prefix=mods.prefix is not None)
     # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
     mod_lines = mod_parameters(replace(mods, sinks=False))
+    if mods.document is not None:   # the documents kernel's: read, not searched, by the main kernel
+        mod_lines += (parameters("const int2* __restrict__", "key_spans"),)
     return make_plan(spec, Family.FA2, TEMPLATE, consts, regions, consumer_body(spec, staged, lay.split),
                      Launch(threads=main.threads, smem_bytes=main.smem_bytes, tile_q=br), 1, main.register_estimate,
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,

@@ -42,6 +42,9 @@ class Documents(Enum):
 # The score modifications' fields (Modifications' names) that every template with modifications spells: softcap
 # (and how its tanh runs), ALiBi and sinks (families.BUILT_MODS, layout/backward_ws.WS_BUILT_MODS).
 SCORE_MODS = ("softcap", "softcap_via", "alibi", "sinks")
+# The mask modifications the hopper forward and the warp-specialized backward spell (families.BUILT_MODS,
+# layout/backward_ws.WS_BUILT_MODS).
+MASK_MODS = ("document", "prefix")
 
 AUX_ALIBI = "alibi_slopes"
 AUX_SINKS = "sinks"

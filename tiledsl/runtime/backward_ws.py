@@ -9,11 +9,12 @@ dQ_accum (fp32, like dQ, zeroed), and under `dq accumulate ordered` one int32 se
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes
+from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents
 from ..spec import DType
 from .backward import BackwardKernel
 from .aux_args import aux_view, geometric_slope_tensor
-from .launch import CallBuilder, i32, pointer_arg, strides_args
+from .index_checks import add_check, host_validation
+from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
 from .tensors import signature, view
 
@@ -45,23 +46,51 @@ class WsBackwardKernel(BackwardKernel):
             call = self._calls.put(key, self.prepare_call(tensors, validate))
         return call(*tensors)
 
-    def mod_arguments(self, b: CallBuilder, batch: int, heads: int) -> dict:
-        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones)."""
-        alibi = self.spec.problem.mods.alibi
-        if alibi is AlibiSlopes.GEOMETRIC:
+    def mod_arguments(self, b: CallBuilder, batch: int, heads: int, kv_len: int, validate: bool | None) -> dict:
+        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones) and
+        documents (ids or bounds, read by pointer; their order checked on the host where the call checks its index
+        tensors there, as the forward's: runtime/hopper.HopperKernel.add_document_check)."""
+        mods, out = self.spec.problem.mods, {}
+        if mods.alibi is AlibiSlopes.GEOMETRIC:
             slopes = geometric_slope_tensor(b.like, b.device_id, heads)
             b.keep.append(slopes)
-            return {"alibi_slopes": view(slopes, AUX_ALIBI), "alibi_batch_stride": 0}
-        if alibi is AlibiSlopes.GIVEN:
+            out |= {"alibi_slopes": view(slopes, AUX_ALIBI), "alibi_batch_stride": 0}
+        elif mods.alibi is AlibiSlopes.GIVEN:
             t = aux_view(b, self.name, self.CALL, AUX_ALIBI, ((heads,), (batch, heads)))
-            return {"alibi_slopes": t, "alibi_batch_stride": heads if len(t.shape) == 2 else 0}
-        return {}
+            out |= {"alibi_slopes": t, "alibi_batch_stride": heads if len(t.shape) == 2 else 0}
+        if mods.document is Documents.IDS:
+            t = aux_view(b, self.name, self.CALL, AUX_DOCUMENT_IDS, ((batch, kv_len),), "int32")
+            out |= {"document_ids": t, "document_stride": t.strides[0]}
+        elif mods.document is Documents.BOUNDS:
+            t = aux_view(b, self.name, self.CALL, AUX_DOCUMENT_BOUNDS, None, "int32")
+            if len(t.shape) != 2 or t.shape[0] != batch or t.shape[1] < 1:
+                raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
+                                        f"({batch}, documents + 1)")
+            out |= {"document_bounds": t, "document_stride": t.strides[0], "document_count": t.shape[1]}
+        if mods.document is not None:
+            self.add_document_check(b, kv_len, validate)
+        return out
+
+    def add_document_check(self, b: CallBuilder, kv_len: int, validate: bool | None) -> None:
+        """The documents' host check (mods/checks: ids in runs, bounds in order) where the call checks its index
+        tensors on the host (runtime/index_checks.host_validation): the kernel reads any data in bounds, but
+        documents out of order would give wrong gradients."""
+        if not host_validation(validate):
+            return
+        from ..mods.checks import check_bounds, check_document_ids
+        from .serving_checks import host
+        if self.spec.problem.mods.document is Documents.IDS:
+            index = self.CALL.index(AUX_DOCUMENT_IDS)
+            add_check(b, lambda tensors: check_document_ids(host(tensors[index], AUX_DOCUMENT_IDS), self.name))
+        else:
+            index = self.CALL.index(AUX_DOCUMENT_BOUNDS)
+            add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
 
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
         (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
-        mods = self.mod_arguments(b, batch, heads)
+        mods = self.mod_arguments(b, batch, heads, kv_len, validate)
         if plan.sinks:
             vsinks = aux_view(b, self.name, self.CALL, AUX_SINKS, ((heads,),))
             vdsink = b.new_output("dsink", (heads,), DType.FP32)
@@ -84,6 +113,15 @@ class WsBackwardKernel(BackwardKernel):
                      (ptr(lse_rows), ptr(d_rows), ptr(vsinks), ptr(vdsink), i32(q_rows), i32(batch), i32(heads)),
                      f"{self.name} sink gradient")
         kv_blocks = -(-kv_len // bc)
+        if plan.documents and kv_blocks and kv_pairs:   # after the preprocess: it zeroes the semaphores
+            # per (kv tile, batch) the keys' documents, at the main kernel's block of the batch entry's kv head 0
+            key_spans = b.workspace("key_spans", (kv_blocks * kv_pairs * 2,), "int32")
+            source = ((ptr(mods["document_ids"]), i64(mods["document_stride"])) if plan.documents == "ids" else
+                      (ptr(mods["document_bounds"]), i64(mods["document_stride"]), i32(mods["document_count"])))
+            b.launch(fns["documents"], (max(kv_blocks, tiles), batch, 1), 32, 0,
+                     (*source, ptr(lens), ptr(key_spans), ptr(semaphores), i32(q_len), i32(kv_len), i32(kv_blocks),
+                      i32(tiles), i32(kv_pairs), i32(kv_heads), i32(heads)), f"{self.name} documents")
+            mods["key_spans"] = key_spans
         if kv_blocks and kv_pairs:
             rows = plan.box_rows
             k_map, v_map = map_arg(vk, rows["k"]), map_arg(vv, rows["v"])
