@@ -56,15 +56,25 @@ def encode(t: TensorView, box_rows: int, address: int | None = None, element: st
     # A unit-size dimension's stride is never used: any legal value will do.
     strides = [s if s > 0 else STRIDE_ALIGN for s in strides]
     address = t.pointer if address is None else address
-    err, encoded = cu.cuTensorMapEncodeTiled(
-        getattr(cu.CUtensorMapDataType, data_type), 4, address or PLACEHOLDER_ADDRESS,
-        [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
-        [cu.cuuint32_t(box_columns), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
-        [cu.cuuint32_t(1)] * 4,
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(cu.CUtensorMapSwizzle, swizzle),
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+    def encoded_map():
+        return cu.cuTensorMapEncodeTiled(
+            getattr(cu.CUtensorMapDataType, data_type), 4, address or PLACEHOLDER_ADDRESS,
+            [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
+            [cu.cuuint32_t(box_columns), cu.cuuint32_t(box_rows), cu.cuuint32_t(1), cu.cuuint32_t(1)],
+            [cu.cuuint32_t(1)] * 4,
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            getattr(cu.CUtensorMapSwizzle, swizzle),
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    err, encoded = encoded_map()
+    if err == cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        # A thread whose first CUDA work is this (autograd's backward thread, preparing a call there) has no current
+        # context yet: the tensor's device's primary context is made current, then the map is encoded again.
+        from . import device
+        with device.using_device(t.device_id):
+            device.make_context_current()
+            err, encoded = encoded_map()
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeInputError(f"{t.name}: cannot describe shape {t.shape} strides {t.strides} as a TMA tensor map "
                                 f"({err})")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..errors import RuntimeInputError
+from ..errors import LaunchError, RuntimeInputError
 from ..spec import DType, LaunchKind, Mask
 from .arguments import length_bound
 from .fp8_descales import descale_views
