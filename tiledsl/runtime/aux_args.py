@@ -6,8 +6,8 @@ are the host's, made once per device and head count."""
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
-    geometric_slopes
+from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, \
+    Documents, geometric_slopes
 from .inputs import Shapes
 from .launch import CallBuilder, i32, i64, is_compact, pointer_arg
 from .tensors import TensorView, view
@@ -58,7 +58,25 @@ class AuxArguments:
                 raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
                                         f"({shapes.batch}, documents + 1)")
             args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
+        if mods.blocks is not None:
+            args += self._block_mask_args(b, shapes)
         return args
+
+    def _block_mask_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
+        """block_mask (int32 (batch or 1, heads or 1, q blocks, kv blocks)) and its strides, 0 where a dimension
+        of 1 serves every batch entry or head; a sequence longer than a kernel's kv tile list is refused."""
+        from ..layout.hopper import LISTED_TILES
+        (block_q, block_kv), tile_kv = self.spec.problem.mods.blocks, self.spec.schedule.tile_kv
+        blocks = (-(-shapes.q_len // block_q), -(-shapes.kv_len // block_kv))
+        accepted = tuple((batch, heads) + blocks for batch in (shapes.batch, 1) for heads in (shapes.heads, 1))
+        t = self._aux_view(b, AUX_BLOCK_MASK, accepted, "int32")
+        if -(-shapes.kv_len // tile_kv) > LISTED_TILES:
+            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: {shapes.kv_len} keys are "
+                                    f"{-(-shapes.kv_len // tile_kv)} kv tiles of {tile_kv}; a q tile lists at most "
+                                    f"{LISTED_TILES} (at most {LISTED_TILES * tile_kv} keys)")
+        batch_stride = t.strides[0] if t.shape[0] > 1 else 0
+        head_stride = t.strides[1] if t.shape[1] > 1 else 0
+        return (pointer_arg(t), i64(batch_stride), i64(head_stride), i32(t.shape[3]))
 
     def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
         return aux_view(b, self.name, self.CALL, name, shapes, dtype)

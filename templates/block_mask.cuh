@@ -1,0 +1,64 @@
+// Block-sparse attention, `mask = blocks(q = BLOCK_Q, kv = BLOCK_KV)` (mods/model.py): block_mask[b, h, i /
+// BLOCK_Q, j / BLOCK_KV] != 0 marks the blocks of scores that are computed. The kernel's tiles divide the
+// blocks (the layout checks it), so a q tile lies in one row of the table and a kv tile in one of its
+// entries: a tile is computed whole or skipped whole, and no score needs a per-element test for the blocks
+// (the spec's own mask and kv_len still take theirs).
+//
+// Per work item the producer's copying thread reads the q tile's row of the table once and lists the kv
+// tiles it keeps (within the item's causal / window / kv_len range) in shared memory: a count, then one
+// 2-byte tile index per entry. The list is published by Q's full barrier; the producer and the consumers
+// then walk positions 0..count-1 of it, so the ring, the pipelined ops and an item with no tile (O = 0,
+// LSE = -inf) are those of a contiguous range. Two lists alternate by the item's round: the producer writes
+// the next item's while the consumers still read this one's (the one it overwrites was read by the
+// consumers of two items back, which freed Q before the producer loaded the last item's).
+
+// The q tile at q0's row of block_mask for (batch, head); a stride of 0 broadcasts a dimension of 1.
+template <class C>
+__device__ __forceinline__ const int* block_mask_row(const int* __restrict__ block_mask, i64 batch_stride,
+                                                     i64 head_stride, int kv_blocks, int batch, int head, int q0) {
+    return block_mask + batch * batch_stride + head * head_stride + (i64)(q0 / C::BLOCK_Q) * kv_blocks;
+}
+
+// A list's count sits at its start; its tile indices follow from byte 16.
+constexpr u32 LISTED_TILES_AT = 16;
+
+__device__ __forceinline__ int listed_tile(u32 list, int position) {
+    unsigned short tile;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(tile) : "r"(list + LISTED_TILES_AT + 2 * position) : "memory");
+    return tile;
+}
+
+__device__ __forceinline__ int listed_count(u32 list) {
+    int count;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(count) : "r"(list) : "memory");
+    return count;
+}
+
+// List the kv tiles of [tile_begin, tile_end) whose block is nonzero in `row`; returns how many (at most
+// the layout's LISTED_TILES: the host refuses longer sequences). Entries load a few at a time so their
+// latencies overlap (one thread, with the producer's few registers).
+template <class C>
+__device__ __forceinline__ int list_visible_tiles(const int* __restrict__ row, int tile_begin, int tile_end, u32 list) {
+    constexpr int TILES_PER_BLOCK = C::BLOCK_KV / C::BC;
+    constexpr int LOADS = 4;
+    int count = 0;
+    if (tile_begin < tile_end) {
+        const int first = tile_begin / TILES_PER_BLOCK, last = (tile_end - 1) / TILES_PER_BLOCK;
+        for (int block = first; block <= last; block += LOADS) {
+            int entry[LOADS];
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) entry[u] = block + u <= last ? __ldg(row + block + u) : 0;
+#pragma unroll
+            for (int u = 0; u < LOADS; ++u) {
+                if (entry[u] == 0) continue;
+                const int lo = max((block + u) * TILES_PER_BLOCK, tile_begin);
+                const int hi = min((block + u + 1) * TILES_PER_BLOCK, tile_end);
+                for (int tile = lo; tile < hi; ++tile, ++count)
+                    asm volatile("st.shared.u16 [%0], %1;\n"
+                                 :: "r"(list + LISTED_TILES_AT + 2 * count), "h"((unsigned short)tile) : "memory");
+            }
+        }
+    }
+    asm volatile("st.shared.s32 [%0], %1;\n" :: "r"(list), "r"(count) : "memory");
+    return count;
+}
