@@ -211,8 +211,8 @@ def test_an_autograd_step_with_sinks_returns_their_gradient(device):
     forward = device.last()[0]
     assert "softcap20_sinks" in forward and forward.startswith("hopper")
     do = device.tensor(o.shape)
-    dq, dk, dv, no_lens, no_slopes, dsink, no_scalars = device.backward(o, do)
-    assert (no_lens, no_slopes, no_scalars) == (None, None, None) and tuple(dsink.shape) == (4,)
+    dq, dk, dv, no_lens, no_slopes, dsink, no_block_mask, no_scalars = device.backward(o, do)
+    assert (no_lens, no_slopes, no_block_mask, no_scalars) == (None,) * 4 and tuple(dsink.shape) == (4,)
     (sink, *_, sink_values), (main, *_, main_values) = device.last(3), device.last(2)
     assert sink.endswith("_sink_grad") and sink_values[2:4] == [sinks.data_ptr(), dsink.data_ptr()]
     assert "softcap20_sinks" in main and [dk.data_ptr(), dv.data_ptr()] == main_values[9:11]

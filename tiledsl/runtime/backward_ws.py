@@ -9,10 +9,10 @@ dQ_accum (fp32, like dQ, zeroed), and under `dq accumulate ordered` one int32 se
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_SINKS, AlibiSlopes
+from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_SINKS, AlibiSlopes
 from ..spec import DType
 from .backward import BackwardKernel
-from .aux_args import aux_view, geometric_slope_tensor
+from .aux_args import aux_view, block_mask_arguments, geometric_slope_tensor
 from .launch import CallBuilder, i32, pointer_arg, strides_args
 from .tensor_maps import map_arg
 from .tensors import signature, view
@@ -45,23 +45,40 @@ class WsBackwardKernel(BackwardKernel):
             call = self._calls.put(key, self.prepare_call(tensors, validate))
         return call(*tensors)
 
-    def mod_arguments(self, b: CallBuilder, batch: int, heads: int) -> dict:
-        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones)."""
+    def mod_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> dict:
+        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones) and
+        its block mask's (the table and its strides, 0 where a dimension of 1 broadcasts)."""
+        out = self._block_arguments(b, batch, heads, kv_heads, q_len, kv_len)
         alibi = self.spec.problem.mods.alibi
         if alibi is AlibiSlopes.GEOMETRIC:
             slopes = geometric_slope_tensor(b.like, b.device_id, heads)
             b.keep.append(slopes)
-            return {"alibi_slopes": view(slopes, AUX_ALIBI), "alibi_batch_stride": 0}
+            return out | {"alibi_slopes": view(slopes, AUX_ALIBI), "alibi_batch_stride": 0}
         if alibi is AlibiSlopes.GIVEN:
             t = aux_view(b, self.name, self.CALL, AUX_ALIBI, ((heads,), (batch, heads)))
-            return {"alibi_slopes": t, "alibi_batch_stride": heads if len(t.shape) == 2 else 0}
-        return {}
+            return out | {"alibi_slopes": t, "alibi_batch_stride": heads if len(t.shape) == 2 else 0}
+        return out
+
+    def _block_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> dict:
+        blocks = self.spec.problem.mods.blocks
+        if blocks is None:
+            return {}
+        from ..layout.backward_ws import STEP_BITS
+        t, batch_stride, head_stride, kv_blocks = block_mask_arguments(b, self.name, self.CALL, blocks, batch, heads,
+                                                                       q_len, kv_len)
+        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
+        if steps > STEP_BITS:
+            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: a kv tile walks {steps} (query head, q tile) "
+                                    f"steps here; the block-sparse backward marks at most {STEP_BITS} (fewer query "
+                                    "heads per kv head, or a shorter sequence)")
+        return {"block_mask": t, "block_mask_batch_stride": batch_stride, "block_mask_head_stride": head_stride,
+                "block_mask_kv_blocks": kv_blocks}
 
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
         (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
-        mods = self.mod_arguments(b, batch, heads)
+        mods = self.mod_arguments(b, batch, heads, kv_heads, q_len, kv_len)
         if plan.sinks:
             vsinks = aux_view(b, self.name, self.CALL, AUX_SINKS, ((heads,),))
             vdsink = b.new_output("dsink", (heads,), DType.FP32)
