@@ -150,3 +150,113 @@ def test_api_passes_the_table_with_broadcast_strides(device):
         kernel = tiledsl.compile(tuned_spec("sm_90a", DType.BF16, 128, Mask.NONE, 128, None, None, 1000,
                                             Modifications(blocks=(128, 128)))[0])
         kernel(q, k, k, aux={"block_mask": device.tensor((2, 4, 8, 11), "int64")})
+
+
+# ---- the warp-specialized backward --------------------------------------------------------------------------
+
+def backward_spec(d=128, mask=Mask.CAUSAL, deterministic=False, blocks=(128, 128), **mods):
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    return chosen_backward_spec("sm_90a", DType.BF16, d, mask, d, deterministic=deterministic,
+                                mods=Modifications(blocks=blocks, **mods))
+
+
+def test_the_ws_backward_builds_blocks():
+    from tiledsl.layout.backward_ws import STEP_BITS, WS_BUILT_MODS, backward_ws_layout
+    assert "blocks" in WS_BUILT_MODS
+    lay = backward_ws_layout(backward_spec())
+    bits = next(b for b in lay.main.buffers if b.name == "step bits")
+    assert bits.bytes == 16 + STEP_BITS // 8 and bits.offset % 16 == 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_walks_the_marked_steps(deterministic):
+    from tiledsl.lower.backward import lower_backward
+    source = render(lower_backward(backward_spec(deterministic=deterministic)))
+    main = source.split("_main(")[1]
+    setup, roles = main.split("    __syncthreads();\n", 1)
+    assert "mark_visible_steps<C>(block_mask" in setup and "steps = marked_step_count(shared.step_bits())" in roles
+    producer, consumer = roles.split("registers_increase")
+    copier, writer = producer.split("dQ_i -> dQ_accum")
+    assert "step = next_marked_step(shared.step_bits(), step + 1);" in copier
+    assert copier.index("publish_step(shared.step_bits(), slot, step)") < copier.index("mbarrier_arrive_expect_tx(full")
+    assert "step = next_marked_step(shared.step_bits(), step + 1);" in writer
+    assert ("const int turn = turn_in_row;" in writer) and ("visible_kv_tiles_before<C>" in writer)
+    assert "next_marked_step" not in consumer and "const int step = published_step(shared.step_bits(), slot);" in \
+        consumer
+    # the consumers wait for the slot once, where they read its step
+    assert consumer.count("mbarrier_wait(bar_at(bars, C::Q_FULL_BAR + slot), phase);") == 1
+    code = "\n".join(line.split("//")[0] for line in consumer.splitlines())
+    assert "block_mask" not in code   # no per-element read of the table
+
+
+def test_deterministic_block_sparse_backward_takes_more_producer_registers():
+    from tiledsl.dispatch.backward import ORDERED_BLOCKS_REGS
+    b = backward_spec(deterministic=True).backward
+    assert (b.producer_regs, b.consumer_regs) == ORDERED_BLOCKS_REGS
+    b = backward_spec().backward
+    assert (b.producer_regs, b.consumer_regs) == (24, 240)
+
+
+def test_a_gradient_needs_backward_tiles_that_divide_the_blocks(device):
+    from tiledsl.dispatch.backward import modified_backward_refusal
+    assert modified_backward_refusal("sm_90a", 128, 128, Modifications(blocks=(128, 128))) == ""
+    why = modified_backward_refusal("sm_90a", 64, 64, Modifications(blocks=(64, 64)))
+    assert "must divide the blocks" in why
+    q = device.tensor((1, 2, 256, 64), requires_grad=True)
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match="no gradient through the modifications .blocks.*must divide"):
+        tiledsl.attention(q, q, q, block_mask=device.index(np.ones((1, 1, 4, 4), dtype=np.int32)), block_size=64)
+    assert len(device.launches) == launches   # refused before the forward ran
+
+
+def test_an_autograd_step_passes_the_table_to_the_backward(device):
+    q, k, v = (device.tensor((2, 4, 300, 128), requires_grad=True) for _ in range(3))
+    table = device.index(np.ones((1, 4, 3, 3), dtype=np.int32))
+    o = tiledsl.attention(q, k, v, causal=True, block_mask=table)
+    assert "_blk128x128_" in device.last()[0]
+    dq, dk, dv, *nones = device.backward(o, device.tensor(o.shape))
+    assert nones == [None] * 5
+    main, *_, values = device.last(2)
+    assert main.endswith("_main") and "_blk128x128_" in main and values[-4:] == [table.data_ptr(), 0, 9, 3]
+
+
+def test_the_backward_refuses_more_steps_than_its_bits(device):
+    from tiledsl.dispatch.backward import attention_backward
+    from tiledsl.layout.backward_ws import STEP_BITS
+    q_len = STEP_BITS * 64 // 2 + 64   # d128: 64-query tiles; two query heads per kv head
+    q, o = device.tensor((1, 2, q_len, 128)), device.tensor((1, 2, q_len, 128))
+    k = device.tensor((1, 1, 256, 128))
+    lse = device.tensor((1, 2, q_len), "float32")
+    table = device.index(np.ones((1, 1, -(-q_len // 128), 2), dtype=np.int32))
+    with pytest.raises(RuntimeInputError, match=f"block_mask: a kv tile walks {STEP_BITS + 2} .* at most {STEP_BITS}"):
+        attention_backward(q, k, k, o, lse, o, block_mask=table)
+
+
+def _backward_cases() -> list:
+    """(d, mask, deterministic, ALiBi and sinks) of the block-sparse backward kernels the API runs. Known spills,
+    listed exactly (strict: a fix or a new spill fails): ALiBi with blocks on d64's 128-query consumers, the slope
+    read after the step's slot (its q tile is known only then) instead of before the wait (2-8 bytes), except
+    causal non-deterministic."""
+    spills = pytest.mark.xfail(strict=True, reason="ALiBi with blocks spills on d64's 128-query consumers")
+    cases = []
+    for d in (64, 128, 256):
+        for mask in (Mask.NONE, Mask.CAUSAL):
+            for deterministic in (False, True):
+                for alibi in (False, True):
+                    known = alibi and d == 64 and (deterministic or mask is Mask.CAUSAL)
+                    case = (d, mask, deterministic, alibi)
+                    cases.append(pytest.param(*case, marks=spills) if known else case)
+    return cases
+
+
+@pytest.mark.skipif(__import__("tiledsl.codegen.nvcc", fromlist=["nvcc_path"]).nvcc_path() is None,
+                    reason="nvcc is not on PATH")
+@pytest.mark.parametrize("d, mask, deterministic, alibi", _backward_cases())
+def test_the_block_sparse_backward_compiles_without_spills(d, mask, deterministic, alibi):
+    from tiledsl.codegen import nvcc
+    from tiledsl.lower.backward import lower_backward
+    from tiledsl.mods.model import AlibiSlopes
+    extra = {"alibi": AlibiSlopes.GIVEN, "sinks": True} if alibi else {}
+    plan = lower_backward(backward_spec(d, mask, deterministic, **extra))
+    res = nvcc.resources(render(plan), plan.kernel_names["main"])
+    assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0), f"{plan.kernel_name}\n{res.report}"
