@@ -47,6 +47,8 @@ def test_the_hopper_forward_builds_blocks_and_the_other_templates_refuse_them():
     for s in load_specs("specs/mods/block_sparse_d128.tile"):
         assert missing_template(s) == "", s.name
         assert "list_visible_tiles<C>" in render(lower(s))
+        from tiledsl.lower.backward import lower_backward
+        assert "mark_visible_steps<C>" in render(lower_backward(s))
 
 
 def test_layout_holds_two_lists_only_with_blocks():
@@ -78,7 +80,8 @@ def test_rendered_kernel_walks_the_listed_tiles():
     assert "kv_tile * C::BC, w.kv_head, w.batch" in producer and "tile * C::BC, w.kv_head" not in \
         producer.replace("kv_tile * C::BC, w.kv_head", "")
     assert "w.tile_end = listed_count(tile_list)" in consumer
-    assert consumer.count("const int kv_tile = listed_tile(tile_list, tile);") == 2   # the peeled first trip and the loop
+    # the peeled first trip and the loop
+    assert consumer.count("const int kv_tile = listed_tile(tile_list, tile);") == 2
     assert "tile_needs_mask<C>(row0, 64, kv_tile * C::BC" in consumer
     assert "block_mask" not in "\n".join(line.split("//")[0] for line in consumer.splitlines())   # no per-element read
     assert "shared.tile_lists(q_round & 1)" in producer and "shared.tile_lists(q_round & 1)" in consumer

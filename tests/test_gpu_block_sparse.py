@@ -4,7 +4,8 @@ block tables of density 0.1, 0.5 and 1.0, a whole empty q-block row (O = 0, LSE 
 kernel's tiles and blocks whose size makes the API pick smaller tiles, (1, 1, ...), (1, heads, ...) and
 (batch, 1, ...) broadcast tables, causal + blocks, kv_lens with 0, GQA, query lengths 17, 1000 and 4097, fp16 and
 bf16, with documents and the score modifications; a FlexAttention BlockMask input, the refusals before launch,
-no host sync, the refused gradient and one compute-sanitizer run."""
+no host sync, a gradient the backward's tiles cannot give refused before the forward, and one compute-sanitizer
+run. The backward: tests/test_gpu_block_sparse_backward.py."""
 from __future__ import annotations
 
 import textwrap
@@ -219,15 +220,15 @@ def test_no_host_sync():
         tiledsl.attention(q, q, q, block_mask=flex)
 
 
-def test_a_gradient_through_the_blocks_is_refused_before_it_runs():
+def test_a_gradient_the_backward_tiles_cannot_give_is_refused_before_it_runs():
     import torch
 
     import tiledsl
     from tiledsl.errors import RuntimeInputError
-    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    table = torch.ones(1, 1, 2, 2, device="cuda", dtype=torch.int32)
-    with pytest.raises(RuntimeInputError, match="no gradient through the modifications .blocks"):
-        tiledsl.attention(q, q, q, block_mask=table)
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    table = torch.ones(1, 1, 4, 4, device="cuda", dtype=torch.int32)
+    with pytest.raises(RuntimeInputError, match="no gradient through the modifications .blocks.*must divide"):
+        tiledsl.attention(q, q, q, block_mask=table, block_size=64)
 
 
 def test_the_kernel_refuses_a_table_of_the_wrong_element_type():

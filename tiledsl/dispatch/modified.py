@@ -86,7 +86,8 @@ def block_table(where: str, block_mask, block_size, convert: bool = True) -> tup
         from torch.nn.attention.flex_attention import noop_mask
         if block_mask.mask_mod is not noop_mask:
             raise RuntimeInputError(
-                f"{where}: block_mask is a BlockMask with a mask_mod ({getattr(block_mask.mask_mod, '__name__', '?')}), "
+                f"{where}: block_mask is a BlockMask with a mask_mod "
+                f"({getattr(block_mask.mask_mod, '__name__', '?')}), "
                 "which FlexAttention evaluates inside its partial blocks; tiledsl reads a BlockMask's blocks only: "
                 "build it with BlockMask.from_kv_blocks(..., mask_mod=None), or pass the per-block table")
         return _checked_sizes(where, sizes), flex_table(block_mask) if convert else block_mask

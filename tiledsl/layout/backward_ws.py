@@ -181,8 +181,8 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
     add("D", Br * 4, S, f"{S}x Br*4", "fp32 (padded rows: 0)", 16)
     if p.mods.blocks is not None:
         require_tiles_nest(spec)
-        require(S <= 3, spec, "backward.pipeline", f"{S} stages: block-sparse steps are named per ring slot in the step "
-                "bits' 16-byte header (at most 3 slots)", "pipeline 2 stages via tma")
+        require(S <= 3, spec, "backward.pipeline", f"{S} stages: block-sparse steps are named per ring slot in the "
+                "step bits' 16-byte header (at most 3 slots)", "pipeline 2 stages via tma")
         add("step bits", 16 + STEP_BITS // 8, formula=f"16 B count + {STEP_BITS} bits: (query head, q tile) steps "
             "with a nonzero block",
             layout="u32 words", alignment=16)

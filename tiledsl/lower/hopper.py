@@ -47,7 +47,8 @@ class HopperPlan(KernelPlan):
     launch_kind: str = ""
     item_order: str = ""
     # where a consumer waits for its item's Q: "item" (a dynamic launch: where it reads the item's index), "span"
-    # (a document or block mask: before it reads the item's document span or kv tile list), else "loop" (before its kv loop)
+    # (a document or block mask: before it reads the item's document span or kv tile list), else "loop" (before its
+    # kv loop)
     q_wait: str = "loop"
     # FP8 inputs (dtype = e4m3; templates/hopper_fp8.cuh): the producer's warps 1.. transpose each V tile into
     # V^T; the consumers read the descales (q_descale, k_descale, v_descale) per item or per tile.
@@ -269,7 +270,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     if p.mods.blocks is not None:
         lists = lay.buffer("kv tile lists")
         consts += [Constant("TILE_LIST_OFFSET", "u32", lists.offset,
-                            "mask = blocks: the producer lists each item's visible kv tiles here (two lists, by round)"),
+                            "mask = blocks: the producer lists each item's visible kv tiles here (two, by round)"),
                    Constant("TILE_LIST_BYTES", "u32", lists.stage_bytes, "one list: its count, then 2-byte tiles")]
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
@@ -298,8 +299,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                             "each row's own document from the tile's ids"),
         "blocks": Region(spec_line(spec, "mask"),
                          "block-sparse: the producer reads the q tile's row of block_mask once and lists the kv tiles "
-                         "whose block is nonzero (shared memory, published by Q's barrier); producer and consumers walk "
-                         "the list"),
+                         "whose block is nonzero (shared memory, published by Q's barrier); producer and consumers "
+                         "walk the list"),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
