@@ -102,7 +102,8 @@ __device__ __forceinline__ void mark_visible_steps(const int* __restrict__ block
             const u32 word = __ballot_sync(0xffffffffu, entry[u] != 0);
             const int first = base + 32 * u;
             if (lane == 0 && first < steps)
-                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(bits + MARKED_STEPS_AT + first / 8), "r"(word) : "memory");
+                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(bits + MARKED_STEPS_AT + first / 8), "r"(word)
+                             : "memory");
             marked += __popc(word);
         }
     }

@@ -188,7 +188,7 @@ def test_tables_are_checked_before_launch():
     q = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16)
     good = torch.ones(2, 4, 8, 8, device="cuda", dtype=torch.int32)
     tiledsl.attention(q, q, q, block_mask=good)
-    for table, size, words in ((torch.ones(2, 4, 8, device="cuda"), 128, "4-d"),
+    for table, size, words in ((torch.ones(2, 4, 8, device="cuda", dtype=torch.int32), 128, "4-d"),
                                (good.float(), 128, "int or bool"),
                                (torch.ones(2, 4, 7, 8, device="cuda", dtype=torch.int32), 128,
                                 r"block_mask must be \(batch or 1, heads or 1, 8, 8\)"),

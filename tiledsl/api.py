@@ -57,9 +57,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks, the
     documents and block_mask run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
     queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); block_mask
-    also has a backward (the warp-specialized one: autograd, attention_backward's block_mask=). softcap, alibi_slopes and sinks
-    (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that require grad go
-    through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
+    also has a backward (the warp-specialized one: autograd, attention_backward's block_mask=). softcap,
+    alibi_slopes and sinks (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that
+    require grad go through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
     torch.compile) into the warp-specialized Hopper backward (head dims 64, 128, 256), and `sinks` gets its
     gradient when it requires grad; a call that needs a gradient through any other modification is refused
     before it runs. Documents are runs of one id each (packed sequences); the host checks
