@@ -36,22 +36,31 @@ __device__ __forceinline__ int listed_count(u32 list) {
 }
 
 // List the kv tiles of [tile_begin, tile_end) whose block is nonzero in `row`; returns how many (at most
-// the layout's LISTED_TILES: the host refuses longer sequences). Entries load a few at a time so their
-// latencies overlap (one thread, with the producer's few registers).
+// the layout's LISTED_TILES: the host refuses longer sequences). One thread, with the producer's few registers:
+// the row's 128-byte lines are prefetched first, so their latencies overlap, then read 4 entries a load (one
+// 16-byte load where the row starts on 16 bytes: kv_blocks % 4 == 0; the 4 stay inside the row then).
 template <class C>
-__device__ __forceinline__ int list_visible_tiles(const int* __restrict__ row, int tile_begin, int tile_end, u32 list) {
+__device__ __forceinline__ int list_visible_tiles(const int* __restrict__ row, int kv_blocks, int tile_begin,
+                                                  int tile_end, u32 list) {
     constexpr int TILES_PER_BLOCK = C::BLOCK_KV / C::BC;
-    constexpr int LOADS = 4;
     int count = 0;
     if (tile_begin < tile_end) {
         const int first = tile_begin / TILES_PER_BLOCK, last = (tile_end - 1) / TILES_PER_BLOCK;
-        for (int block = first; block <= last; block += LOADS) {
-            int entry[LOADS];
+        for (int block = first & ~31; block <= last; block += 32)
+            asm volatile("prefetch.global.L1 [%0];\n" :: "l"(row + block));
+        const bool vectors = (kv_blocks & 3) == 0 && (reinterpret_cast<unsigned long long>(row) & 15) == 0;
+        for (int block = vectors ? first & ~3 : first; block <= last; block += 4) {
+            int entry[4];
+            if (vectors) {
+                const int4 four = __ldg(reinterpret_cast<const int4*>(row + block));
+                entry[0] = four.x, entry[1] = four.y, entry[2] = four.z, entry[3] = four.w;
+            } else {
 #pragma unroll
-            for (int u = 0; u < LOADS; ++u) entry[u] = block + u <= last ? __ldg(row + block + u) : 0;
+                for (int u = 0; u < 4; ++u) entry[u] = block + u <= last ? __ldg(row + block + u) : 0;
+            }
 #pragma unroll
-            for (int u = 0; u < LOADS; ++u) {
-                if (entry[u] == 0) continue;
+            for (int u = 0; u < 4; ++u) {
+                if (entry[u] == 0 || block + u < first || block + u > last) continue;
                 const int lo = max((block + u) * TILES_PER_BLOCK, tile_begin);
                 const int hi = min((block + u + 1) * TILES_PER_BLOCK, tile_end);
                 for (int tile = lo; tile < hi; ++tile, ++count)

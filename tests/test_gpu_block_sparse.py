@@ -29,7 +29,7 @@ def blocks_of(q_len: int, kv_len: int, block: tuple[int, int]) -> tuple[int, int
 
 
 def run(q_len, kv_len, table: np.ndarray, block=(128, 128), *, batch=2, heads=4, kv_heads=None, head_dim=128,
-        causal=False, kv_lens=None, dtype="bfloat16", table_dtype="int32", extra=None):
+        causal=False, kv_lens=None, dtype="bfloat16", table_dtype="int32", extra=None, window=None):
     """(O error, LSE error) of tiledsl.attention(..., block_mask=table, block_size=block) into NaN-poisoned
     outputs (the kernel the API picks, run with out= / lse= through its prepared call) against the float64
     reference of the spec spec_for prints; returns (errors, O, LSE) for further checks."""
@@ -48,11 +48,11 @@ def run(q_len, kv_len, table: np.ndarray, block=(128, 128), *, batch=2, heads=4,
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
     given = torch.tensor(table, device="cuda").to(getattr(torch, table_dtype))
     extra = dict(extra or {})
-    out, lse = tiledsl.attention(q, k, v, causal=causal, kv_lens=lens, block_mask=given, block_size=block,
-                                 return_lse=True, **extra)
+    out, lse = tiledsl.attention(q, k, v, causal=causal, window=window, kv_lens=lens, block_mask=given,
+                                 block_size=block, return_lse=True, **extra)
     torch.cuda.synchronize()
-    spec = tiledsl.parse_text(tiledsl.spec_for(q, k, v, causal=causal, block_mask=given, block_size=block,
-                                               **extra))[0]
+    spec = tiledsl.parse_text(tiledsl.spec_for(q, k, v, causal=causal, window=window, block_mask=given,
+                                               block_size=block, **extra))[0]
     aux = {AUX_BLOCK_MASK: np.asarray(table, dtype=np.int32)}
     aux |= {name: extra[key].cpu().numpy() for name, key in ((AUX_SINKS, "sinks"), (AUX_DOCUMENT_IDS, "document_ids"))
             if key in extra}
@@ -131,6 +131,13 @@ def test_gqa_unequal_lengths_and_kv_lens_with_zero(causal):
     table = random_table(rng, (3, 1) + blocks_of(900, 260, (128, 128)), 0.5)
     check(run(900, 260, table, batch=3, heads=4, kv_heads=1, causal=causal, kv_lens=[260, 0, 129],
               head_dim=64)[0])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_sliding_window_with_blocks(head_dim):
+    rng = np.random.default_rng()
+    table = random_table(rng, (2, 4) + blocks_of(1000, 1000, (128, 128)), 0.5)
+    check(run(1000, 1000, table, head_dim=head_dim, window=(300, 40))[0])
 
 
 def test_with_the_score_modifications_and_documents():

@@ -35,7 +35,7 @@ def table_of(rng, shape, density):
 
 
 def run(table: np.ndarray, d=128, causal=False, batch=2, heads=4, kv_heads=2, q_len=1000, kv_len=1000, block=128,
-        kv_lens=None, deterministic=False, dtype="bfloat16", alibi=False):
+        kv_lens=None, deterministic=False, dtype="bfloat16", alibi=False, window=None):
     """(errors of dQ, dK, dV, the gradients) of one attention_backward on fresh inputs into NaN-poisoned memory."""
     import torch
 
@@ -56,8 +56,8 @@ def run(table: np.ndarray, d=128, causal=False, batch=2, heads=4, kv_heads=2, q_
         kw["alibi_slopes"] = torch.rand(heads, device="cuda") * 0.3
         aux["alibi_slopes"] = float64(kw["alibi_slopes"])
     mods, _ = modifications("attention_backward", differentiable=True, **kw)
-    spec = chosen_backward_spec(device_arch(), DType.BF16, d, Mask.CAUSAL if causal else Mask.NONE, d,
-                                deterministic=deterministic, mods=mods)
+    mask = Mask.WINDOW if window else Mask.CAUSAL if causal else Mask.NONE
+    spec = chosen_backward_spec(device_arch(), DType.BF16, d, mask, d, window, deterministic=deterministic, mods=mods)
     lens = None if kv_lens is None else torch.tensor(kv_lens, device="cuda", dtype=torch.int32)
     lens64 = None if kv_lens is None else np.array(kv_lens)
     q64, k64, v64, do64 = (float64(x) for x in (q, k, v, do))
@@ -67,7 +67,8 @@ def run(table: np.ndarray, d=128, causal=False, batch=2, heads=4, kv_heads=2, q_
     poison = [torch.full_like(x, float("nan")) for x in (q, k, v)]   # freed NaN blocks the outputs reuse
     del poison
     torch.cuda.synchronize()
-    out = attention_backward(q, k, v, o, lse, do, causal=causal, kv_lens=lens, deterministic=deterministic, **kw)
+    out = attention_backward(q, k, v, o, lse, do, causal=causal, window=window, kv_lens=lens,
+                             deterministic=deterministic, **kw)
     torch.cuda.synchronize()
     return [rel(x, r) for x, r in zip(out, ref)], out
 
@@ -137,6 +138,13 @@ def test_kv_lens_including_zero(causal):
                                kv_len=600, kv_lens=[600, 0, 177])
     check(errors)
     assert not dq[1].any() and not dk[1].any() and not dv[1].any()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_sliding_window_with_blocks(deterministic):
+    rng = np.random.default_rng()
+    check(run(table_of(rng, (2, 4) + blocks(1000, 1000), 0.5), 64, False, window=(300, 40),
+              deterministic=deterministic)[0])
 
 
 def test_alibi_with_blocks():
