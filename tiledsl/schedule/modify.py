@@ -61,6 +61,14 @@ def kv_loop_text(mods: Modifications) -> str:
             "the producer reads q tile i's row once and lists them for itself and the consumers")
 
 
+def q_loop_text(mods: Modifications) -> str:
+    """What the backward's q loop (kv outer) walks besides the mask's own tile range: block_mask's nonzero blocks."""
+    if mods.blocks is None:
+        return ""
+    return (f"; only the (query head, q tile) steps whose block_mask[b, h, i // {mods.blocks[0]}, j // "
+            f"{mods.blocks[1]}] is nonzero: warp 0 reads kv tile j's column once and marks them for every role")
+
+
 def add_score_mod(g, name: str, loops, role, key: str, scores: str, lag: int = 0) -> str:
     """The score_mod op after `scores` (the node producing S) when the spec modifies scores; returns
     the node that produces S for the mask."""
