@@ -129,7 +129,8 @@ def main(argv: list[str]) -> int:
         dense = timed(lambda: tiledsl.attention(q, k, v), (q, k, v))
         for pattern in args.patterns:
             table = table_for(pattern, batch, heads, n)
-            block_mask = flex_block_mask(table, n)
+            # Flex's BlockMask per (batch, head) for every pattern: one shape per seqlen, so one compile
+            block_mask = flex_block_mask(table.expand(batch, heads, -1, -1).contiguous(), n)
             flops = 4.0 * HEAD_DIM * visible_pairs(table, batch, heads, n)
             times = {"flex": timed(lambda: flex(q, k, v, block_mask=block_mask), (q, k, v)),
                      "none": dense}
