@@ -1,8 +1,9 @@
 """Every kernel tiledsl can emit, rendered to a folder: the bundled specs (search spaces expanded,
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
 head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward, and
-softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels, documents in the backward). A
-refactor that should change no kernel is checked by rendering before and after and comparing:
+softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels, documents in the backward;
+block-sparse forward and backward kernels). A refactor that should change no kernel is checked by rendering before
+and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
 
@@ -98,7 +99,7 @@ def backward_specs():
 
 def modified_specs():
     """(what, KernelSpec) of the kernels with softcap, ALiBi and sinks the API picks: the hopper forward, decode
-    (contiguous and paged), varlen and the warp-specialized backward, none and causal."""
+    (contiguous and paged), varlen and the warp-specialized backward, none and causal; then block_sparse_specs."""
     from tiledsl.dispatch.backward import chosen_backward_spec
     from tiledsl.dispatch.modified import modifications
     from tiledsl.dispatch.tuned import tuned_spec
@@ -128,6 +129,23 @@ def modified_specs():
             for d in (64, 128, 256):
                 for deterministic in (False, True):
                     yield "document backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d,
+                                                                    deterministic=deterministic, mods=mods)
+    yield from block_sparse_specs()
+
+
+def block_sparse_specs():
+    """(what, KernelSpec) of the block-sparse kernels the API picks (128 x 128 blocks, FlexAttention's default):
+    the hopper forward and the warp-specialized backward (and its deterministic one), none and causal."""
+    from tiledsl.dispatch.backward import chosen_backward_spec
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.mods.model import Modifications
+    from tiledsl.spec import DType, Mask
+    mods = Modifications(blocks=(128, 128))
+    for mask in (Mask.NONE, Mask.CAUSAL):
+        for d in (64, 128, 256):
+            yield "block-sparse prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
+            for deterministic in (False, True):
+                yield "block-sparse backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d,
                                                                     deterministic=deterministic, mods=mods)
 
 

@@ -240,18 +240,18 @@ def test_a_training_step_with_document_ids_runs_the_document_backward(device):
     o = tiledsl.attention(q, k, v, causal=True, document_ids=ids)
     assert device.last()[0].startswith("hopper") and "_doc_" in device.last()[0]
     grads = device.backward(o, device.tensor(o.shape))
-    assert len(grads) == 9 and grads[6:8] == (None, None)   # no gradient for the ids
+    assert len(grads) == 10 and grads[6:9] == (None,) * 3   # no gradient for the ids (nor bounds, block mask)
     assert device.last(3)[0].endswith("_documents") and "_doc_" in device.last(2)[0]
 
 
 def test_what_stays_refused():
-    """The warp-specialized backward takes documents and prefix(n) (with the score modifications); block masks,
+    """The warp-specialized backward takes documents, prefix(n) and block masks (with the score modifications);
     dropout and expressions stay refused, by name."""
     from tiledsl.dispatch.modified import modifications
     from tiledsl.layout.backward_ws import ws_mods_refusal
     from tiledsl.mods.model import Documents, Modifications
     assert ws_mods_refusal(Modifications(prefix=5, document=Documents.BOUNDS, softcap=30.0, sinks=True)) == ""
-    assert "blocks" in ws_mods_refusal(Modifications(blocks=(128, 128)))
+    assert ws_mods_refusal(Modifications(blocks=(128, 128), document=Documents.IDS)) == ""
     assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
     assert "mask_mod" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0])
 

@@ -125,7 +125,6 @@ def test_the_graph_gives_the_modification_the_consumers_and_explain_names_it():
 
 
 @pytest.mark.parametrize("mods, why", [
-    (["mask = causal & blocks(q = 128, kv = 128)"], "no template for the modifications blocks"),
     (["softcap = 30", "alibi = geometric"], "softcap or ALiBi, not both"),
     (["dropout = 0.1"], "no template for the modifications dropout"),
     (["score_mod = score * 2"], "no template for the modifications score_mod"),
@@ -162,7 +161,8 @@ def test_the_autograd_ops_arguments_round_trip():
     slopes, sinks = np.ones(4, np.float32), np.zeros(4, np.float32)
     ids, bounds = np.zeros((2, 8), np.int32), np.array([[0, 8], [0, 4]], np.int32)
     for keywords in ({"softcap": 30.0}, {"alibi_slopes": "geometric"}, {"alibi_slopes": slopes, "sinks": sinks},
-                     {"softcap": 12.5, "sinks": sinks}, {"document_ids": ids}, {"document_bounds": bounds, "sinks": sinks}):
+                     {"softcap": 12.5, "sinks": sinks}, {"document_ids": ids},
+                     {"document_bounds": bounds, "sinks": sinks}):
         mods, aux = modifications("attention", **keywords)
         encoded = encode_mods(mods, aux)
         again, aux_again = decode_mods(*encoded)
@@ -213,8 +213,9 @@ def test_an_autograd_step_with_sinks_returns_their_gradient(device):
     forward = device.last()[0]
     assert "softcap20_sinks" in forward and forward.startswith("hopper")
     do = device.tensor(o.shape)
-    dq, dk, dv, no_lens, no_slopes, dsink, no_ids, no_bounds, no_scalars = device.backward(o, do)
-    assert (no_lens, no_slopes, no_ids, no_bounds, no_scalars) == (None,) * 5 and tuple(dsink.shape) == (4,)
+    dq, dk, dv, no_lens, no_slopes, dsink, no_ids, no_bounds, no_block_mask, no_scalars = device.backward(o, do)
+    assert (no_lens, no_slopes, no_ids, no_bounds, no_block_mask, no_scalars) == (None,) * 6
+    assert tuple(dsink.shape) == (4,)
     (sink, *_, sink_values), (main, *_, main_values) = device.last(3), device.last(2)
     assert sink.endswith("_sink_grad") and sink_values[2:4] == [sinks.data_ptr(), dsink.data_ptr()]
     assert "softcap20_sinks" in main and [dk.data_ptr(), dv.data_ptr()] == main_values[9:11]

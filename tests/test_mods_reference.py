@@ -37,9 +37,9 @@ def spec_for(lines, family="fa2", head_dim=16, backward=False, queries=None):
     return load_spec(f"attention t {{\n    head_dim = {head_dim}\n{body}    {SCHEDULES[family]}\n{bwd}}}\n")
 
 
-def case(name, rng, batch, heads, nq, nk, lens=None):
+def case(name, rng, batch, heads, nq, nk, lens=None, blocks=(16, 32)):
     """(DSL lines, aux tensors, the naive implementation's keywords) of one modification; `lens`: the
-    batch entries' kv_len (all nk when None)."""
+    batch entries' kv_len (all nk when None); `blocks`: the block-sparse case's (q, kv) block sizes."""
     i_kv = nk - 1
     lens = np.full(batch, nk) if lens is None else lens
     if name == "softcap":
@@ -69,9 +69,9 @@ def case(name, rng, batch, heads, nq, nk, lens=None):
         return ["mask = window(left = 40, right = 7)", "softcap = 3"], {}, dict(mask="window", window=(40, 7),
                                                                               softcap=3.0)
     if name == "blocks":
-        table = rng.integers(0, 2, (1, heads, -(-nq // 16), -(-nk // 32)))
-        return ["mask = causal & blocks(q = 16, kv = 32)"], {"block_mask": table}, \
-            dict(mask="causal", blocks=(table, 16, 32))
+        table = rng.integers(0, 2, (1, heads, -(-nq // blocks[0]), -(-nk // blocks[1])))
+        return [f"mask = causal & blocks(q = {blocks[0]}, kv = {blocks[1]})"], {"block_mask": table}, \
+            dict(mask="causal", blocks=(table, *blocks))
     if name == "dropout":
         keep = keep_mask(0.3, 99, 5, heads, *np.ix_(range(batch), range(heads), range(nq), range(nk))) / 0.7
         return ["dropout = 0.3", "mask = causal"], {"dropout_rng": (99, 5)}, dict(mask="causal", keep=keep)
@@ -120,7 +120,8 @@ def test_forward_matches_textbook_attention(name, family):
     rng = np.random.default_rng()
     batch, heads, nq, nk = 2, 4, 45, 45 if family == "fa1" else 53
     lens = np.array([nk, nk - 6])
-    lines, aux, kw = case(name, rng, batch, heads, nq, nk, lens)
+    # the hopper kernels take blocks their tiles divide (layout.hopper.require_tiles_nest)
+    lines, aux, kw = case(name, rng, batch, heads, nq, nk, lens, (64, 32) if family == "hopper" else (16, 32))
     head_dim = 64 if family == "hopper" else 16
     q, k, v = inputs(rng, batch, heads, 2, nq, nk, head_dim)
     o, lse = reference_attention(spec_for(lines, family, head_dim), q, k, v, kv_lens=lens, aux=aux)

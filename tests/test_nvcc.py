@@ -121,7 +121,24 @@ def _modified_specs() -> list:
                 spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
                 known = mods.softcap_via is TanhVia.TANH_APPROX and d == 64
                 specs.append(pytest.param(spec, marks=spills) if known else spec)
-    specs += _mask_modified_specs() + _varlen_modified_specs()
+    specs += _mask_modified_specs() + _varlen_modified_specs() + _block_sparse_specs()
+    return specs
+
+
+def _block_sparse_specs() -> list:
+    """The hopper forward with `mask = blocks(...)` as the API picks it (dispatch/tuned.nested_schedule: tiles
+    that divide the blocks), none and causal at d64, d128, d256, with 128 x 128 and 256 x 64 blocks, and with
+    documents and the score modifications."""
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.mods.model import AlibiSlopes, Documents, Modifications
+    from tiledsl.spec import DType, Mask
+    specs = []
+    for d in (64, 128, 256):
+        for mask in (Mask.NONE, Mask.CAUSAL):
+            for mods in (Modifications(blocks=(128, 128)), Modifications(blocks=(256, 64)),
+                         Modifications(blocks=(128, 128), alibi=AlibiSlopes.GIVEN, sinks=True),
+                         Modifications(blocks=(128, 128), document=Documents.IDS)):
+                specs.append(tuned_spec("sm_90a", DType.BF16, d, mask, d, None, None, 4096, mods)[0])
     return specs
 
 

@@ -14,8 +14,8 @@ from .spec import Mask
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
               validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
-              document_bounds=None, score_mod=None, mask_mod=None, aux=None, q_descale=None, k_descale=None,
-              v_descale=None, out_dtype=None):
+              document_bounds=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None,
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -51,12 +51,15 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     Score and mask modifications (tiledsl/dispatch/modified.py; `spec_for` prints the spec they make):
     `softcap` (30: scores become 30 tanh(s / 30)), `alibi_slopes` ("geometric" or a float tensor),
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
-    (batch, documents + 1)), `score_mod` / `mask_mod` (DSL text, or a callable traced by
-    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks and the
-    documents run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16 queries with only
-    softcap, alibi_slopes and sinks runs the decode kernels, which spell those three). softcap, alibi_slopes and sinks
-    (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that require grad go
-    through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
+    (batch, documents + 1)), `block_mask` (block-sparse: an int or bool tensor (batch or 1, heads or 1, q blocks,
+    kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128; or a FlexAttention BlockMask),
+    `score_mod` / `mask_mod` (DSL text, or a callable traced by
+    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks, the
+    documents and block_mask run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
+    queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); block_mask
+    also has a backward (the warp-specialized one: autograd, attention_backward's block_mask=). softcap,
+    alibi_slopes and sinks (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that
+    require grad go through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
     torch.compile) into the warp-specialized Hopper backward (head dims 64, 128, 256), and `sinks` gets its
     gradient when it requires grad; a call that needs a gradient through any other modification is refused
     before it runs. Documents are runs of one id each (packed sequences); the host checks
@@ -72,11 +75,13 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
         raise RuntimeInputError("attention: k_scale / v_scale dequantize an FP8 KV cache read by fp16 / bf16 q; "
                                 "float8_e4m3fn q, k, v (FP8 attention) take q_descale, k_descale and v_descale")
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
-            and document_bounds is None and score_mod is None and mask_mod is None and aux is None):
+            and document_bounds is None and block_mask is None and block_size is None and score_mod is None
+            and mask_mod is None and aux is None):
         from .dispatch.modified import modifications
         from .dispatch.tuned import modified_forward
         keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
-                        document_bounds=document_bounds, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                        document_bounds=document_bounds, block_mask=block_mask, block_size=block_size,
+                        score_mod=score_mod, mask_mod=mask_mod, aux=aux)
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
         if mods.active and fp8:
@@ -152,6 +157,6 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
             arch = device_arch()
         except Exception:   # no GPU (or no CuPy) here: Hopper's table
             arch = "sm_90a"
-    mods, _ = build("spec_for", **modifications)
+    mods, _ = build("spec_for", tables=False, **modifications)
     spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], window, scale, q.shape[2], mods)
     return spec_to_dsl(spec, name or spec.name)

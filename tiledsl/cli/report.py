@@ -298,7 +298,7 @@ def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: 
     lines += ["", "backward main kernel:"] + ["  " + line for line in layout_budget_lines(lay.main)]
     if graph.barriers:   # the warp-specialized backward: its roles, barriers and per-role registers
         lines += ["", *ws_lines(lay), *role_and_barrier_lines(graph)]
-        if spec.problem.mods.modifies_mask:   # how documents / prefix(n) narrow each block's q tiles
+        if spec.problem.mods.masks_positions:   # how documents / prefix(n) narrow each block's q tiles
             from ..lower.backward_ws import mask_text, q_range_text
             lines += ["mask modifications (each block's q tiles): " + q_range_text(spec.problem.mods),
                       "    consumers' mask step: " + mask_text(spec.problem.mods)]

@@ -40,6 +40,7 @@ ops' schema from their annotations, which must be real types.
 """
 from ..errors import RuntimeInputError
 from ..layout.backward_ws import ws_mods_refusal
+from ..mods.model import AUX_BLOCK_MASK
 from . import backward, tuned
 
 WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops take no Optional tuple
@@ -107,7 +108,8 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
-    if torch.compiler.is_compiling() and not ws_mods_refusal(mods):
+    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask runs eagerly)
+    if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None:
         softcap, alibi, slopes, sinks, ids, bounds = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
         o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, ids, bounds, bool(causal),
@@ -120,7 +122,7 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
             raise RuntimeInputError(f"attention: no gradient through the modifications ({', '.join(mods.config())})"
                                     f": {why}; call under torch.no_grad() for the forward alone")
         _, _, slopes, sinks, ids, bounds = encode_mods(mods, aux)
-        o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks, ids, bounds,
+        o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks, ids, bounds, aux.get(AUX_BLOCK_MASK),
                                               eager_scalars(causal, window, scale, deterministic, validate) + (mods,))
     else:
         o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate)
@@ -306,17 +308,19 @@ def _register(torch):
 
     class EagerModifiedAttention(torch.autograd.Function):
         """The modified forward op's autograd formula without the op (as EagerAttention): one non-tensor argument,
-        eager_scalars + (the Modifications,); the slopes, sinks and documents tensors beside q, k, v and kv_lens."""
+        eager_scalars + (the Modifications,); the slopes, sinks, documents and block mask tensors beside q, k, v and
+        kv_lens."""
 
         @staticmethod
-        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, scalars):
+        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask, scalars):
             causal, window, scale, _, validate, mods = scalars
             aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks),
-                                           ("document_ids", document_ids), ("document_bounds", document_bounds))
-                   if t is not None}
+                                           ("document_ids", document_ids), ("document_bounds", document_bounds),
+                                           (AUX_BLOCK_MASK, block_mask)) if t is not None}
             o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate,
                                             recorded=True)
-            ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds)
+            ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds,
+                                  block_mask)
             ctx.scalars = scalars
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
@@ -325,17 +329,18 @@ def _register(torch):
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
             if grad_o is None:
-                return (None,) * 9
-            q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds = ctx.saved_tensors
+                return (None,) * 10
+            q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask = ctx.saved_tensors
             causal, window, scale, deterministic, validate, mods = ctx.scalars
             softcap, alibi, *_ = encode_mods(mods, {})
+            blocks = {} if block_mask is None else {"block_mask": block_mask, "block_size": mods.blocks}
             grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
                                                 scale=scale, kv_lens=kv_lens, deterministic=deterministic,
                                                 validate=validate,
                                                 **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
-                                                               document_bounds))
+                                                               document_bounds), **blocks)
             dsink = grads[3] if sinks is not None else None   # (autograd drops it when sinks need none)
-            return grads[0], grads[1], grads[2], None, None, dsink, None, None, None
+            return grads[0], grads[1], grads[2], None, None, dsink, None, None, None, None
 
     return attention_forward, attention_backward, EagerAttention, EagerModifiedAttention
 

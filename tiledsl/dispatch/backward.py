@@ -78,6 +78,12 @@ BACKWARD_WS_DETERMINISTIC: dict[int, BackwardSchedule] = {64: _ws(128, 128, DqAc
                                                           256: _ws(64, 64, DqAccumulate.ORDERED, stages=1)}
 
 
+# mask = blocks(...) with deterministic dQ: the dQ writer also counts each step's turn in its q tile's row of
+# block_mask (templates/block_mask.cuh), which the producer warpgroup's 24 registers do not hold without spills;
+# (producer, consumer) registers, the consumers' accumulators fitting 232
+ORDERED_BLOCKS_REGS = (32, 232)
+
+
 @functools.lru_cache(maxsize=None)
 def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: int | None = None,
                   window: tuple[int, int] | None = None, scale: float | None = None,
@@ -99,6 +105,8 @@ def backward_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v
             raise RuntimeInputError(f"attention_backward: the warp-specialized backward {why}"
                                     + (f" ({modified_refusal(mods)})" if mods.active else ""))
         b = (BACKWARD_WS_DETERMINISTIC if deterministic else BACKWARD_WS_TUNED)[head_dim]
+        if mods.blocks is not None and deterministic:
+            b = replace(b, producer_regs=ORDERED_BLOCKS_REGS[0], consumer_regs=ORDERED_BLOCKS_REGS[1])
         spec = KernelSpec(f"backward_{arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, Schedule(), backward=b)
         why = backward_has_template(spec) if mods.active else ""
         if why:
@@ -143,6 +151,11 @@ def modified_backward_refusal(arch: str, head_dim: int, head_dim_v: int | None, 
         return why
     if ws_refusal(arch, head_dim, head_dim_v, False):
         return f"head dims {head_dim}/{head_dim_v or head_dim} on {arch}: {modified_refusal(mods)}"
+    if mods.blocks is not None:   # the backward's tiles must divide the blocks (layout.backward_ws)
+        try:
+            chosen_backward_spec(arch, DType.BF16, head_dim, Mask.NONE, head_dim_v, mods=mods)
+        except SpecError as err:
+            return f"head dim {head_dim}: {err.message}"
     return ""
 
 
@@ -177,7 +190,8 @@ _calls = SignatureCache()
 def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tuple[int, int] | None = None,
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
                        validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
-                       alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None):
+                       alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None, block_mask=None,
+                       block_size=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -193,7 +207,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
 
     `softcap`, `alibi_slopes` and `sinks` are the forward's score modifications (tiledsl.attention's keywords;
     pass the same ones): the warp-specialized backward recomputes the modified scores and takes dS through
-    them; with `sinks` the result is (dq, dk, dv, dsink), dsink float32 (heads,). Other modifications, and
+    them; with `sinks` the result is (dq, dk, dv, dsink), dsink float32 (heads,). `block_mask` / `block_size`
+    (block-sparse attention, as the forward's): each kv tile walks only the q tiles whose block is nonzero. Other
+    modifications, and
     problems the warp-specialized backward does not take, are refused (RuntimeInputError naming what is
     missing).
 
@@ -204,10 +220,11 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     mods, aux = NO_MODS, ()
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
-            and document_bounds is None):
+            and document_bounds is None and block_mask is None and block_size is None):
         from .modified import modifications
         mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                    document_ids=document_ids, document_bounds=document_bounds, differentiable=True)
+                                    document_ids=document_ids, document_bounds=document_bounds, block_mask=block_mask,
+                                    block_size=block_size, differentiable=True)
         aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
     tensors = (q, k, v, o, lse, do, kv_lens) + aux
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,

@@ -14,6 +14,7 @@ entry's schedule (both skip whole tiles); `scale` is passed through as the spec'
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import sys
 from dataclasses import replace
 
@@ -97,7 +98,26 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
         schedule = (TUNED_LONG.get(key) if long_kv and not mods.active else None) or TUNED.get(key)
     if schedule is None:
         return pick(arch, problem), False
+    if mods.blocks is not None:
+        schedule = nested_schedule(schedule, mods.blocks)
     return KernelSpec(f"tuned_{table_arch}_{dtype.value}_d{head_dim}_{mask.value}", problem, schedule), True
+
+
+def nested_schedule(schedule: Schedule, blocks: tuple[int, int]) -> Schedule:
+    """The table's schedule with tiles that divide block-sparse attention's blocks (layout.hopper.
+    require_tiles_nest: a tile then lies in one block, computed or skipped whole): two consumers' 128 queries
+    where the q tile does not divide the q block, and the largest kv tile up to the table's that divides the kv
+    block. Blocks no 128-query tile divides keep the table's tiles (the layout refuses them, naming the tiles)."""
+    block_q, block_kv = blocks
+    if block_q % schedule.tile_q:
+        if block_q % 128:
+            return schedule
+        schedule = replace(hopper_schedule(128, schedule.tile_kv, 2, intra=schedule.intra_overlap),
+                           pingpong=schedule.pingpong, launch=schedule.launch)
+    if block_kv % schedule.tile_kv:
+        tile_kv = next((t for t in range(schedule.tile_kv - 16, 15, -16) if block_kv % t == 0), schedule.tile_kv)
+        schedule = replace(schedule, tile_kv=tile_kv)
+    return schedule
 
 
 def _hint_once(key: tuple, arch: str, spec: KernelSpec) -> None:

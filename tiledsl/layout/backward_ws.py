@@ -38,10 +38,13 @@ WRITER_WARPS = {"writer_tma": 1, "writer_red": 3}
 WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERED)
 # The modifications the warp-specialized backward spells (mods/model.py's field names): softcap's and ALiBi's
 # scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of its own;
-# documents and prefix(n) narrow a block's q tiles and mask its partial ones (templates/backward_mask_mods.cuh).
-# One of softcap and ALiBi at a time: softcap's 1 - tanh^2 is read back from P, which ALiBi's bias would have to
-# be taken out of again.
-WS_BUILT_MODS = SCORE_MODS + MASK_MODS
+# documents and prefix(n) narrow a block's q tiles and mask its partial ones (templates/backward_mask_mods.cuh);
+# blocks(...) walks only the steps block_mask keeps (templates/block_mask.cuh). One of softcap and ALiBi at a time:
+# softcap's 1 - tanh^2 is read back from P, which ALiBi's bias would have to be taken out of again.
+WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks",)
+# mask = blocks(...): the (query head of the GQA group, q tile) steps one kv tile may walk, one bit each in shared
+# memory (a bit set where block_mask's entry is nonzero)
+STEP_BITS = 4096
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,17 @@ def ws_mods_refusal(mods) -> str:
     if mods.softcap is not None and mods.alibi is not None:
         return "the warp-specialized backward takes softcap or ALiBi, not both in one spec yet"
     return ""
+
+
+def require_tiles_nest(spec: KernelSpec) -> None:
+    """mask = blocks(q = N, kv = M): the backward's tiles divide the blocks, so a step is computed whole or skipped
+    whole (no score needs a per-element test for the blocks)."""
+    (block_q, block_kv), b = spec.problem.mods.blocks, spec.backward
+    tile_key = "backward.tile" if spec.span_of("backward.tile") else "backward"
+    require(block_q % b.tile_q == 0 and block_kv % b.tile_kv == 0, spec, tile_key,
+            f"blocks(q = {block_q}, kv = {block_kv}): the backward's tiles (q {b.tile_q}, kv {b.tile_kv}) must divide "
+            "the blocks, so that every tile lies in one block",
+            f"blocks whose q size is a multiple of {b.tile_q} and kv size a multiple of {b.tile_kv}")
 
 
 def ws_split(tile_kv: int) -> str:
@@ -166,6 +180,13 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
     add("dS^T", Bc * Br * 2, 2, f"2x Bc*Br*2 = 2x {Bc}*{Br}*2 (A of dK += dS^T Q and, read MN-major, of dQ_i = dS K)")
     add("LSE", Br * 4, S, f"{S}x Br*4", "fp32 (padded rows: +inf)", 16)
     add("D", Br * 4, S, f"{S}x Br*4", "fp32 (padded rows: 0)", 16)
+    if p.mods.blocks is not None:
+        require_tiles_nest(spec)
+        require(S <= 3, spec, "backward.pipeline", f"{S} stages: block-sparse steps are named per ring slot in the "
+                "step bits' 16-byte header (at most 3 slots)", "pipeline 2 stages via tma")
+        add("step bits", 16 + STEP_BITS // 8, formula=f"16 B count + {STEP_BITS} bits: (query head, q tile) steps "
+            "with a nonzero block",
+            layout="u32 words", alignment=16)
     before_staging = end
     stage_bytes = Br * d * 4
     barrier_bytes = lambda staging: MBARRIER_BYTES * (1 + 2 * S + 2 * staging)   # noqa: E731

@@ -12,6 +12,10 @@ from .base import Buffer, Layout, Registers, buffers_end, finish, qkv_buffers, r
 HOPPER_CONSUMER_OVERHEAD = 16   # a consumer keeps loop state and barrier addresses; the producer computes the copies
 WORK_ITEM_BYTES = 8             # launch dynamic: the shared slot through which the producer names the next item
 DOCUMENT_SPAN_BYTES = 8         # mask = document: the slot through which the producer hands over an item's keys
+# mask = blocks(...): the most kv tiles one work item's list of visible tiles holds (2-byte entries after a
+# 4-byte count, twice: the producer lists the next item's tiles while the consumers walk this one's)
+LISTED_TILES = 2048
+TILE_LIST_BYTES = 16 + 2 * LISTED_TILES
 
 
 def hopper_barriers(stages: int, transposes_v: bool = False) -> int:
@@ -58,7 +62,8 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     o_bytes = s.tile_q * p.head_dim_v * 2
     # O gets its own panels when they fit, so the producer can load the next item's Q while the
     # consumers store this one's O (persistent launch); else O is staged in Q's (dv <= d).
-    o_in_q = kv_end + o_bytes + barrier_bytes > limits.max_shared_per_block
+    lists = 2 * TILE_LIST_BYTES + 16 if p.mods.blocks is not None else 0   # the kv tile lists, aligned
+    o_in_q = kv_end + o_bytes + barrier_bytes + lists > limits.max_shared_per_block
     o_offset = 0 if o_in_q else kv_end
     buffers.append(Buffer("O staging", o_offset, o_bytes, SWIZZLE_ATOM, layout=f"wgmma {PANEL_COLUMNS}-col panels",
                           formula=f"Br*dv*2 = {s.tile_q}*{p.head_dim_v}*2", reuses="Q" if o_in_q else ""))
@@ -78,6 +83,14 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
         buffers.append(Buffer("document span", smem, DOCUMENT_SPAN_BYTES, MBARRIER_BYTES,
                               formula="two int32 key positions (start, end)"))
         smem += DOCUMENT_SPAN_BYTES
+    if p.mods.blocks is not None:
+        require_tiles_nest(spec)
+        # The producer lists each item's visible kv tiles here (block_mask's row), published by Q's full barrier;
+        # two lists, so the next item's is written while the consumers read this one's.
+        smem = -(-smem // 16) * 16
+        buffers.append(Buffer("kv tile lists", smem, 2 * TILE_LIST_BYTES, 16, stages=2, stage_bytes=TILE_LIST_BYTES,
+                              formula=f"2 x (16 B count + {LISTED_TILES} x 2-byte kv tile)"))
+        smem += 2 * TILE_LIST_BYTES
     # A consumer holds O and S, and under intra overlap tile j-1's P fragments while S_j is computed
     # (P V of j-1 is in flight). Without it P is packed from S after S's last use: S's registers.
     p_fragments = [Registers("P fragments", s.tile_kv // 4, f"Bc/4 = {s.tile_kv}/4", True)] if s.intra_overlap else []
@@ -87,6 +100,18 @@ def hopper_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:
     return finish(spec, "hopper", limits, buffers, smem, registers, threads, 1, s.consumer_regs,
                   launch_registers=entry_registers(limits, threads),
                   stages=s.stages, rows_per_warp=16, keys_per_warp=s.tile_kv)
+
+
+def require_tiles_nest(spec: KernelSpec) -> None:
+    """mask = blocks(q = N, kv = M): the kernel's tiles divide the blocks, so each q tile lies in one row of
+    block_mask and each kv tile in one of its blocks (a tile is computed whole or skipped whole, and no score
+    needs a per-element test for the blocks)."""
+    (block_q, block_kv), s = spec.problem.mods.blocks, spec.schedule
+    require(block_q % s.tile_q == 0 and block_kv % s.tile_kv == 0, spec, "mask",
+            f"blocks(q = {block_q}, kv = {block_kv}): the hopper kernel's tiles (q {s.tile_q}, kv {s.tile_kv}) must "
+            "divide the blocks, so that every tile lies in one block",
+            f"blocks whose q size is a multiple of {s.tile_q} and kv size a multiple of {s.tile_kv}, or a `tile` "
+            "that divides them")
 
 
 def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from ..device_limits import H200, DeviceLimits, entry_registers
 from ..hw import PANEL_COLUMNS, PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..layout.backward import BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS
-from ..layout.backward_ws import STAGING_BOX_COLUMNS, WRITER_WARPS, WS_CONSUMERS, backward_ws_layout
+from ..layout.backward_ws import STAGING_BOX_COLUMNS, STEP_BITS, WRITER_WARPS, WS_CONSUMERS, backward_ws_layout
 from ..schedule.backward import build_backward_graph
 from ..schedule.ops import Role
 from ..schedule.passes import emission_order
@@ -32,6 +32,7 @@ WS_SHARED = (SharedBuffer("k", "K_OFFSET"), SharedBuffer("v", "V_OFFSET"),
              SharedBuffer("d_rows", "DROW_OFFSET", "ROW_STAGE_BYTES"),
              SharedBuffer("p_t", "P_OFFSET", "DS_BUFFER_BYTES"), SharedBuffer("ds_t", "DS_OFFSET", "DS_BUFFER_BYTES"),
              SharedBuffer("barriers", "BAR_OFFSET"), SharedBuffer("dq_staging", "STAGE_OFFSET", "STAGE_BYTES"))
+STEP_BITS_SHARED = SharedBuffer("step_bits", "STEP_BITS_OFFSET")   # `mask = blocks`: the steps to walk
 TEMPLATE = "backward_ws.cu.j2"
 
 # The consumers' q-loop issue order per split (the graph's emission order must be this one).
@@ -116,6 +117,9 @@ class WsBackwardPlan(KernelPlan):
     mask_mods: bool = False
     documents: str = ""   # "" | mods.model.Documents' value: "ids" | "bounds"
     prefix: bool = False
+    # `mask = blocks(...)` (templates/block_mask.cuh): warp 0 marks the steps whose block_mask entry is nonzero in
+    # shared bits before the roles split; every role walks the marked steps
+    blocks: bool = False
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
@@ -287,6 +291,10 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                                "softcap: ln 2 / cap, from log2 P + LSE log2 (= cap tanh log2 e) back to tanh"))
     if mods.sinks:
         consts.append(Constant("SINK_THREADS", "int", SINK_THREADS, "sink gradient: threads of its one block per head"))
+    if mods.blocks is not None:
+        consts += [Constant("STEP_BITS_OFFSET", "u32", buf["step bits"].offset,
+                            "mask = blocks: one bit per (query head, q tile) step, set where its block is nonzero"),
+                   Constant("STEP_BITS", "int", STEP_BITS, "the steps the bits hold (the host refuses more)")]
     ops, wgmma = _wrappers(sc, lay.split, d, dv, dq_cols)
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
     if mods.sinks:
@@ -314,12 +322,17 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         "writer": Region(w("backward.dq"), f"dQ_i -> dQ_accum: {dq_how}"),
         "consumer": Region(w("backward.warpgroups"), f"{WS_CONSUMERS} consumer warpgroups: {b.consumer_regs} "
                            f"registers, split by {lay.split}; dK, dV in wgmma accumulators"),
-        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"),
+        "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"
+                         + ("; only the steps whose block_mask entry is nonzero (the shared step bits)"
+                            if mods.blocks is not None else "")),
+        "blocks": Region(w("mask"), "block-sparse: warp 0 reads this kv tile's column of block_mask once (a ballot per "
+                         "32 steps) and marks the (query head, q tile) steps to walk in shared bits, before the roles "
+                         "split; each role walks the marked steps"),
         "store_dkv": Region(w("backward.tile"), "dK = scale * dK, dV -> global (every kv row < kv_len, zeros "
                             "included; NaN for a bad kv_lens entry)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
-    if mods.modifies_mask:
+    if mods.masks_positions:
         regions["q_range_mods"] = Region(w("mask"), q_range_text(mods))
     if mods.document is not None:
         regions["documents"] = Region(w("mask"), "per (batch, kv tile) the keys' documents [start, end) and, for "
@@ -330,7 +343,7 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
     # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
     fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
-    fields |= dict(mask_mods=mods.modifies_mask, documents=mods.document.value if mods.document else "",
+    fields |= dict(mask_mods=mods.masks_positions, documents=mods.document.value if mods.document else "",
                    prefix=mods.prefix is not None)
     # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
     mod_lines = mod_parameters(replace(mods, sinks=False))
@@ -341,4 +354,5 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers, shared=WS_SHARED, parameters=WS_MAIN_PARAMETERS + mod_lines, **fields)
+                     barriers=lay.barriers, shared=WS_SHARED + ((STEP_BITS_SHARED,) if mods.blocks is not None else ()),
+                     parameters=WS_MAIN_PARAMETERS + mod_lines, blocks=mods.blocks is not None, **fields)

@@ -48,7 +48,8 @@ class HopperPlan(KernelPlan):
     launch_kind: str = ""
     item_order: str = ""
     # where a consumer waits for its item's Q: "item" (a dynamic launch: where it reads the item's index), "span"
-    # (a document mask: before it reads the item's document span), else "loop" (before its kv loop)
+    # (a document or block mask: before it reads the item's document span or kv tile list), else "loop" (before its
+    # kv loop)
     q_wait: str = "loop"
     # FP8 inputs (dtype = e4m3; templates/hopper_fp8.cuh): the producer's warps 1.. transpose each V tile into
     # V^T; the consumers read the descales (q_descale, k_descale, v_descale) per item or per tile.
@@ -64,6 +65,9 @@ class HopperPlan(KernelPlan):
     mask_mods: bool = False
     documents: str = ""   # "" | mods.model.Documents' value: "ids" (document_ids) | "bounds" (document_bounds)
     prefix: bool = False
+    # `mask = blocks(...)` (templates/block_mask.cuh): the producer lists each item's kv tiles whose block_mask
+    # entry is nonzero; the producer and the consumers walk the list
+    blocks: bool = False
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
@@ -76,6 +80,7 @@ FP8_P_SCALE = 256.0
 DESCALE_KIND = {Descale.PER_TENSOR: 0, Descale.PER_HEAD: 1, Descale.PER_BLOCK: 2}   # C::DESCALE (hopper_fp8.cuh)
 WORK_ITEM_SHARED = SharedBuffer("work_item", "ITEM_OFFSET")            # `launch dynamic`: the item slot
 DOCUMENT_SPAN_SHARED = SharedBuffer("document_span", "SPAN_OFFSET")    # `mask = document`: the item's keys
+TILE_LISTS_SHARED = SharedBuffer("tile_lists", "TILE_LIST_OFFSET", "TILE_LIST_BYTES")   # `mask = blocks`: by round
 
 # Each consumer op of the graph's kv loop -> the CUDA step templates/hopper_ops.j2 spells.
 _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_v_full",
@@ -264,6 +269,11 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
     if p.mods.document is not None:
         consts.append(Constant("SPAN_OFFSET", "u32", lay.buffer("document span").offset,
                                "mask = document: the producer hands each item's keys to the consumers here"))
+    if p.mods.blocks is not None:
+        lists = lay.buffer("kv tile lists")
+        consts += [Constant("TILE_LIST_OFFSET", "u32", lists.offset,
+                            "mask = blocks: the producer lists each item's visible kv tiles here (two, by round)"),
+                   Constant("TILE_LIST_BYTES", "u32", lists.stage_bytes, "one list: its count, then 2-byte tiles")]
     prologue, body, epilogue, loop_start = consumer_ops(spec, graph)
     mma_qk, mma_pv = mma_instruction(graph)   # the graph's instruction: m64 n{tile kv} / n{head dim v} k16
     regions = {
@@ -289,6 +299,10 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                             "documents: the keys of the first row's document to the end of the last row's (a binary "
                             "search of document_ids by the producer, shared with the consumers through Q's barrier); "
                             "each row's own document from the tile's ids"),
+        "blocks": Region(spec_line(spec, "mask"),
+                         "block-sparse: the producer reads the q tile's row of block_mask once and lists the kv tiles "
+                         "whose block is nonzero (shared memory, published by Q's barrier); producer and consumers "
+                         "walk the list"),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
@@ -305,17 +319,19 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      pingpong=s.pingpong, o_in_q=o_in_q, o_in_k=o_in_k,
                      shared=(FP8_SHARED if fp8 else HOPPER_SHARED)
                      + ((WORK_ITEM_SHARED,) if s.launch is LaunchKind.DYNAMIC else ())
-                     + ((DOCUMENT_SPAN_SHARED,) if p.mods.document is not None else ()),
+                     + ((DOCUMENT_SPAN_SHARED,) if p.mods.document is not None else ())
+                     + ((TILE_LISTS_SHARED,) if p.mods.blocks is not None else ()),
                      parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
                      headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ()),
+                     blocks=p.mods.blocks is not None,
                      **score_mod_fields(p.mods, consts),
                      mask_mods=p.mods.document is not None or p.mods.prefix is not None,
                      documents=p.mods.document.value if p.mods.document else "", prefix=p.mods.prefix is not None,
                      launch_kind=s.launch.value if s.launch else "",
-                     q_wait="item" if s.launch is LaunchKind.DYNAMIC else ("span" if p.mods.document is not None
-                                                                           else "loop"),
+                     q_wait="item" if s.launch is LaunchKind.DYNAMIC
+                     else ("span" if p.mods.document is not None or p.mods.blocks is not None else "loop"),
                      item_order=s.item_order.value if s.item_order else "",
                      loop_start=loop_start, prologue=prologue, epilogue=epilogue)
 

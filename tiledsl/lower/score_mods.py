@@ -26,6 +26,10 @@ def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
     elif mods.document is Documents.BOUNDS:
         line += (parameters("const int* __restrict__", "document_bounds") + parameters("i64", "document_stride")
                  + parameters("int", "document_count"))
+    if mods.blocks is not None:
+        line += (parameters("const int* __restrict__", "block_mask")
+                 + parameters("i64", "block_mask_batch_stride", "block_mask_head_stride")
+                 + parameters("int", "block_mask_kv_blocks"))
     return (line,) if line else ()
 
 
@@ -66,6 +70,9 @@ def mod_constants(p, s_tiles: int) -> list[Constant]:
     if mods.document is not None or mods.prefix is not None:
         out += [Constant("DOCUMENTS", "bool", mods.document is not None, "mask = document: rows see their document"),
                 Constant("PREFIX", "int", mods.prefix or 0, "prefix(n): keys below it are visible to all (0: none)")]
+    if mods.blocks is not None:
+        out += [Constant("BLOCK_Q", "int", mods.blocks[0], "blocks: queries of one block_mask row"),
+                Constant("BLOCK_KV", "int", mods.blocks[1], "blocks: keys of one block_mask entry")]
     return out
 
 

@@ -97,6 +97,11 @@ class Modifications:
     def modifies_mask(self) -> bool:
         return any(x is not None for x in (self.document, self.prefix, self.blocks, self.mask_mod))
 
+    @property
+    def masks_positions(self) -> bool:
+        """Whether a document or prefix mask says which keys each query position sees (MASK_MODS)."""
+        return self.document is not None or self.prefix is not None
+
     def score_expression(self) -> Expr | None:
         """softcap, ALiBi and score_mod composed into one tree over `score` (the scaled score); None
         when the scores are not modified."""

@@ -6,8 +6,8 @@ are the host's, made once per device and head count."""
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents, \
-    geometric_slopes
+from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, \
+    Documents, geometric_slopes
 from .inputs import Shapes
 from .launch import CallBuilder, i32, i64, is_compact, pointer_arg
 from .tensors import TensorView, view
@@ -58,7 +58,22 @@ class AuxArguments:
                 raise RuntimeInputError(f"{self.name}: {AUX_DOCUMENT_BOUNDS} has shape {t.shape}; this launch needs "
                                         f"({shapes.batch}, documents + 1)")
             args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
+        if mods.blocks is not None:
+            args += self._block_mask_args(b, shapes)
         return args
+
+    def _block_mask_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
+        """block_mask_arguments' launch arguments; a sequence longer than a kernel's kv tile list is refused."""
+        from ..layout.hopper import LISTED_TILES
+        tile_kv = self.spec.schedule.tile_kv
+        if -(-shapes.kv_len // tile_kv) > LISTED_TILES:
+            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: {shapes.kv_len} keys are "
+                                    f"{-(-shapes.kv_len // tile_kv)} kv tiles of {tile_kv}; a q tile lists at most "
+                                    f"{LISTED_TILES} (at most {LISTED_TILES * tile_kv} keys)")
+        t, batch_stride, head_stride, kv_blocks = block_mask_arguments(
+            b, self.name, self.CALL, self.spec.problem.mods.blocks, shapes.batch, shapes.heads, shapes.q_len,
+            shapes.kv_len)
+        return (pointer_arg(t), i64(batch_stride), i64(head_stride), i32(kv_blocks))
 
     def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
         return aux_view(b, self.name, self.CALL, name, shapes, dtype)
@@ -83,6 +98,21 @@ def aux_view(b: CallBuilder, kernel: str, call: tuple, name: str, shapes: tuple 
     if t.device_id != b.device_id:
         raise RuntimeInputError(f"{kernel}: {name} is on GPU {t.device_id}, q on GPU {b.device_id}")
     return t
+
+
+def block_mask_arguments(b: CallBuilder, kernel: str, call: tuple, blocks: tuple[int, int], batch: int, heads: int,
+                         q_len: int, kv_len: int) -> tuple:
+    """(block_mask's view, its batch stride, head stride, kv blocks) of a block-sparse kernel's launch: the table
+    checked as int32 (batch or 1, heads or 1, q blocks, kv blocks), contiguous, on q's GPU, under 2^31 entries
+    (the kernels index it with 32-bit offsets); a stride is 0 where a dimension of 1 serves every batch entry or
+    head."""
+    counts = (-(-q_len // blocks[0]), -(-kv_len // blocks[1]))
+    accepted = tuple((n, h) + counts for n in (batch, 1) for h in (heads, 1))
+    t = aux_view(b, kernel, call, AUX_BLOCK_MASK, accepted, "int32")
+    if t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3] >= 2 ** 31:
+        raise RuntimeInputError(f"{kernel}: {AUX_BLOCK_MASK} has {t.shape} entries, 2^31 or more; the kernels "
+                                "index it with 32-bit offsets (a broadcast (1, 1, ...) table, or larger blocks)")
+    return t, (t.strides[0] if t.shape[0] > 1 else 0), (t.strides[1] if t.shape[1] > 1 else 0), t.shape[3]
 
 
 _GEOMETRIC: dict[tuple[str, int, int], object] = {}   # (framework, device, heads) -> ALiBi's slopes, float32

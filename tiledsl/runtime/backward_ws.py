@@ -9,10 +9,11 @@ dQ_accum (fp32, like dQ, zeroed), and under `dq accumulate ordered` one int32 se
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
-from ..mods.model import AUX_ALIBI, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, Documents
+from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes,
+                          Documents)
 from ..spec import DType
 from .backward import BackwardKernel
-from .aux_args import aux_view, geometric_slope_tensor
+from .aux_args import aux_view, block_mask_arguments, geometric_slope_tensor
 from .index_checks import add_check, host_validation
 from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
@@ -46,11 +47,13 @@ class WsBackwardKernel(BackwardKernel):
             call = self._calls.put(key, self.prepare_call(tensors, validate))
         return call(*tensors)
 
-    def mod_arguments(self, b: CallBuilder, batch: int, heads: int, kv_len: int, validate: bool | None) -> dict:
-        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones) and
+    def mod_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                      validate: bool | None) -> dict:
+        """The main kernel's ALiBi arguments (slopes and their batch stride: 0 for (heads,) and geometric ones),
         documents (ids or bounds, read by pointer; their order checked on the host where the call checks its index
-        tensors there, as the forward's: runtime/hopper.HopperKernel.add_document_check)."""
-        mods, out = self.spec.problem.mods, {}
+        tensors there, as the forward's: runtime/hopper.HopperKernel.add_document_check) and its block mask's (the
+        table and its strides, 0 where a dimension of 1 broadcasts)."""
+        mods, out = self.spec.problem.mods, self._block_arguments(b, batch, heads, kv_heads, q_len, kv_len)
         if mods.alibi is AlibiSlopes.GEOMETRIC:
             slopes = geometric_slope_tensor(b.like, b.device_id, heads)
             b.keep.append(slopes)
@@ -86,11 +89,26 @@ class WsBackwardKernel(BackwardKernel):
             index = self.CALL.index(AUX_DOCUMENT_BOUNDS)
             add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
 
+    def _block_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> dict:
+        blocks = self.spec.problem.mods.blocks
+        if blocks is None:
+            return {}
+        from ..layout.backward_ws import STEP_BITS
+        t, batch_stride, head_stride, kv_blocks = block_mask_arguments(b, self.name, self.CALL, blocks, batch, heads,
+                                                                       q_len, kv_len)
+        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
+        if steps > STEP_BITS:
+            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: a kv tile walks {steps} (query head, q tile) "
+                                    f"steps here; the block-sparse backward marks at most {STEP_BITS} (fewer query "
+                                    "heads per kv head, or a shorter sequence)")
+        return {"block_mask": t, "block_mask_batch_stride": batch_stride, "block_mask_head_stride": head_stride,
+                "block_mask_kv_blocks": kv_blocks}
+
     def build_call(self, b: CallBuilder, validate: bool | None = None) -> None:
         (vq, vk, vv, vo, vlse, vdo, lens), (batch, heads, kv_heads, q_len, kv_len) = self.checked_call(b, validate)
         p, plan = self.spec.problem, self.plan
         vdq, vdk, vdv = (b.new_output(name, t.shape, p.dtype) for name, t in (("dq", vq), ("dk", vk), ("dv", vv)))
-        mods = self.mod_arguments(b, batch, heads, kv_len, validate)
+        mods = self.mod_arguments(b, batch, heads, kv_heads, q_len, kv_len, validate)
         if plan.sinks:
             vsinks = aux_view(b, self.name, self.CALL, AUX_SINKS, ((heads,),))
             vdsink = b.new_output("dsink", (heads,), DType.FP32)

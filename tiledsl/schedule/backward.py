@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .backward_ws import add_ws_ops, ws_barriers
 from .graph import ScheduleGraph
-from .modify import add_dropout, add_score_mod, add_score_mod_grad, add_sink_grad, mask_key, mask_text
+from .modify import add_dropout, add_score_mod, add_score_mod_grad, add_sink_grad, mask_key, mask_text, q_loop_text
 from .ops import Access, Op, OpKind, Role, Space
 from .passes import emission_order
 from ..errors import SpecError
@@ -154,7 +154,8 @@ class _Backward:
         kv = self.loop("loop_kv", (), "kv", ORDER, "for j in kv tiles (one block each; dK, dV on chip)",
                        kernel="backward", init=(("dK", "0"), ("dV", "0")))
         have = self.load_kv_side("", kv)
-        q = self.loop("loop_q", kv, "q", ORDER, "for i in q tiles (serial; tiles that see no key of K_j are skipped)")
+        q = self.loop("loop_q", kv, "q", ORDER, "for i in q tiles (serial; tiles that see no key of K_j are skipped"
+                      + q_loop_text(self.g.spec.problem.mods) + ")")
         have |= self.load_q_side("", q)
         out = self.tile_math("", q, have, "" if separate else "partial", "accumulate")
         for t in ("dK", "dV"):

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from .modify import SINK_INIT, add_dropout, add_score_mod, mask_key, mask_text
+from .modify import SINK_INIT, add_dropout, add_score_mod, kv_loop_text, mask_key, mask_text
 from .ops import Access, Barrier, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
 from .hopper import consumer_tile_math
 from ..layout.fa2 import fa2_page_ring
@@ -372,7 +372,7 @@ def _build_q_outer(g: ScheduleGraph) -> None:
     init = (SINK_INIT if g.spec.problem.mods.sinks else (("m", "-inf"), ("l", "0"))) + (("O", "0"),)
     kv_loops = b.loop("loop_kv", loops, "kv", "ceil(Nk/Bc)" + (" / splits" if split else ""), "order",
                       "for j in kv tiles" + (" of split s" if split else "")
-                      + " (serial; tiles no query sees are skipped)",
+                      + " (serial; tiles no query sees are skipped" + kv_loop_text(g.spec.problem.mods) + ")",
                       init=init, init_space=Space.REGISTERS)
     b.load_kv(kv_loops)
     produced = b.tile_math(kv_loops, q_ready)

@@ -42,14 +42,31 @@ def mask_text(problem: Problem) -> str:
         terms.append(f"query position i + kv_len - q_len and key j in one document ({source_})")
     if mods.prefix is not None:
         terms.append(f"j <= i + kv_len - q_len or j < {mods.prefix} (prefix)")
-    if mods.blocks is not None:
-        terms.append(f"block_mask[b, h, i // {mods.blocks[0]}, j // {mods.blocks[1]}] != 0")
     if mods.mask_mod is not None:
         terms.append(f"{source(mods.mask_mod)} (mask_mod)")
     text = MASK_TEXT[problem.mask]
     if terms:
         text += "; and -inf unless " + " and ".join(terms) + "   (full tiles: no per-element mask)"
+    if mods.blocks is not None:
+        text += (f"; only blocks with block_mask[b, h, i // {mods.blocks[0]}, j // {mods.blocks[1]}] != 0 are "
+                 "computed (whole tiles: the kv loop walks those, no element is tested for them)")
     return text
+
+
+def kv_loop_text(mods: Modifications) -> str:
+    """What the kv loop walks besides the mask's own tile range: block_mask's nonzero blocks."""
+    if mods.blocks is None:
+        return ""
+    return (f"; only the kv tiles whose block_mask[b, h, i // {mods.blocks[0]}, j // {mods.blocks[1]}] is nonzero: "
+            "the producer reads q tile i's row once and lists them for itself and the consumers")
+
+
+def q_loop_text(mods: Modifications) -> str:
+    """What the backward's q loop (kv outer) walks besides the mask's own tile range: block_mask's nonzero blocks."""
+    if mods.blocks is None:
+        return ""
+    return (f"; only the (query head, q tile) steps whose block_mask[b, h, i // {mods.blocks[0]}, j // "
+            f"{mods.blocks[1]}] is nonzero: warp 0 reads kv tile j's column once and marks them for every role")
 
 
 def add_score_mod(g, name: str, loops, role, key: str, scores: str, lag: int = 0) -> str:
