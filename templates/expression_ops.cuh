@@ -17,16 +17,8 @@ __device__ __forceinline__ int py_mod(int a, int b) {
 }
 
 // NumPy's minimum / maximum: NaN if either operand is NaN (fminf / fmaxf return the other operand).
-__device__ __forceinline__ float py_minf(float a, float b) {
-    float y;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
-__device__ __forceinline__ float py_maxf(float a, float b) {
-    float y;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
+__device__ __forceinline__ float py_minf(float a, float b) { return a != a || b != b ? a + b : fminf(a, b); }
+__device__ __forceinline__ float py_maxf(float a, float b) { return a != a || b != b ? a + b : fmaxf(a, b); }
 
 // mods/numeric.py's sigmoid: 0.5 (1 + tanh(x / 2)), which neither overflows nor loses 1 - sigmoid's digits.
 __device__ __forceinline__ float py_sigmoid(float x) { return 0.5f * (1.f + tanhf(0.5f * x)); }

@@ -185,7 +185,9 @@ def _box_condition(op: str, args: tuple, out: Box):
            "gt": (f"!({alo} > {bhi})", f"{ahi} > {blo}"), "ge": (f"!({alo} >= {bhi})", f"{ahi} >= {blo}")}
     if op in can:
         return out.pair("bool", *can[op])
-    always = out.temp("bool", f"{alo} == {ahi} && {ahi} == {blo} && {blo} == {bhi}")
+    # a side of one value (b, h, a constant) compares with itself only in the text: its term is left out
+    same = [f"{x} == {y}" for x, y in ((alo, ahi), (ahi, blo), (blo, bhi)) if x != y]
+    always = out.temp("bool", " && ".join(same) or "true")
     never = out.temp("bool", f"{ahi} < {blo} || {bhi} < {alo}")
     return (f"!{always}", f"!{never}") if op == "eq" else (f"!{never}", f"!{always}")
 

@@ -204,7 +204,7 @@ class HopperKernel(AuxArguments, Kernel):
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
-        args += self.mod_args(b, shapes)
+        args += self.mod_args(b, shapes, ragged=kv_lens is not None)
         if p.fp8:
             args += tuple(pointer_arg(t) for t in descale_views(b, len(self.CALL) - 3, p.descales, shapes, tile_q,
                                                                 tile_kv, self.name))
