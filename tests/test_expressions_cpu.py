@@ -12,11 +12,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from tiledsl.codegen.render import TEMPLATE_DIR, environment
 from tiledsl.dispatch.modified import expression
-from tiledsl.lower.expressions import box, cuda, expression_fields, expression_parameters
+from tiledsl.lower.expressions import (
+    box,
+    cuda,
+    expression_fields,
+    expression_parameters,
+)
 from tiledsl.mods.expr import OPS, Apply, Aux, Const, Type, Var, apply, reads
 from tiledsl.mods.intervals import INT32, interval, truth
 from tiledsl.mods.model import Modifications
@@ -52,7 +58,8 @@ def test_golden_spellings(role, text, spelled):
 def test_every_op_has_a_spelling():
     x, i, c = Var("score"), Var("q_idx"), apply("lt", Var("q_idx"), Var("kv_idx"))
     for op, info in OPS.items():
-        args = {"logic": (c,) * info.arity, "where": (c, x, i), "integer": (i, Const(3))}.get(info.rule, (x, i)[:info.arity])
+        args = {"logic": (c,) * info.arity, "where": (c, x, i), "integer": (i, Const(3))}.get(
+            info.rule, (x, i)[:info.arity])
         if info.rule == "to_int" or info.rule in ("unary_float", "round"):
             args = (x,)
         assert cuda(apply(op, *args))
@@ -143,7 +150,8 @@ def run_host(source: str, lines: list[str], tmp: Path) -> list[list[str]]:
     src, exe = tmp / "expr.cpp", tmp / "expr"
     src.write_text(source)
     subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-function", "-Wno-unused-variable",
-                    "-Wno-unused-but-set-variable", "-Wno-tautological-compare", str(src), "-o", str(exe)], check=True, capture_output=True)
+                    "-Wno-unused-but-set-variable", "-Wno-tautological-compare", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
     out = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
     return [line.split() for line in out.stdout.splitlines()]
 
@@ -163,7 +171,8 @@ FLOAT_CASES = [
     "min(score * 0.0 + log(score), 1.0)", "max(log(score), -1.0)",
 ]
 MASK_CASES = [
-    "kv_idx == 0 | q_idx - kv_idx < 6", "(q_idx - kv_idx) // 4 == -2", "(q_idx - kv_idx) % 7 >= 3", "(q_idx - kv_idx) % 7 == 6",
+    "kv_idx == 0 | q_idx - kv_idx < 6", "(q_idx - kv_idx) // 4 == -2", "(q_idx - kv_idx) % 7 >= 3",
+    "(q_idx - kv_idx) % 7 == 6",
     "(kv_idx - q_idx) // 5 == 2",
     "(q_idx - kv_idx) % 4 != q_idx // 3 * 0", "t1[kv_idx % 64] == t1[q_idx % 64]", "~(q_idx < kv_idx) & (h != 2)",
     "where(q_idx > 5, kv_idx < 3, kv_idx >= q_idx)", "(q_idx > kv_idx) == (kv_idx > 4)", "int(q_idx / 3) == kv_idx",
@@ -276,8 +285,8 @@ def int_only(t) -> bool:
 
 
 @needs_gxx
-@settings(max_examples=3, deadline=None, phases=[Phase.generate], suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                HealthCheck.filter_too_much, HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(st.lists(expressions(Type.BOOL, score=False, aux=False).filter(int_only), min_size=25, max_size=25),
        st.integers(0, 2**32 - 1))
 def test_random_int_masks_match_numeric_and_intervals(tmp_path, trees, seed):

@@ -72,7 +72,12 @@ def errors(spec, aux, batch, heads, q_len, kv_len, kv_heads=None, kv_lens=None, 
     import torch
 
     from tiledsl.reference.forward import reference_attention
-    from tiledsl.reference.gpu import as_float64, lse_error, poisoned_outputs, relative_error
+    from tiledsl.reference.gpu import (
+        as_float64,
+        lse_error,
+        poisoned_outputs,
+        relative_error,
+    )
     from tiledsl.runtime.tensors import view
     d, kv_heads = spec.problem.head_dim_qk, kv_heads or heads
     q = torch.randn(batch, heads, q_len, d, device="cuda", dtype=torch.bfloat16)
