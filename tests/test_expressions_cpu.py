@@ -309,3 +309,37 @@ def test_expression_parameters_are_a_pointer_and_strides_per_tensor():
         ("aux_ok", "const int* __restrict__"), ("aux_ok_stride0", "int")]
     assert list(itertools.islice(expression_fields(mods)["expr_aux_fields"], 1)) == [
         "const float* __restrict__ t_bias; int t_bias_s0; int t_bias_s1;"]
+
+
+# ---- routing ------------------------------------------------------------------------------------------
+
+def test_the_tuned_path_builds_the_hopper_kernel_with_the_expressions():
+    from tiledsl.codegen.render import render
+    from tiledsl.dispatch.tuned import tuned_spec
+    from tiledsl.families import Family, lower, missing_template
+    from tiledsl.spec import DType, Mask
+    window = Modifications(mask_mod=tree("mask_mod", "kv_idx == 0 | q_idx - kv_idx < 256"))
+    for q_len in (1, 4096):   # a decode-length call keeps the prefill kernel (decode spells no expression)
+        spec, _ = tuned_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, q_len=q_len, mods=window)
+        assert spec.family is Family.HOPPER and not missing_template(spec)
+    text = render(lower(spec))
+    assert "mask_mod = kv_idx == 0 | q_idx - kv_idx < 256" in text and "tiles.next(tile, tile_end)" in text
+    other = Modifications(mask_mod=tree("mask_mod", "kv_idx == 0 | q_idx - kv_idx < 255"))
+    spec2, _ = tuned_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, q_len=4096, mods=other)
+    assert spec2.kernel_name != spec.kernel_name and render(lower(spec2)) != text   # the tree is the kernel's key
+    bias = Modifications(score_mod=tree("score_mod", "score + bias[h, q_idx - kv_idx + 10]"))
+    spec3, _ = tuned_spec("sm_90a", DType.BF16, 64, Mask.NONE, q_len=4096, mods=bias)
+    text = render(lower(spec3))
+    assert "expression_scores<C>(acc_s, expr_item" in text and "aux_bias_stride1" in text
+    assert "tiles.next" not in text   # a score_mod alone visits the mask's tiles
+
+
+def test_varlen_and_the_backward_refuse_expressions_with_why():
+    from tiledsl.dispatch.backward import modified_backward_refusal
+    from tiledsl.families import missing_template
+    from tiledsl.serving.varlen import varlen_spec
+    from tiledsl.spec import DType, Mask
+    mods = Modifications(score_mod=tree("score_mod", "score * 0.5"))
+    assert "score_mod" in modified_backward_refusal("sm_90a", 128, 128, mods)
+    spec = varlen_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, 128, None, None, mods)
+    assert "score_mod" in missing_template(spec)
