@@ -75,8 +75,9 @@ def launch_rule(problem, kv_tiles: int) -> tuple[bool, str]:
         # an item sees about one document's tiles, whatever the sequence's length, and a persistent block's
         # producer searches the next item's documents while the consumers finish this one
         return True, "documents: an item sees about one document's kv tiles"
-    if problem.mask is Mask.NONE:
+    if problem.mask is Mask.NONE and problem.mods.mask_mod is None:
         return True, "no mask, every item costs the same"
+    # a mask_mod's items, like a mask's, see different numbers of kv tiles
     walk = kv_tiles <= PERSISTENT_MASKED_TILES
     return walk, f"items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles"
 
