@@ -52,29 +52,44 @@ __device__ __forceinline__ bool tile_needs_mask_mod(const ExprItem& x, int row0,
     return mask_mod_box(x.b, x.h, q_lo, q_hi, col0, kv_hi, x.q_len, x.kv_len) != TILE_FULL;
 }
 
-// The indices an element's expression reads: past the launch's last query or key, clamped onto it.
-template <class C>
+// The indices an element's expression reads: past the launch's last query or key, clamped onto it when `clamp`.
+template <bool CLAMP>
 __device__ __forceinline__ int2 expr_point(const ExprItem& x, int row, int col) {
-    if constexpr (C::EXPR_CLAMP) return make_int2(min(row, x.q_last), min(col, x.kv_last));
+    if constexpr (CLAMP) return make_int2(min(row, x.q_last), min(col, x.kv_last));
     return make_int2(row, col);
 }
 
-// s = score_mod(SCALE s) / SCALE for each element of the warp's 16 rows (row0..) and the tile's keys (col0..).
+// Does the warp's 16 rows (from row0) by the tile's keys (from col0) reach past the launch's last query or key?
 template <class C>
-__device__ __forceinline__ void expression_scores(float (&s)[C::M_TILES][C::S_TILES][4], const ExprItem& x, int row0,
-                                                  int col0, int lane) {
-    static_assert(C::M_TILES == 1, "a thread's two rows are its only accumulator rows");
+__device__ __forceinline__ bool tile_needs_clamp(const ExprItem& x, int row0, int col0) {
+    return C::EXPR_CLAMP && (row0 + 15 > x.q_last || col0 + C::BC - 1 > x.kv_last);
+}
+
+template <class C, bool CLAMP>
+__device__ __forceinline__ void expression_scores_at(float (&s)[C::M_TILES][C::S_TILES][4], const ExprItem& x, int row0,
+                                                     int col0, int lane) {
 #pragma unroll
     for (int nt = 0; nt < C::S_TILES; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int2 at = expr_point<C>(x, row0 + acc_row(lane, e), col0 + nt * 8 + acc_col(lane, e));
+            const int2 at = expr_point<CLAMP>(x, row0 + acc_row(lane, e), col0 + nt * 8 + acc_col(lane, e));
             s[0][nt][e] = score_mod_of(s[0][nt][e] * C::SCALE, x.b, x.h, at.x, at.y, x.q_len, x.kv_len, x.aux)
                           * C::INV_SCALE;
         }
 }
 
-// The keys mask_mod hides become -inf.
+// s = score_mod(SCALE s) / SCALE for each element of the warp's 16 rows (row0..) and the tile's keys (col0..).
+// Only a tile at the sequences' ends clamps its indices: inside them each element's indices are the lane's plus
+// constants, which the compiler folds into the reads' offsets.
+template <class C>
+__device__ __forceinline__ void expression_scores(float (&s)[C::M_TILES][C::S_TILES][4], const ExprItem& x, int row0,
+                                                  int col0, int lane) {
+    static_assert(C::M_TILES == 1, "a thread's two rows are its only accumulator rows");
+    if (tile_needs_clamp<C>(x, row0, col0)) expression_scores_at<C, true>(s, x, row0, col0, lane);
+    else expression_scores_at<C, false>(s, x, row0, col0, lane);
+}
+
+// The keys mask_mod hides become -inf (a partial tile's: its indices clamped wherever the expressions read aux).
 template <class C>
 __device__ __forceinline__ void apply_mask_mod(float (&s)[C::M_TILES][C::S_TILES][4], const ExprItem& x, int row0,
                                                int col0, int lane) {
@@ -82,7 +97,7 @@ __device__ __forceinline__ void apply_mask_mod(float (&s)[C::M_TILES][C::S_TILES
     for (int nt = 0; nt < C::S_TILES; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int2 at = expr_point<C>(x, row0 + acc_row(lane, e), col0 + nt * 8 + acc_col(lane, e));
+            const int2 at = expr_point<C::EXPR_CLAMP>(x, row0 + acc_row(lane, e), col0 + nt * 8 + acc_col(lane, e));
             if (!mask_mod_of(x.b, x.h, at.x, at.y, x.q_len, x.kv_len, x.aux)) s[0][nt][e] = NEG_INF;
         }
 }
