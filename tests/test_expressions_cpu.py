@@ -86,6 +86,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdint>
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
@@ -150,7 +151,8 @@ def run_host(source: str, lines: list[str], tmp: Path) -> list[list[str]]:
     src, exe = tmp / "expr.cpp", tmp / "expr"
     src.write_text(source)
     subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unused-function", "-Wno-unused-variable",
-                    "-Wno-unused-but-set-variable", "-Wno-tautological-compare", str(src), "-o", str(exe)],
+                    "-Wno-unused-but-set-variable", "-Wno-tautological-compare", "-Wno-unknown-pragmas", str(src),
+                    "-o", str(exe)],
                    check=True, capture_output=True)
     out = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
     return [line.split() for line in out.stdout.splitlines()]
@@ -343,3 +345,56 @@ def test_varlen_and_the_backward_refuse_expressions_with_why():
     assert "score_mod" in modified_backward_refusal("sm_90a", 128, 128, mods)
     spec = varlen_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, 128, None, None, mods)
     assert "score_mod" in missing_template(spec)
+
+
+# ---- the kernel's walk of mask_mod's tiles ----------------------------------------------------------------
+
+WALK_MAIN = r"""
+struct int2 { int x, y; };
+inline int2 make_int2(int x, int y) { return {x, y}; }
+static const float NEG_INF = -INFINITY;
+inline int acc_row(int lane, int e) { return (lane >> 2) + ((e >> 1) << 3); }
+inline int acc_col(int lane, int e) { return ((lane & 3) << 1) + (e & 1); }
+struct C { static constexpr int BC = TILE_KV, BR = TILE_Q, M_TILES = 1, S_TILES = TILE_KV / 8;
+           static constexpr bool EXPR_CLAMP = false; static constexpr float SCALE = 1.f, INV_SCALE = 1.f; };
+int main() {
+    int q_len, kv_len;
+    while (scanf("%d %d", &q_len, &kv_len) == 2) {
+        for (int q0 = 0; q0 < q_len; q0 += C::BR) {
+            int begin = 0, end = (kv_len + C::BC - 1) / C::BC;
+            const MaskModTiles tiles = narrow_to_mask_mod<C>(begin, end, 0, 0, q0, std::min(C::BR, q_len - q0), q_len,
+                                                             kv_len);
+            printf("%d:", q0 / C::BR);
+            for (int tile = begin; tile < end; tile = tiles.next(tile, end)) printf(" %d", tile);
+            printf("\n");
+        }
+        printf("end\n");
+    }
+}
+"""
+
+
+@needs_gxx
+@pytest.mark.parametrize("text", ["kv_idx == 0 | q_idx - kv_idx < 256", "kv_idx <= q_idx | kv_idx < 300",
+                                  "(q_idx - kv_idx) // 128 % 3 == 0", "kv_idx > q_idx + kv_len"])
+def test_the_kernels_walk_visits_explains_visible_tiles(text, tmp_path):
+    """narrow_to_mask_mod and MaskModTiles::next (templates/expressions.cuh, the producer's and the consumers' walk)
+    visit exactly the tiles schedule/tiles.classify (explain's counts) finds not empty, in order."""
+    from tiledsl.schedule.tiles import EMPTY, Tiling, classify
+    from tiledsl.spec import DType, Mask, Problem
+    t = tree("mask_mod", text)
+    mods = Modifications(mask_mod=t)
+    macro = environment().from_string('{% import "macros.j2" as m %}{{ m.expression_functions(plan) }}')
+    source = "\n".join([PRELUDE, "#define TILE_KV 128\n#define TILE_Q 128",
+                        (TEMPLATE_DIR / "expression_ops.cuh").read_text(),
+                        macro.render(plan=SimpleNamespace(**expression_fields(mods))), WALK_MAIN.split("int main")[0],
+                        (TEMPLATE_DIR / "expressions.cuh").read_text(), "int main" + WALK_MAIN.split("int main")[1]])
+    shapes = [(1000, 1000), (2048, 2048), (300, 1700), (1, 129)]
+    rows = run_host(source, [f"{q} {kv}" for q, kv in shapes], tmp_path)
+    walks = iter(rows)
+    for q_len, kv_len in shapes:
+        classes = classify(Problem(64, 64, DType.BF16, Mask.NONE, mods=mods), Tiling(q_len, kv_len, 128, 128), 1, 1)
+        for i in range(classes.shape[2]):
+            visited = [int(x) for x in next(walks)[1:]]
+            assert visited == [j for j in range(classes.shape[3]) if classes[0, 0, i, j] != EMPTY], (text, q_len, i)
+        assert next(walks) == ["end"]
