@@ -2,8 +2,8 @@
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
 head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward, and
 softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels, documents in the backward;
-block-sparse forward and backward kernels). A refactor that should change no kernel is checked by rendering before
-and after and comparing:
+block-sparse forward and backward kernels; score_mod / mask_mod examples in the forward). A refactor that should
+change no kernel is checked by rendering before and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
 
@@ -121,6 +121,17 @@ def modified_specs():
                 for q_len in (1, 4):
                     yield "modified decode", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, q_len, mods)[0]
                     yield "modified paged decode", paged_spec(DType.BF16, d, d, mask, 16, q_len, mods=mods)
+    # score_mod / mask_mod (the hopper forward only): a bias table, softcap written out, a window with a global
+    # token, prefix-LM, a document mask over an aux id tensor
+    expressions = [dict(score_mod="score + bias[h, q_idx - kv_idx + 4095]"),
+                   dict(score_mod="50.0 * tanh(score / 50.0)"), dict(mask_mod="kv_idx == 0 | q_idx - kv_idx < 256"),
+                   dict(mask_mod="kv_idx <= q_idx | kv_idx < 512"),
+                   dict(mask_mod="doc[b, q_idx] == doc[b, kv_idx]")]
+    for keywords in expressions:
+        mods, _ = modifications("inventory", **keywords)
+        for mask in (Mask.NONE, Mask.CAUSAL):
+            for d in (64, 128):
+                yield "expression prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
     # documents in the warp-specialized backward (ids and bounds; alone, with softcap and sinks), deterministic too
     for keywords in (dict(document_ids=True), dict(document_bounds=True), dict(document_ids=True, softcap=30.0,
                                                                                 sinks=True)):

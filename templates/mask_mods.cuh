@@ -136,6 +136,17 @@ __device__ __forceinline__ bool tile_needs_mask_mods(int row0, int col0, int kv_
     return needs;
 }
 
+// Is key `col` visible to query `row` (accumulator element e of its thread: its row's document) under the spec's
+// mask, the row's document interval and the prefix?
+template <class C>
+__device__ __forceinline__ bool mask_mods_visible(int row, int col, int kv_len, int diag, const DocumentRows& docs,
+                                                  int e) {
+    bool visible = key_visible<C>(row, col, kv_len, diag);
+    if constexpr (C::DOCUMENTS) visible = visible && col >= docs.start[e >> 1] && col < docs.end[e >> 1];
+    if constexpr (C::PREFIX > 0) visible = visible && (col <= row + diag || col < C::PREFIX);
+    return visible;
+}
+
 // The spec's mask, then each row's document interval and the prefix: invisible scores become -inf.
 template <class C>
 __device__ __forceinline__ void apply_mask_mods(float (&s)[C::M_TILES][C::S_TILES][4], int row0, int col0, int kv_len,
@@ -146,10 +157,7 @@ __device__ __forceinline__ void apply_mask_mods(float (&s)[C::M_TILES][C::S_TILE
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int row = row0 + acc_row(lane, e), col = col0 + nt * 8 + acc_col(lane, e);
-            bool visible = key_visible<C>(row, col, kv_len, diag);
-            if constexpr (C::DOCUMENTS) visible = visible && col >= docs.start[e >> 1] && col < docs.end[e >> 1];
-            if constexpr (C::PREFIX > 0) visible = visible && (col <= row + diag || col < C::PREFIX);
-            if (!visible) s[0][nt][e] = NEG_INF;
+            if (!mask_mods_visible<C>(row, col, kv_len, diag, docs, e)) s[0][nt][e] = NEG_INF;
         }
 }
 

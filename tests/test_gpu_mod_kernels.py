@@ -179,8 +179,10 @@ def test_other_families_and_modifications_refuse_clearly():
     import tiledsl
     from tiledsl.errors import RuntimeInputError
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    packed = q[0].transpose(0, 1).contiguous()   # (64 tokens, 2 heads, 64)
+    cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
     with pytest.raises(RuntimeInputError, match="no CUDA template"):
-        tiledsl.attention(q, q, q, mask_mod="kv_idx != 3")
+        tiledsl.varlen_attention(packed, packed, packed, cu, cu, 64, 64, mask_mod="kv_idx != 3")
 
 
 def test_compute_sanitizer_on_a_small_modified_case(tmp_path):

@@ -20,7 +20,7 @@ def aux_for(spec, rng):
     shapes = {"alibi_slopes": (HEADS,), "sinks": (HEADS,), "bias": (HEADS, 8191), "t5": (HEADS, 32)}
     out = {}
     for aux in spec.problem.mods.user_aux():
-        if aux.name == "document_ids":
+        if aux.name in ("document_ids", "doc"):   # doc: expressions_d128.tile's document mask_mod
             out[aux.name] = np.sort(rng.integers(0, 5, (BATCH, N)), axis=1)
         elif aux.name == "document_bounds":
             out[aux.name] = np.array([[0, 40, 40, 200, N], [0, 10, 90, N, N]])

@@ -121,7 +121,7 @@ def _modified_specs() -> list:
                 spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
                 known = mods.softcap_via is TanhVia.TANH_APPROX and d == 64
                 specs.append(pytest.param(spec, marks=spills) if known else spec)
-    specs += _mask_modified_specs() + _varlen_modified_specs() + _block_sparse_specs()
+    specs += _mask_modified_specs() + _varlen_modified_specs() + _block_sparse_specs() + _expression_specs()
     return specs
 
 
@@ -139,6 +139,36 @@ def _block_sparse_specs() -> list:
                          Modifications(blocks=(128, 128), alibi=AlibiSlopes.GIVEN, sinks=True),
                          Modifications(blocks=(128, 128), document=Documents.IDS)):
                 specs.append(tuned_spec("sm_90a", DType.BF16, d, mask, d, None, None, 4096, mods)[0])
+    return specs
+
+
+# score_mod / mask_mod examples the hopper forward builds: a relative-position bias table, tanh softcap written as
+# an expression, a sliding window with a global token, prefix-LM and a document mask over an aux id tensor.
+EXPRESSIONS = {"bias": ("score_mod", "score + bias[h, q_idx - kv_idx + kv_len]"),
+               "softcap": ("score_mod", "50.0 * tanh(score / 50.0)"),
+               "window_global": ("mask_mod", "kv_idx == 0 | q_idx - kv_idx < 256"),
+               "prefix_lm": ("mask_mod", "kv_idx <= q_idx | kv_idx < 512"),
+               "documents": ("mask_mod", "doc[b, q_idx] == doc[b, kv_idx]")}
+
+
+def _expression_specs() -> list:
+    """The EXPRESSIONS kernels on the tuned schedules (d64 and d128, causal and none) and a bias with a window mask.
+    Known spills, listed exactly (strict): d64's three 160-register consumers with softcap written as tanhf (8-16 B:
+    the built-in softcap's polynomial does not spill)."""
+    from tiledsl.dispatch.modified import expression
+    from tiledsl.dispatch.tuned import TUNED
+    from tiledsl.mods.model import Modifications
+    from tiledsl.spec import DType, KernelSpec, Mask, Problem
+    spilled = pytest.mark.xfail(strict=True, reason="tanhf on d64's three consumers spills")
+    specs = []
+    for d in (64, 128):
+        for mask in (Mask.CAUSAL, Mask.NONE):
+            for name, (role, text) in EXPRESSIONS.items():
+                mods = Modifications(**{role: expression("test_nvcc", role, text, {})[0]})
+                spec = KernelSpec(f"expr_{name}_d{d}", Problem(d, d, DType.BF16, mask, mods=mods),
+                                  TUNED[("sm_90", "bf16", d, mask.value)])
+                known = d == 64 and name == "softcap"
+                specs.append(pytest.param(spec, marks=spilled) if known else spec)
     return specs
 
 

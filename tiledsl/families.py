@@ -135,7 +135,7 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 # the score modifications (its sequences are the documents already: a document or prefix mask, and the
 # expressions, are refused there); the decode template on contiguous, paged and FP8 KV caches alike. FP8
 # inputs take none.
-BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",),
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod"),
               (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
               (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS}
 

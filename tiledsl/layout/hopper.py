@@ -112,6 +112,10 @@ def require_tiles_nest(spec: KernelSpec) -> None:
             "divide the blocks, so that every tile lies in one block",
             f"blocks whose q size is a multiple of {s.tile_q} and kv size a multiple of {s.tile_kv}, or a `tile` "
             "that divides them")
+    # Both pick the kv tiles an item walks (block_mask's list, mask_mod's interval test): one walk a kernel.
+    require(spec.problem.mods.mask_mod is None, spec, "mask_mod",
+            "mask_mod and blocks(...) together: the hopper kernel walks either block_mask's list of kv tiles or "
+            "mask_mod's, not both", "fold the block structure into mask_mod, or drop mask_mod")
 
 
 def hopper_fp8_layout(spec: KernelSpec, limits: DeviceLimits) -> Layout:

@@ -30,6 +30,7 @@ from ..schedule.passes import emission_order
 from ..spec import DTYPE_PTX, Descale, Family, KernelSpec, LaunchKind, SeqLayout
 from .fa2_wgmma import WgmmaAsm
 from .plan import INDEX_ERRORS, Constant, KernelPlan, Launch, LoopOp, Parameter, Region, SharedBuffer, make_plan
+from .expressions import expression_constants, expression_fields
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .steps import (INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, O_SHARED, OUT16, OUT32, mma_instruction, parameters,
                     smem_constants, softmax_constants, spec_line, stride_lines)
@@ -68,6 +69,19 @@ class HopperPlan(KernelPlan):
     # `mask = blocks(...)` (templates/block_mask.cuh): the producer lists each item's kv tiles whose block_mask
     # entry is nonzero; the producer and the consumers walk the list
     blocks: bool = False
+    # score_mod / mask_mod (lower/expressions.py: macros.j2's expression_functions pastes them, templates/
+    # expressions.cuh applies them): the ExprAux struct's fields and its value from the parameters, each tree's
+    # CUDA expression and DSL text, mask_mod's box statements and answer (can be false, can be true). A
+    # mask_mod also narrows each item's kv tiles and steps over the empty ones (MaskModTiles).
+    expressions: bool = False
+    expr_aux_fields: tuple[str, ...] = ()
+    expr_aux_value: str = "{}"
+    score_expression: str = ""
+    score_expression_text: str = ""
+    mask_expression: str = ""
+    mask_expression_text: str = ""
+    mask_box_lines: tuple[str, ...] = ()
+    mask_box_answer: tuple[str, str] = ("false", "true")
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.
@@ -261,6 +275,7 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("EPILOGUE_BAR", "int", 1 + consumers, "named barrier of one consumer before it stages O"),
         *softmax_constants(p),
         *mod_constants(p, s.tile_kv // 8),
+        *expression_constants(p),
         *(fp8_constants(spec, lay) if fp8 else ()),
     ]
     if s.launch is LaunchKind.DYNAMIC:
@@ -303,6 +318,9 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                          "block-sparse: the producer reads the q tile's row of block_mask once and lists the kv tiles "
                          "whose block is nonzero (shared memory, published by Q's barrier); producer and consumers "
                          "walk the list"),
+        "mask_mod_tiles": Region(spec_line(spec, "mask_mod"),
+                                 "mask_mod's tiles: the item's kv tiles narrowed to those its interval test over the "
+                                 "item's rows does not find empty; the walk steps over the empty ones between"),
         "kv_loop": Region(spec_line(spec, "order"), "q outer (one block per q tile), kv inner"
                           + ("; intra-warpgroup overlap" if s.intra_overlap else "")
                           + ("; ping-pong between consumers" if s.pingpong else "")),
@@ -327,7 +345,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ()),
                      blocks=p.mods.blocks is not None,
                      **score_mod_fields(p.mods, consts),
-                     mask_mods=p.mods.document is not None or p.mods.prefix is not None,
+                     mask_mods=any(x is not None for x in (p.mods.document, p.mods.prefix, p.mods.mask_mod)),
+                     **expression_fields(p.mods),
                      documents=p.mods.document.value if p.mods.document else "", prefix=p.mods.prefix is not None,
                      launch_kind=s.launch.value if s.launch else "",
                      q_wait="item" if s.launch is LaunchKind.DYNAMIC

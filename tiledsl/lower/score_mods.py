@@ -9,13 +9,15 @@ import math
 
 from ..mods.model import Documents, Modifications
 from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
+from .expressions import expression_parameters
 from .plan import Constant, Parameter
 from .steps import parameters
 
 
 def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
-    """The aux tensors the modified kernel reads (float32): ALiBi's slopes (batch stride 0 for (heads,)
-    slopes and the host's geometric ones) and the sinks; () for an unmodified kernel."""
+    """The aux tensors the modified kernel reads: ALiBi's slopes (batch stride 0 for (heads,) slopes and the
+    host's geometric ones), the sinks, the documents, then the expressions' (lower/expressions.py); () for an
+    unmodified kernel."""
     line = ()
     if mods.alibi is not None:
         line += parameters("const float* __restrict__", "alibi_slopes") + parameters("int", "alibi_batch_stride")
@@ -30,6 +32,7 @@ def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
         line += (parameters("const int* __restrict__", "block_mask")
                  + parameters("i64", "block_mask_batch_stride", "block_mask_head_stride")
                  + parameters("int", "block_mask_kv_blocks"))
+    line += expression_parameters(mods)
     return (line,) if line else ()
 
 
@@ -67,7 +70,7 @@ def mod_constants(p, s_tiles: int) -> list[Constant]:
         out.append(Constant("ALIBI_UNITS", "float", -1.0 / p.scale, "ALiBi: -1 / scale, a slope in raw units"))
     if mods.sinks:
         out.append(Constant("SINK_UNITS", "float", 1.0 / p.scale, "sinks: 1 / scale, a sink logit in raw units"))
-    if mods.document is not None or mods.prefix is not None:
+    if mods.document is not None or mods.prefix is not None or mods.mask_mod is not None:
         out += [Constant("DOCUMENTS", "bool", mods.document is not None, "mask = document: rows see their document"),
                 Constant("PREFIX", "int", mods.prefix or 0, "prefix(n): keys below it are visible to all (0: none)")]
     if mods.blocks is not None:

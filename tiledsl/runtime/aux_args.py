@@ -5,12 +5,20 @@ lower/score_mods.mod_parameters, which every modified kernel appends in that ord
 are the host's, made once per device and head count."""
 from __future__ import annotations
 
+import math
+
 from ..errors import RuntimeInputError
+from ..lower.expressions import expression_aux
+from ..mods.checks import check_aux
+from ..mods.expr import Type
 from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, \
     Documents, geometric_slopes
 from .inputs import Shapes
 from .launch import CallBuilder, i32, i64, is_compact, pointer_arg
 from .tensors import TensorView, view
+
+# Modifications' fields besides the expressions: expression_args checks the expressions' aux tensors alone.
+BUILT_IN_FIELDS = ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix", "blocks", "dropout")
 
 
 def aux_names(spec) -> tuple[str, ...]:
@@ -36,9 +44,10 @@ class AuxArguments:
                                     f"(it reads: {wants})")
         return tuple(aux[n] for n in self.aux_names)
 
-    def mod_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
+    def mod_args(self, b: CallBuilder, shapes: Shapes, ragged: bool = False) -> tuple:
         """The launch arguments of lower/score_mods.mod_parameters: each aux tensor checked (float32, contiguous,
-        on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count."""
+        on q's GPU, its shape), geometric ALiBi slopes made for the launch's head count, then the expressions'
+        (expression_args)."""
         mods, args = self.spec.problem.mods, ()
         if mods.alibi is AlibiSlopes.GEOMETRIC:
             slopes = geometric_slope_tensor(b.like, b.device_id, shapes.heads)
@@ -60,7 +69,27 @@ class AuxArguments:
             args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
         if mods.blocks is not None:
             args += self._block_mask_args(b, shapes)
-        return args
+        return args + self.expression_args(b, shapes, ragged)
+
+    def expression_args(self, b: CallBuilder, shapes: Shapes, ragged: bool) -> tuple:
+        """lower/expressions.expression_parameters' arguments: each aux tensor an expression reads (float32 or
+        int32, contiguous, on q's GPU, under 2^31 elements: the kernel's offsets are int32) as a pointer and its
+        strides, after mods/checks.check_aux's refusals on the shapes (no sync): every index the expressions can
+        form over this launch inside its tensor, every int inside int32. `ragged`: kv_lens may shorten the
+        sequences, so an expression's kv_len may be anything in 0..kv_len."""
+        mods = self.spec.problem.mods
+        tensors = expression_aux(mods)
+        if not tensors:
+            return ()
+        views = {a.name: self._aux_view(b, a.name, None, "fp32" if a.dtype is Type.FLOAT else "int32") for a in tensors}
+        for name, t in views.items():
+            if math.prod(t.shape) >= 1 << 31:
+                raise RuntimeInputError(f"{self.name}: {name} has {math.prod(t.shape)} elements; the kernel indexes "
+                                        "aux tensors with 32-bit offsets (under 2^31 elements)")
+        check_aux(mods.without(*BUILT_IN_FIELDS), {n: (t.shape, t.dtype != "int32") for n, t in views.items()},
+                  shapes.batch, shapes.heads, shapes.q_len, shapes.kv_len, [0, shapes.kv_len] if ragged else None,
+                  self.name)
+        return tuple(arg for t in views.values() for arg in (pointer_arg(t),) + tuple(i32(s) for s in t.strides))
 
     def _block_mask_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
         """block_mask_arguments' launch arguments; a sequence longer than a kernel's kv tile list is refused."""

@@ -75,8 +75,9 @@ def launch_rule(problem, kv_tiles: int) -> tuple[bool, str]:
         # an item sees about one document's tiles, whatever the sequence's length, and a persistent block's
         # producer searches the next item's documents while the consumers finish this one
         return True, "documents: an item sees about one document's kv tiles"
-    if problem.mask is Mask.NONE:
+    if problem.mask is Mask.NONE and problem.mods.mask_mod is None:
         return True, "no mask, every item costs the same"
+    # a mask_mod's items, like a mask's, see different numbers of kv tiles
     walk = kv_tiles <= PERSISTENT_MASKED_TILES
     return walk, f"items of {'at most' if walk else 'over'} {PERSISTENT_MASKED_TILES} kv tiles"
 
@@ -204,7 +205,7 @@ class HopperKernel(AuxArguments, Kernel):
                 *strides_args(o), i32(self.order_groups_for(shapes, b.device_id)), i32(q_tiles * pairs))
         if plan.launch_kind == LaunchKind.DYNAMIC.value:
             args += (pointer_arg(b.provide("item counter", item_counter_provider(b.like, b.device_id))),)
-        args += self.mod_args(b, shapes)
+        args += self.mod_args(b, shapes, ragged=kv_lens is not None)
         if p.fp8:
             args += tuple(pointer_arg(t) for t in descale_views(b, len(self.CALL) - 3, p.descales, shapes, tile_q,
                                                                 tile_kv, self.name))
