@@ -53,19 +53,18 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
     (batch, documents + 1)), `block_mask` (block-sparse: an int or bool tensor (batch or 1, heads or 1, q blocks,
     kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128; or a FlexAttention BlockMask),
-    `score_mod` / `mask_mod` (DSL text, or a callable traced by
-    tiledsl/mods/trace.py) and `aux` (their aux tensors by name). softcap, alibi_slopes, sinks, the
-    documents and block_mask run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
-    queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); block_mask
-    also has a backward (the warp-specialized one: autograd, attention_backward's block_mask=). softcap,
-    alibi_slopes and sinks (one of softcap and ALiBi, with or without sinks) have a backward: torch tensors that
-    require grad go through autograd (the custom ops tiledsl::attention_forward_mods / attention_backward_mods under
-    torch.compile) into the warp-specialized Hopper backward (head dims 64, 128, 256), and `sinks` gets its
-    gradient when it requires grad; a call that needs a gradient through any other modification is refused
-    before it runs. Documents are runs of one id each (packed sequences); the host checks
-    that where it checks kv_lens (`validate`; validate=False keeps the call sync-free). Any other
-    modification, or another family, checks its aux tensors, then raises RuntimeInputError naming what is
-    missing."""
+    `score_mod` / `mask_mod` (DSL text, or a callable traced by tiledsl/mods/trace.py) and `aux` (their aux
+    tensors by name). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
+    queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
+    together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
+    backward (head dims 64, 128, 256) differentiates softcap or ALiBi (not both), sinks (which get their gradient
+    when they require grad), the documents and block_mask: torch tensors that require grad go through autograd
+    (under torch.compile the custom ops tiledsl::attention_forward_mods / attention_backward_mods; block_mask runs
+    eagerly there). score_mod and mask_mod have no backward yet: a call that needs a gradient through them, or
+    through a problem the backward does not take, is refused before it runs. Documents are runs of one id each
+    (packed sequences); the host checks that where it checks kv_lens (`validate`; validate=False keeps the call
+    sync-free). Any other modification, or another family, checks its aux tensors, then raises RuntimeInputError
+    naming what is missing."""
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
     deterministic = switch("attention", "deterministic", deterministic)
