@@ -8,6 +8,7 @@ from the first one ordered dQ waits for (its semaphore's turn counts from there)
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 import tempfile
@@ -265,3 +266,34 @@ def test_the_bundled_document_backward_spec_builds_both_passes():
     forward, backward = lower(s), lower_backward(s)
     assert forward.documents == backward.documents == "ids" and backward.kernel_names["documents"]
     assert [op.kind for op in backward.loop_body].count("mask") == 1
+
+
+# ---- prefix= on the Python API ---------------------------------------------------------------------------------
+def test_the_prefix_keyword_trains_through_the_prefix_kernels(device):
+    """attention(prefix=N) runs the prefix-LM forward and, through autograd, its warp-specialized backward."""
+    import tiledsl
+    q, k, v = (device.tensor((2, 4, 300, 128), requires_grad=True) for _ in range(3))
+    o = tiledsl.attention(q, k, v, prefix=100)
+    assert device.last()[0].startswith("hopper") and "_prefix100_" in device.last()[0]
+    grads = device.backward(o, device.tensor(o.shape))
+    assert len(grads) == 10 and all(g is not None for g in grads[:3])
+    names = [device.last(back)[0] for back in range(1, 4)]   # the backward's preprocess, main and dQ launches
+    assert any(name.endswith("_main") and "_prefix100_" in name for name in names), names
+
+
+def test_the_prefix_keyword_is_its_own_mask_and_an_int():
+    import tiledsl
+    from tiledsl.errors import RuntimeInputError
+    from tiledsl.mods.model import PREFIX_ALONE
+
+    class Shaped:   # spec_for reads shapes and dtypes only
+        def __init__(self, shape):
+            self.shape, self.dtype = shape, "torch.bfloat16"
+    q = Shaped((1, 4, 300, 128))
+    assert re.search(r"mask += prefix\(100\)", tiledsl.spec_for(q, q, q, prefix=100))
+    for bad in (0, -3, True, 2.5, "100"):
+        with pytest.raises(RuntimeInputError, match="prefix is the number of leading keys every query sees"):
+            tiledsl.spec_for(q, q, q, prefix=bad)
+    for mask in (dict(causal=True), dict(window=(64, 0))):
+        with pytest.raises(RuntimeInputError, match=PREFIX_ALONE.replace("(", r"\(").replace(")", r"\)")):
+            tiledsl.spec_for(q, q, q, prefix=100, **mask)

@@ -14,8 +14,8 @@ from .spec import Mask
 def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
               validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
-              document_bounds=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None,
-              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              document_bounds=None, prefix=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None,
+              aux=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -51,14 +51,16 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     Score and mask modifications (tiledsl/dispatch/modified.py; `spec_for` prints the spec they make):
     `softcap` (30: scores become 30 tanh(s / 30)), `alibi_slopes` ("geometric" or a float tensor),
     `sinks` (a float tensor (heads,)), `document_ids` (int (batch, kv_len)) or `document_bounds` (int
-    (batch, documents + 1)), `block_mask` (block-sparse: an int or bool tensor (batch or 1, heads or 1, q blocks,
-    kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128; or a FlexAttention BlockMask),
+    (batch, documents + 1)), `prefix` (prefix-LM: an int N, the first N keys visible to every query and the rest
+    causal; its own mask, so causal=False and no window), `block_mask` (block-sparse: an int or bool tensor
+    (batch or 1, heads or 1, q blocks, kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128;
+    or a FlexAttention BlockMask),
     `score_mod` / `mask_mod` (DSL text, or a callable traced by tiledsl/mods/trace.py) and `aux` (their aux
     tensors by name). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
     queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
     together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
     backward (head dims 64, 128, 256) differentiates softcap or ALiBi (not both), sinks (which get their gradient
-    when they require grad), the documents and block_mask: torch tensors that require grad go through autograd
+    when they require grad), the documents, prefix and block_mask: torch tensors that require grad go through autograd
     (under torch.compile the custom ops tiledsl::attention_forward_mods / attention_backward_mods; block_mask runs
     eagerly there). score_mod and mask_mod have no backward yet: a call that needs a gradient through them, or
     through a problem the backward does not take, is refused before it runs. Documents are runs of one id each
@@ -74,15 +76,16 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
         raise RuntimeInputError("attention: k_scale / v_scale dequantize an FP8 KV cache read by fp16 / bf16 q; "
                                 "float8_e4m3fn q, k, v (FP8 attention) take q_descale, k_descale and v_descale")
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
-            and document_bounds is None and block_mask is None and block_size is None and score_mod is None
-            and mask_mod is None and aux is None):
-        from .dispatch.modified import modifications
+            and document_bounds is None and prefix is None and block_mask is None and block_size is None
+            and score_mod is None and mask_mod is None and aux is None):
+        from .dispatch.modified import check_mask, modifications
         from .dispatch.tuned import modified_forward
         keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
-                        document_bounds=document_bounds, block_mask=block_mask, block_size=block_size,
+                        document_bounds=document_bounds, prefix=prefix, block_mask=block_mask, block_size=block_size,
                         score_mod=score_mod, mask_mod=mask_mod, aux=aux)
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
+        check_mask("attention", mods, mask)
         if mods.active and fp8:
             from .errors import RuntimeInputError
             raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
@@ -135,7 +138,7 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
     kernel: the tuned schedule for q's shape and dtype on `arch` (None: this GPU's, or sm_90a without one)
     with the call's mask and modifications (attention's keywords; callables are traced). q, k, v may be
     any arrays with .shape and .dtype (shapes are read, never data)."""
-    from .dispatch.modified import KEYWORDS, modifications as build
+    from .dispatch.modified import KEYWORDS, check_mask, modifications as build
     from .dispatch.tuned import tuned_spec
     from .errors import RuntimeInputError
     from .spec import DTYPES, DType
@@ -157,5 +160,6 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
         except Exception:   # no GPU (or no CuPy) here: Hopper's table
             arch = "sm_90a"
     mods, _ = build("spec_for", tables=False, **modifications)
+    check_mask("spec_for", mods, mask)
     spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], window, scale, q.shape[2], mods)
     return spec_to_dsl(spec, name or spec.name)

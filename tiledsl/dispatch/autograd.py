@@ -108,8 +108,8 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
-    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask runs eagerly)
-    if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None:
+    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask or a prefix runs eagerly)
+    if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None and mods.prefix is None:
         softcap, alibi, slopes, sinks, ids, bounds = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
         o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, ids, bounds, bool(causal),
@@ -333,12 +333,13 @@ def _register(torch):
             q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask = ctx.saved_tensors
             causal, window, scale, deterministic, validate, mods = ctx.scalars
             softcap, alibi, *_ = encode_mods(mods, {})
-            blocks = {} if block_mask is None else {"block_mask": block_mask, "block_size": mods.blocks}
+            masks = {} if block_mask is None else {"block_mask": block_mask, "block_size": mods.blocks}
+            masks |= {} if mods.prefix is None else {"prefix": mods.prefix}
             grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
                                                 scale=scale, kv_lens=kv_lens, deterministic=deterministic,
                                                 validate=validate,
                                                 **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
-                                                               document_bounds), **blocks)
+                                                               document_bounds), **masks)
             dsink = grads[3] if sinks is not None else None   # (autograd drops it when sinks need none)
             return grads[0], grads[1], grads[2], None, None, dsink, None, None, None, None
 

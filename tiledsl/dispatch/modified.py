@@ -1,5 +1,6 @@
 """The Python API's score and mask modifications: `tiledsl.attention(..., softcap=, alibi_slopes=, sinks=,
-document_ids=, document_bounds=, score_mod=, mask_mod=, aux=)` (and paged_attention / varlen_attention's
+document_ids=, document_bounds=, prefix=, block_mask=, block_size=, score_mod=, mask_mod=, aux=)` (and
+paged_attention / varlen_attention's
 same keywords) become the spec's Modifications (mods/model.py) and the aux tensors a launch passes, the
 same ones `softcap = 30`, `mask = causal & document`, `score_mod = ...` write in a spec
 (tiledsl.spec_for prints it).
@@ -11,6 +12,8 @@ same ones `softcap = 30`, `mask = causal & document`, `score_mod = ...` write in
   document_ids     an int tensor (batch, kv_len): query i sees key j when the ids at i + kv_len - q_len and
                    at j are equal and >= 0 (negative: padding, in no document)
   document_bounds  an int tensor (batch, documents + 1) of cu_seqlens-like offsets instead of ids
+  prefix           an int N >= 1: prefix-LM, the first N keys visible to every query and the rest causal (its own
+                   mask: with causal=False and no window)
   block_mask       block-sparse attention: an int or bool tensor (batch or 1, heads or 1, q blocks, kv blocks)
                    whose nonzero entries mark the block_size[0] x block_size[1] blocks of (queries x keys) that
                    are computed (converted to int32 on the device), or a FlexAttention BlockMask
@@ -32,17 +35,17 @@ import numbers
 
 from ..errors import RuntimeInputError
 from ..hw import MMA_ROWS
-from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes,
-                          Documents, Modifications, NO_MODS)
+from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, NO_MODS,
+                          PREFIX_ALONE, AlibiSlopes, Documents, Modifications)
 
-KEYWORDS = ("softcap", "alibi_slopes", "sinks", "document_ids", "document_bounds", "block_mask", "block_size",
+KEYWORDS = ("softcap", "alibi_slopes", "sinks", "document_ids", "document_bounds", "prefix", "block_mask", "block_size",
             "score_mod", "mask_mod", "aux")
 DEFAULT_BLOCK_SIZE = 128   # FlexAttention's
 
 
 def modifications(where: str = "attention", *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
-                  document_bounds=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None,
-                  differentiable: bool = False, tables: bool = True) -> tuple[Modifications, dict]:
+                  document_bounds=None, prefix=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None,
+                  aux=None, differentiable: bool = False, tables: bool = True) -> tuple[Modifications, dict]:
     """(the Modifications of the keywords, the aux tensors by name). `differentiable`: the call needs a
     gradient, so score_mod must have one in score. `tables` False leaves block_mask as given (spec_for reads
     shapes only)."""
@@ -65,6 +68,11 @@ def modifications(where: str = "attention", *, softcap=None, alibi_slopes=None, 
         fields["document"], tensors[AUX_DOCUMENT_IDS] = Documents.IDS, document_ids
     if document_bounds is not None:
         fields["document"], tensors[AUX_DOCUMENT_BOUNDS] = Documents.BOUNDS, document_bounds
+    if prefix is not None:
+        if isinstance(prefix, bool) or not isinstance(prefix, numbers.Integral) or prefix < 1:
+            raise RuntimeInputError(f"{where}: prefix is the number of leading keys every query sees, an int >= 1; "
+                                    f"got {prefix!r}")
+        fields["prefix"] = int(prefix)
     if block_mask is not None:
         fields["blocks"], tensors[AUX_BLOCK_MASK] = block_table(where, block_mask, block_size, tables)
     elif block_size is not None:
@@ -73,6 +81,13 @@ def modifications(where: str = "attention", *, softcap=None, alibi_slopes=None, 
         if given is not None:
             fields[role], tensors = expression(where, role, given, tensors, differentiable)
     return (Modifications(**fields) if fields else NO_MODS), tensors
+
+
+def check_mask(where: str, mods: Modifications, mask) -> None:
+    """prefix= is a mask of its own (mods/model.PREFIX_ALONE): refused with causal or a window."""
+    from ..spec import Mask
+    if mods.prefix is not None and mask is not Mask.NONE:
+        raise RuntimeInputError(f"{where}: {PREFIX_ALONE}: pass prefix=N with causal=False and no window")
 
 
 def block_table(where: str, block_mask, block_size, convert: bool = True) -> tuple[tuple[int, int], object]:

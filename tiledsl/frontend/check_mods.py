@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from ..mods.expr import FUNCTIONS, OPS, VARIABLES, Aux, Const, ExprTypeError, Type, Var, apply
-from ..mods.model import BUILTIN_AUX, AlibiSlopes, Documents, Modifications
+from ..mods.model import BUILTIN_AUX, PREFIX_ALONE, AlibiSlopes, Documents, Modifications
 from ..mods.softcap import TanhVia
 from ..mods.validate import ExprRuleError, validate_expression
 from ..spec import Mask
@@ -118,8 +118,7 @@ def _mask(checker, value, mods: dict) -> dict:
         else:
             mods["blocks"] = _blocks(checker, term)
     if "prefix" in seen and fields.get("mask", Mask.NONE) is not Mask.NONE:
-        checker.fail("prefix(N) is causal with the first N keys visible to all; it takes no causal or window term",
-                     seen["base"].span, "write `mask = prefix(N)` (causal included)")
+        checker.fail(PREFIX_ALONE, seen["base"].span, "write `mask = prefix(N)` (causal included)")
     return fields
 
 

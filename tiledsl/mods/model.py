@@ -45,6 +45,9 @@ SCORE_MODS = ("softcap", "softcap_via", "alibi", "sinks")
 # The mask modifications the hopper forward and the warp-specialized backward spell (families.BUILT_MODS,
 # layout/backward_ws.WS_BUILT_MODS).
 MASK_MODS = ("document", "prefix")
+# prefix(n) is a mask of its own (causal, with the first n keys visible to every query): together with causal it
+# would be causal, and with a window a window, so both are refused (the DSL's check and the Python API alike).
+PREFIX_ALONE = "prefix(N) is causal with the first N keys visible to all; it takes no causal or window term"
 
 AUX_ALIBI = "alibi_slopes"
 AUX_SINKS = "sinks"
