@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import numpy as np
 import pytest
 
 TOLERANCE_O, TOLERANCE_LSE = 1e-2, 1e-3
@@ -125,3 +126,15 @@ def no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
+
+def float64(x):
+    """A torch tensor's values as a float64 NumPy array on the host."""
+    return x.detach().double().cpu().numpy()
+
+
+def rel(out, ref) -> float:
+    """Normwise relative error of a torch tensor against a float64 NumPy reference (inf where out is not finite)."""
+    out = float64(out)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / (np.linalg.norm(ref) or 1.0))

@@ -10,20 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu_support import TOLERANCE_O, requires_gpu
+from tests.gpu_support import TOLERANCE_O, float64, rel, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-
-def float64(x):
-    return x.detach().double().cpu().numpy()
-
-
-def rel(out, ref) -> float:
-    out = float64(out)
-    if not np.isfinite(out).all():
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / (np.linalg.norm(ref) or 1.0))
 
 
 def packed(rng, batch, kv_len, mean, pad=True):

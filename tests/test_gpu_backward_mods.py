@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.gpu_support import TOLERANCE_O, memcheck, requires_gpu
+from tests.gpu_support import TOLERANCE_O, float64, memcheck, rel, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -50,10 +50,6 @@ def spec_for(kw: dict, d: int, causal: bool, deterministic: bool = False, window
     return chosen_backward_spec(device_arch(), DType.BF16, d, mask, d, window, deterministic=deterministic, mods=mods)
 
 
-def float64(x):
-    return x.detach().double().cpu().numpy()
-
-
 def aux_of(kw: dict, heads: int) -> dict:
     out = {}
     if "sinks" in kw:
@@ -61,13 +57,6 @@ def aux_of(kw: dict, heads: int) -> dict:
     if "alibi_slopes" in kw and not isinstance(kw["alibi_slopes"], str):   # geometric: the spec's own slopes
         out["alibi_slopes"] = float64(kw["alibi_slopes"])
     return out
-
-
-def rel(out, ref) -> float:
-    out = float64(out)
-    if not np.isfinite(out).all():
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / (np.linalg.norm(ref) or 1.0))
 
 
 def run(mod, d, causal, batch=2, heads=4, kv_heads=2, q_len=128, kv_len=128, kv_lens=None, per_batch=False,

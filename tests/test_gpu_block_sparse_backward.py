@@ -14,20 +14,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.gpu_support import TOLERANCE_O, memcheck, requires_gpu
+from tests.gpu_support import TOLERANCE_O, float64, memcheck, rel, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-
-def float64(x):
-    return x.detach().double().cpu().numpy()
-
-
-def rel(out, ref) -> float:
-    out = float64(out)
-    if not np.isfinite(out).all():
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / (np.linalg.norm(ref) or 1.0))
 
 
 def table_of(rng, shape, density):
