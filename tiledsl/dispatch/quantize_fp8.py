@@ -99,6 +99,8 @@ def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0, 
             raise RuntimeInputError(f"quantize_fp8: {name} must be bf16 or fp16 {layout} with a unit "
                                     f"stride on d, got {t.dtype} {tuple(t.shape)} strides {t.stride()}"
                                     + (" (packed sequences: cu_seqlens given)" if packed else ""))
+    if rotate not in (None, HADAMARD):
+        raise RuntimeInputError(f"quantize_fp8: rotate is None or 'hadamard', got {rotate!r}")
     if packed:
         return _quantize_packed(q, k, v, block, rotate, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if max_seqlen_q is not None or max_seqlen_k is not None:
@@ -110,8 +112,6 @@ def quantize_fp8(q, k, v, block=None, rotate: str | None = None, seed: int = 0, 
         raise RuntimeInputError(f"quantize_fp8: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                                 f"v {tuple(v.shape)}")
     _check_head_dims(tensors, 3)
-    if rotate not in (None, HADAMARD):
-        raise RuntimeInputError(f"quantize_fp8: rotate is None or 'hadamard', got {rotate!r}")
     per_tensor = block == "tensor"
     if block is None or per_tensor:
         rows = {"q": None, "k": None, "v": None}
@@ -147,7 +147,7 @@ def _quantize_packed(q, k, v, block, rotate, seed, cu_q, cu_k, max_q, max_k):
     their values on the device."""
     import torch
 
-    from ..runtime.device_errors import raise_pending
+    from ..runtime.device_errors import TENSORS, raise_pending
     if cu_q is None or cu_k is None:
         raise RuntimeInputError("quantize_fp8: packed sequences need both cu_seqlens_q and cu_seqlens_k")
     heads, d = q.shape[1:]
@@ -168,8 +168,6 @@ def _quantize_packed(q, k, v, block, rotate, seed, cu_q, cu_k, max_q, max_k):
     if block not in (None, "tensor"):
         raise RuntimeInputError(f"quantize_fp8: packed sequences take block None (per (sequence, kv head)) or "
                                 f"'tensor', got {block!r}: the FP8 varlen kernel reads no per-block descales")
-    if rotate not in (None, HADAMARD):
-        raise RuntimeInputError(f"quantize_fp8: rotate is None or 'hadamard', got {rotate!r}")
     bounds = []
     for name, given, cu in (("max_seqlen_q", max_q, cu_q), ("max_seqlen_k", max_k, cu_k)):
         if given is None:   # the host reads the offsets (a sync); the kernel still checks them
@@ -180,12 +178,15 @@ def _quantize_packed(q, k, v, block, rotate, seed, cu_q, cu_k, max_q, max_k):
     raise_pending(q.device.index or 0)
     sequences = cu_q.numel() - 1
     signs = _device_signs(d, seed, q.device.index or 0) if rotate else None
-    group = {"q": 0 if block == "tensor" else heads // max(kv_heads, 1), "k": 0 if block == "tensor" else 1}
-    group["v"] = group["k"]
+    per_tensor = block == "tensor"
+    code = {name: number for number, name in TENSORS.items()}   # the error word's tensor codes
     out = []
-    for name, t, cu, bound, code in (("q", q, cu_q, bounds[0], 3), ("k", k, cu_k, bounds[1], 4),
-                                     ("v", v, cu_k, bounds[1], 4)):
-        out.append(_quantize_sequences(t, cu, sequences, bound, group[name], signs if name != "v" else None, code))
+    for name, t, cu, bound, offsets in (("q", q, cu_q, bounds[0], "cu_seqlens_q"),
+                                        ("k", k, cu_k, bounds[1], "cu_seqlens_k"),
+                                        ("v", v, cu_k, bounds[1], "cu_seqlens_k")):
+        group = 0 if per_tensor else (heads // max(kv_heads, 1) if name == "q" else 1)
+        out.append(_quantize_sequences(t, cu, sequences, bound, group, signs if name != "v" else None,
+                                       code[offsets]))
     return tuple(o for o, _ in out) + tuple(s for _, s in out)
 
 
