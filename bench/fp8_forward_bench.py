@@ -2,6 +2,7 @@
 
     python bench/fp8_forward_bench.py OUT.json
     python bench/fp8_forward_bench.py --variants OUT.json [--head-dims 256 ...]
+    python bench/fp8_forward_bench.py --quantize OUT.json
 
 
 Accuracy rows {"kind": "accuracy", "variant": bf16 | fp8_tensor | fp8_block | fp8_block_hadamard, "head_dim": 128,
@@ -22,6 +23,7 @@ compile in parallel first (NVRTC's disk cache), so the run is a few minutes.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 
 import tiledsl
@@ -129,7 +131,7 @@ def speed_rows(torch) -> list[dict]:
             for causal in (False, True):
                 batch = tokens // seqlen
                 q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda").to(torch.bfloat16) for _ in range(3))
-                quant = _time(torch, lambda: tiledsl.quantize_fp8(q, k, v, block=(128, 128 if d < 256 else 64),
+                quant = _time(torch, lambda: tiledsl.quantize_fp8(q, k, v, block=128,
                                                                   rotate="hadamard"))
                 q8, k8, v8, qs, ks, vs = tiledsl.quantize_fp8(q, k, v)
 
@@ -236,9 +238,45 @@ def variant_rows(torch, head_dims: list[int] | None = None) -> list[dict]:
     return rows
 
 
+def quantize_rows(torch) -> list[dict]:
+    tokens, heads, kv_heads = 16384, 16, 8
+    lengths = [100 + (3996 - 100) * i // 7 for i in range(8)]
+    lengths[-1] += tokens - sum(lengths)
+    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    rows = []
+    for d in (64, 128, 256):
+        shapes = (heads, kv_heads, kv_heads)
+        batched = [torch.randn(4, h, tokens // 4, d, device="cuda").to(torch.bfloat16) for h in shapes]
+        packed = [torch.randn(tokens, h, d, device="cuda").to(torch.bfloat16) for h in shapes]
+
+        def cast():
+            for t in batched:
+                (t / (t.abs().amax() / 448)).to(torch.float8_e4m3fn)
+        cast_ms = _time(torch, cast)
+        elements = sum(t.numel() for t in batched)
+        for layout, tensors in (("batched", batched), ("packed", packed)):
+            extra = {} if layout == "batched" else {"cu_seqlens_q": offsets, "cu_seqlens_k": offsets,
+                                                    "max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+            for block in (None, 128):
+                for rotate in (None, "hadamard"):
+                    def run():
+                        return tiledsl.quantize_fp8(*tensors, block=block, rotate=rotate, **extra)
+                    run()
+                    ms = _time(torch, run)
+                    graph_us = _time(torch, run, graph=True) * 1e3
+                    row = {"kind": "quantize", "kernel": "quantize_fp8", "family": "quantize", "dtype": "e4m3",
+                           "layout": layout, "block": block, "rotate": rotate, "head_dim": d, "seqlen": tokens,
+                           "causal": False, "tokens": tokens, "quantize_ms": ms, "quantize_us_graph": graph_us,
+                           "quantize_gbps": 3 * elements / ms / 1e6, "peers": {"torch_cast_ms": cast_ms}}
+                    rows.append(row)
+                    print(row, flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     variants = "--variants" in argv[1:]
-    args = [a for a in argv[1:] if a != "--variants"]
+    quantize = "--quantize" in argv[1:]
+    args = [a for a in argv[1:] if a not in ("--variants", "--quantize")]
     head_dims = None
     if "--head-dims" in args:
         at = args.index("--head-dims")
@@ -249,7 +287,9 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
     import tiledsl.dispatch.tuned  # noqa: F401  (the kernel names of the rows)
-    if variants:
+    if quantize:
+        rows = quantize_rows(torch)
+    elif variants:
         rows = variant_rows(torch, head_dims)
     else:
         rows = accuracy_rows(torch)
