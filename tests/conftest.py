@@ -2,8 +2,15 @@
 SpecErrors (so tests can assert on file:line:col and on the text the carets underline)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One BLAS / OpenMP thread per test worker: with a pool per worker, `-n 15` on 16 cores runs hundreds of spinning
+    # threads, and the float64 references (NumPy matmuls) crawl. Read when NumPy and torch load, which is after this.
+    for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
 
 import pytest
 
