@@ -211,8 +211,10 @@ def shapes_of(aux: dict) -> dict:
 
 
 def check_launch(mods: Modifications, aux: dict, batch: int, heads: int, q_len: int, kv_len: int,
-                 ragged: bool = False, where: str = "attention") -> None:
+                 ragged: bool = False, where: str = "attention", positions: bool = False) -> None:
     """mods/checks.check_aux on the tensors' shapes (no sync). `ragged`: kv_lens shorten the sequences
-    by amounts not read here, so an expression's kv_len may be anything in 0..kv_len."""
+    by amounts not read here, so an expression's kv_len may be anything in 0..kv_len. `positions`: q_idx is a
+    query's position in its sequence (decode's)."""
     from ..mods.checks import check_aux
-    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, [0, kv_len] if ragged else None, where)
+    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, [0, kv_len] if ragged else None, where,
+              positions=positions)
