@@ -137,7 +137,7 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 # inputs take none.
 EXPRESSIONS = ("score_mod", "mask_mod")
 BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",) + EXPRESSIONS,
-              (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
+              (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS + EXPRESSIONS,
               (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS + EXPRESSIONS}
 
 

@@ -19,13 +19,13 @@ from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..layout.base import Layout, cp_async_pending, tile_row_bytes
 from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_convert_of, kv_stage_row_bytes,
     kv_stage_swizzled)
+from ..mods.expr import Var, reads
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
-from ..mods.expr import Var, reads
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
+from .expressions import expression_constants, expression_fields
 from .plan import (INDEX_ERRORS, Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer,
                    make_plan)
-from .expressions import expression_constants, expression_fields
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .steps import (BLOCK_TABLE, IN16, INDEX_BOUNDS_HEADER, INT32S, KV_SHARED, LOOP_TEXT, OUT16, OUT32,
                     graph_loop_body, kv_buffer_constants, page_constants, parameters, require, smem_constants,
