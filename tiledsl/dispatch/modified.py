@@ -31,6 +31,7 @@ no device sync).
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 from ..errors import RuntimeInputError
@@ -176,15 +177,7 @@ def expression(where: str, role: str, given, aux: dict, differentiable: bool = F
     from ..mods.expr import Aux, Apply, Const, Var
     from ..mods.validate import ExprRuleError, validate_expression
     if isinstance(given, str):
-        from ..errors import SpecError
-        from ..frontend.parse import parse_text
-        backward = "    backward {\n    }\n" if differentiable else ""
-        text = f"attention {role} {{\n    head_dim = 64\n    {role} = {given}\n{backward}}}\n"
-        try:
-            (spec,) = parse_text(text, f"<{role}>")
-        except SpecError as err:
-            raise RuntimeInputError(f"{where}: {role}: {err.render()}") from None
-        return getattr(spec.problem.mods, role), aux
+        return parsed_expression(where, role, given, differentiable), aux
     if isinstance(given, (Const, Var, Aux, Apply)):
         try:
             validate_expression(given, role, differentiable)
@@ -199,6 +192,20 @@ def expression(where: str, role: str, given, aux: dict, differentiable: bool = F
             raise RuntimeInputError(f"{where}: {err}") from None
     raise RuntimeInputError(f"{where}: {role} is DSL text, a callable or an expression tree, got "
                             f"{type(given).__name__}")
+
+
+@functools.lru_cache(maxsize=256)
+def parsed_expression(where: str, role: str, given: str, differentiable: bool):
+    """The tree of DSL text `given` (parsed once per text: a warm call reads the cache, not the front end)."""
+    from ..errors import SpecError
+    from ..frontend.parse import parse_text
+    backward = "    backward {\n    }\n" if differentiable else ""
+    text = f"attention {role} {{\n    head_dim = 64\n    {role} = {given}\n{backward}}}\n"
+    try:
+        (spec,) = parse_text(text, f"<{role}>")
+    except SpecError as err:
+        raise RuntimeInputError(f"{where}: {role}: {err.render()}") from None
+    return getattr(spec.problem.mods, role)
 
 
 def shapes_of(aux: dict) -> dict:
