@@ -269,7 +269,8 @@ class PagedAttention:
             from ..dispatch.modified import check_launch
             missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
             if missing:
-                how = f"{missing[0]}=tensor" if missing[0] in (AUX_ALIBI, AUX_SINKS) else f"aux={{{missing[0]!r}: tensor}}"
+                built_in = missing[0] in (AUX_ALIBI, AUX_SINKS)
+                how = f"{missing[0]}=tensor" if built_in else f"aux={{{missing[0]!r}: tensor}}"
                 raise RuntimeInputError(f"PagedAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
                                         f"run(..., {how}) for this layer")
             check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len,
