@@ -132,9 +132,9 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 
 # The modifications each family's forward template spells on each sequence layout (mods/model.py's field
 # names); the rest are refused. The hopper template takes them on batched sequences, and its varlen variant
-# the score modifications (its sequences are the documents already: a document or prefix mask, and the
-# expressions, are refused there); the decode template on contiguous, paged and FP8 KV caches alike. FP8
-# inputs take none.
+# the score modifications and the expressions (its sequences are the documents already: a document or prefix
+# mask is refused there); the decode template the score modifications on contiguous, paged and FP8 KV caches
+# alike, the expressions on the 16-bit ones. FP8 inputs take none.
 EXPRESSIONS = ("score_mod", "mask_mod")
 BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",) + EXPRESSIONS,
               (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS + EXPRESSIONS,
