@@ -17,7 +17,8 @@ BATCH, HEADS, N = 2, 2, 300
 
 
 def aux_for(spec, rng):
-    shapes = {"alibi_slopes": (HEADS,), "sinks": (HEADS,), "bias": (HEADS, 8191), "t5": (HEADS, 32)}
+    shapes = {"alibi_slopes": (HEADS,), "sinks": (HEADS,), "bias": (HEADS, 8191), "t5": (HEADS, 32),
+              "rel_bias": (HEADS, 16383), "seq_slope": (BATCH, HEADS)}
     out = {}
     for aux in spec.problem.mods.user_aux():
         if aux.name in ("document_ids", "doc"):   # doc: expressions_d128.tile's document mask_mod

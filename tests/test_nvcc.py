@@ -121,8 +121,32 @@ def _modified_specs() -> list:
                 spec = KernelSpec(f"mods_d{d}", Problem(d, d, DType.BF16, mask, mods=mods), schedule)
                 known = mods.softcap_via is TanhVia.TANH_APPROX and d == 64
                 specs.append(pytest.param(spec, marks=spills) if known else spec)
-    specs += _mask_modified_specs() + _varlen_modified_specs() + _block_sparse_specs() + _expression_specs()
+    specs += (_mask_modified_specs() + _varlen_modified_specs() + _block_sparse_specs() + _expression_specs()
+              + _serving_expression_specs())
     return specs
+
+
+def _serving_expression_specs() -> list:
+    """Decode and varlen kernels with expressions as the serving API picks them (specs/mods has a d128 decode and a
+    d128 varlen one): paged d128 with a bias over 4 queries, paged d64 with a window and global tokens over pages of
+    1, a two-stage d64 decode whose mask reads h, the d64 varlen kernel with both."""
+    import dataclasses
+
+    from tiledsl.serving.paged import paged_spec
+    from tiledsl.serving.varlen import varlen_spec
+    from tiledsl.spec import DType, Mask
+    from tiledsl.dispatch.modified import expression
+    from tiledsl.mods.model import Modifications
+
+    def mods(**roles):
+        return Modifications(**{role: expression("test_nvcc", role, text, {})[0] for role, text in roles.items()})
+    bias, window = "score + bias[h, q_idx - kv_idx + kv_len]", "kv_idx < 64 | q_idx - kv_idx < 1024"
+    two_stage = paged_spec(DType.BF16, 64, 64, Mask.NONE, 16, 2, mods=mods(mask_mod=f"h % 2 == 0 & ({window})"))
+    two_stage = dataclasses.replace(two_stage, problem=dataclasses.replace(two_stage.problem, kv_page_size=None),
+                                    schedule=dataclasses.replace(two_stage.schedule, stages=2))
+    return [paged_spec(DType.BF16, 128, 128, Mask.CAUSAL, 16, 4, mods=mods(score_mod=bias)),
+            paged_spec(DType.BF16, 64, 64, Mask.NONE, 1, 1, mods=mods(mask_mod=window)), two_stage,
+            varlen_spec("sm_90a", DType.BF16, 64, Mask.CAUSAL, 64, None, None, mods(score_mod=bias, mask_mod=window))]
 
 
 def _block_sparse_specs() -> list:

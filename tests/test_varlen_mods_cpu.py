@@ -73,9 +73,8 @@ SPEC = """attention varlen_mod {{
 
 @pytest.mark.parametrize("mask, extra, refused", [
     ("causal & document", "", "document"), ("prefix(16)", "", "prefix"),
-    ("causal", "score_mod = score + 1.0", "score_mod"), ("causal", "mask_mod = kv_idx <= q_idx", "mask_mod"),
 ])
-def test_documents_prefix_and_expressions_stay_refused_on_varlen(mask, extra, refused):
+def test_documents_and_prefix_stay_refused_on_varlen(mask, extra, refused):
     spec = parse_text(SPEC.format(dtype="bf16", mask=mask, extra=extra))[0]
     why = missing_template(spec)
     assert why == (f"score and mask modifications ({refused}) have no CUDA template yet for the hopper family's "
@@ -174,9 +173,11 @@ def test_the_host_path_takes_the_modifications_too(device):
     (lambda d: dict(alibi_slopes=d.tensor((2, HEADS), "float32")), r"varlen_attention: alibi_slopes must be"),
     (lambda d: dict(sinks=d.tensor((HEADS,), "float16")), r"sinks must be float32|sinks must be a float"),
     (lambda d: dict(softcap=-1.0), r"softcap must be a finite number > 0"),
-    (lambda d: dict(score_mod="score + 1.0"), r"\(score_mod\) have no CUDA template yet for the hopper family's "
-                                              r"varlen kernels"),
-    (lambda d: dict(mask_mod="kv_idx <= q_idx"), r"\(mask_mod\) have no CUDA template yet"),
+    (lambda d: dict(score_mod="score + bias[h, q_idx]", aux={"bias": d.tensor((HEADS, 100), "float32")}),
+     r"varlen_attention: score_mod reads bias\[h, q_idx\]: index 1 \(q_idx\) can reach 0\.\.\d+ for this "
+     r"launch, outside bias.s 0\.\.99"),
+    (lambda d: dict(mask_mod="keep[b] != 0", aux={"keep": d.tensor((2,), "int32")}),
+     r"varlen_attention: mask_mod reads keep\[b\]: index 0 \(b\) can reach 0\.\.2 for this launch"),
 ])
 def test_bad_or_unbuilt_modifications_are_refused_before_launch(device, keywords, match):
     cu = device.index(CU)

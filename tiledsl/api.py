@@ -116,6 +116,30 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     return (out, lse) if return_lse else out
 
 
+def _serving_spec_for(q, k, v, dtype, layout: str, causal, window, scale, arch, name, modifications) -> str:
+    """spec_for's paged and varlen specs (serving/paged.py's and serving/varlen.py's picks)."""
+    from .dispatch.modified import modifications as build
+    from .errors import RuntimeInputError
+    from .tune.search import spec_to_dsl
+    rank = 4 if layout == "paged" else 3
+    if dtype is None or len(q.shape) != rank or len(k.shape) != rank or len(v.shape) != rank:
+        axes = "(batch, queries, heads, head_dim)" if layout == "paged" else "(total tokens, heads, head_dim)"
+        raise RuntimeInputError(f"spec_for: layout = {layout}: q, k and v must be {rank}-d fp16 or bf16 {axes}; got "
+                                f"{getattr(q, 'dtype', '?')} {tuple(getattr(q, 'shape', ()))}")
+    mask, window, scale = mask_arguments("spec_for", causal, window, scale)
+    mods, _ = build("spec_for", tables=False, **modifications)
+    scale = None if scale is None else float(scale)
+    if layout == "paged":
+        from .serving.paged import paged_spec
+        spec = paged_spec(dtype, q.shape[-1], v.shape[-1], mask, k.shape[1], q.shape[1], window, scale, mods=mods)
+    else:
+        from .serving.varlen import varlen_spec
+        spec = varlen_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], window, scale, mods)
+        if spec is None:
+            raise RuntimeInputError(f"spec_for: no varlen schedule for head_dim {q.shape[-1]}")
+    return spec_to_dsl(spec, name or spec.name)
+
+
 class _EntryPoints:
     """The implementing modules, imported on the first call (importing them pulls in the runtime). Filled in by
     attribute on this one object: under torch.compile a model's first call is traced, and dynamo follows stores
@@ -133,11 +157,13 @@ def _load_entry_points() -> None:
 
 
 def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None, *,
-             arch: str | None = None, name: str | None = None, **modifications) -> str:
+             arch: str | None = None, name: str | None = None, layout: str = "batched", **modifications) -> str:
     """The spec `attention(q, k, v, ...)` runs, as DSL text that tiledsl.parse_text reads back to the same
     kernel: the tuned schedule for q's shape and dtype on `arch` (None: this GPU's, or sm_90a without one)
     with the call's mask and modifications (attention's keywords; callables are traced). q, k, v may be
-    any arrays with .shape and .dtype (shapes are read, never data)."""
+    any arrays with .shape and .dtype (shapes are read, never data). `layout`: "paged" prints the spec
+    paged_attention(q, k_cache, v_cache, ...) runs (q (batch, queries, heads, d), k (pages, page size, kv heads,
+    d)), "varlen" varlen_attention's (q (total, heads, d))."""
     from .dispatch.modified import KEYWORDS, check_mask, modifications as build
     from .dispatch.tuned import tuned_spec
     from .errors import RuntimeInputError
@@ -150,7 +176,9 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
     # the dtype's own name, after any "torch." prefix: "bfloat16" also ends with "float16"
     names = {DTYPES[d].torch: d for d in (DType.FP16, DType.BF16)} | {"half": DType.FP16}
     dtype = names.get(str(getattr(q, "dtype", "")).rsplit(".", 1)[-1])
-    if dtype is None or len(q.shape) != 4 or len(v.shape) != 4:
+    if layout not in ("batched", "paged", "varlen"):
+        raise RuntimeInputError(f"spec_for: layout is 'batched', 'paged' or 'varlen', got {layout!r}")
+    if dtype is None or layout == "batched" and (len(q.shape) != 4 or len(v.shape) != 4):
         raise RuntimeInputError(f"spec_for: q must be 4-d fp16 or bf16 (batch, heads, seqlen, head_dim); got "
                                 f"{getattr(q, 'dtype', '?')} {tuple(getattr(q, 'shape', ()))}")
     if arch is None:
@@ -159,6 +187,8 @@ def spec_for(q, k, v, causal: bool = False, window: tuple[int, int] | None = Non
             arch = device_arch()
         except Exception:   # no GPU (or no CuPy) here: Hopper's table
             arch = "sm_90a"
+    if layout != "batched":
+        return _serving_spec_for(q, k, v, dtype, layout, causal, window, scale, arch, name, modifications)
     mods, _ = build("spec_for", tables=False, **modifications)
     check_mask("spec_for", mods, mask)
     spec, _ = tuned_spec(arch, dtype, q.shape[-1], mask, v.shape[-1], window, scale, q.shape[2], mods)

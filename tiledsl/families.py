@@ -132,12 +132,13 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 
 # The modifications each family's forward template spells on each sequence layout (mods/model.py's field
 # names); the rest are refused. The hopper template takes them on batched sequences, and its varlen variant
-# the score modifications (its sequences are the documents already: a document or prefix mask, and the
-# expressions, are refused there); the decode template on contiguous, paged and FP8 KV caches alike. FP8
-# inputs take none.
-BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod"),
-              (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
-              (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS}
+# the score modifications and the expressions (its sequences are the documents already: a document or prefix
+# mask is refused there); the decode template the score modifications on contiguous, paged and FP8 KV caches
+# alike, the expressions on the 16-bit ones. FP8 inputs take none.
+EXPRESSIONS = ("score_mod", "mask_mod")
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",) + EXPRESSIONS,
+              (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS + EXPRESSIONS,
+              (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS + EXPRESSIONS}
 
 
 def takes_mods(family: Family, mods, layout: SeqLayout = SeqLayout.BATCHED) -> bool:
@@ -151,6 +152,8 @@ def _mods_refusal(spec: KernelSpec) -> tuple[str, str] | None:
     if not mods.active:
         return None
     built = BUILT_MODS.get((spec.family, spec.problem.seq_layout), ()) if not spec.problem.fp8 else ()
+    if spec.problem.kv_fp8:   # the FP8 KV cache's decode paths spell the built-in score modifications only
+        built = tuple(key for key in built if key not in EXPRESSIONS)
     config = {key: value for key, value in mods.config().items() if key not in built}
     if not config:
         return None

@@ -31,6 +31,7 @@ no device sync).
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 from ..errors import RuntimeInputError
@@ -176,15 +177,7 @@ def expression(where: str, role: str, given, aux: dict, differentiable: bool = F
     from ..mods.expr import Aux, Apply, Const, Var
     from ..mods.validate import ExprRuleError, validate_expression
     if isinstance(given, str):
-        from ..errors import SpecError
-        from ..frontend.parse import parse_text
-        backward = "    backward {\n    }\n" if differentiable else ""
-        text = f"attention {role} {{\n    head_dim = 64\n    {role} = {given}\n{backward}}}\n"
-        try:
-            (spec,) = parse_text(text, f"<{role}>")
-        except SpecError as err:
-            raise RuntimeInputError(f"{where}: {role}: {err.render()}") from None
-        return getattr(spec.problem.mods, role), aux
+        return parsed_expression(where, role, given, differentiable), aux
     if isinstance(given, (Const, Var, Aux, Apply)):
         try:
             validate_expression(given, role, differentiable)
@@ -201,6 +194,20 @@ def expression(where: str, role: str, given, aux: dict, differentiable: bool = F
                             f"{type(given).__name__}")
 
 
+@functools.lru_cache(maxsize=256)
+def parsed_expression(where: str, role: str, given: str, differentiable: bool):
+    """The tree of DSL text `given` (parsed once per text: a warm call reads the cache, not the front end)."""
+    from ..errors import SpecError
+    from ..frontend.parse import parse_text
+    backward = "    backward {\n    }\n" if differentiable else ""
+    text = f"attention {role} {{\n    head_dim = 64\n    {role} = {given}\n{backward}}}\n"
+    try:
+        (spec,) = parse_text(text, f"<{role}>")
+    except SpecError as err:
+        raise RuntimeInputError(f"{where}: {role}: {err.render()}") from None
+    return getattr(spec.problem.mods, role)
+
+
 def shapes_of(aux: dict) -> dict:
     """name -> (shape, is_float) of the aux tensors (torch, CuPy, NumPy: by their shape and dtype)."""
     out = {}
@@ -211,8 +218,10 @@ def shapes_of(aux: dict) -> dict:
 
 
 def check_launch(mods: Modifications, aux: dict, batch: int, heads: int, q_len: int, kv_len: int,
-                 ragged: bool = False, where: str = "attention") -> None:
+                 ragged: bool = False, where: str = "attention", positions: bool = False) -> None:
     """mods/checks.check_aux on the tensors' shapes (no sync). `ragged`: kv_lens shorten the sequences
-    by amounts not read here, so an expression's kv_len may be anything in 0..kv_len."""
+    by amounts not read here, so an expression's kv_len may be anything in 0..kv_len. `positions`: q_idx is a
+    query's position in its sequence (decode's)."""
     from ..mods.checks import check_aux
-    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, [0, kv_len] if ragged else None, where)
+    check_aux(mods, shapes_of(aux), batch, heads, q_len, kv_len, [0, kv_len] if ragged else None, where,
+              positions=positions)

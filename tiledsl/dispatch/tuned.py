@@ -85,8 +85,11 @@ def tuned_spec(arch: str, dtype: DType, head_dim: int, mask: Mask, head_dim_v: i
     problem = Problem(head_dim, head_dim_v or head_dim, dtype, mask,
                       window_left=window[0] if window else 0, window_right=window[1] if window else 0,
                       softmax_scale=scale, mods=mods)
-    # a few queries run on decode kernels where the decode template spells the modifications (the rest: prefill's)
-    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and takes_mods(Family.DECODE, mods):
+    # a few queries run on decode kernels where the decode template spells the modifications (the rest: prefill's).
+    # Expressions stay on prefill's: attention's q_idx is a query's index among the queries, the decode kernels'
+    # its position in the sequence (the serving API's paged_attention, whose queries are their sequences' last).
+    expressions = mods.score_mod is not None or mods.mask_mod is not None
+    if q_len is not None and 1 <= q_len <= DECODE_MAX_QUERIES and takes_mods(Family.DECODE, mods) and not expressions:
         spec = pick(arch, problem, q_len)
         if spec.family is Family.DECODE:
             return spec, False

@@ -19,9 +19,11 @@ from ..device_limits import H200, DeviceLimits, resident_blocks
 from ..layout.base import Layout, cp_async_pending, tile_row_bytes
 from ..layout.decode import (DECODE_COMBINE_PAD_FLOATS, decode_page_walk, fp8_convert_of, kv_stage_row_bytes,
     kv_stage_swizzled)
+from ..mods.expr import Var, reads
 from ..schedule.graph import ScheduleGraph
 from ..schedule.ops import Op
 from ..spec import DTYPE_BYTES, DType, Family, KernelSpec, KvScale
+from .expressions import expression_constants, expression_fields
 from .plan import (INDEX_ERRORS, Constant, KernelPlan, KvLoad, Launch, LoopOp, Parameter, Region, SharedBuffer,
                    make_plan)
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
@@ -191,6 +193,8 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         Constant("Q_REG_TILES", "int", m_tiles if q_in_registers else 1),
         *softmax_constants(p),
         *mod_constants(p, keys_per_warp // 8),   # a thread's S: its warp's key slice
+        *expression_constants(p),
+        *decode_expression_constants(p.mods),
     ]
     walk = decode_page_walk(p.kv_page_size, keys_per_warp)
     if walk:
@@ -219,6 +223,13 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         regions["sinks"] = Region(spec_line(spec, "sinks"), "sinks: split 0's warp 0 starts each packed row's "
                                   "running max at its head's sink and its sum at the sink's weight 1, so the warps' "
                                   "combine and the splits' merge count the sink once (LSE includes it)")
+    if p.mods.score_mod is not None or p.mods.mask_mod is not None:
+        regions["expression_rows"] = Region(spec_line(spec, "mask_mod" if p.mods.mask_mod is not None else "score_mod"),
+                                            "the expressions' indices of the packed rows: b the batch entry, h row r's "
+                                            "head, q_idx its query's position r % queries + kv_len - queries"
+                                            + ("; the split's kv tiles narrowed to those mask_mod's interval test over "
+                                               "the block's rows does not find empty, the walk stepping over the empty "
+                                               "ones between" if p.mods.mask_mod is not None else ""))
     if walk:
         regions["kv_range"] = replace(regions["kv_range"], what=regions["kv_range"].what + "; K/V rows through the "
                                       f"block table ({p.kv_page_size} keys a page, " + (
@@ -237,18 +248,34 @@ def lower_decode(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
         name += "__wait_first"
     # the graph's loads: each warp its own key slice of a tile (paged: through the block table)
     kv_walk = ("paged_" if walk else "") + ("slice" if graph.op("load_k").scope == "warp" else "tile")
+    loop_body = decode_loop_body(spec, graph, stages, prefetch_first)
+    if p.mods.mask_mod is not None:
+        # the walk steps over mask_mod's empty tiles: a prefetch loads the template's `ahead`, the visible tile its
+        # distance on (the block-wide walk's ring of page entries counts tiles, not visits)
+        require(kv_walk.endswith("slice"), spec, "mask_mod", "mask_mod in decode needs each warp loading its own "
+                "key slice (warps = kv)")
+        loop_body = tuple(replace(op, tile="ahead") if op.kind.startswith("prefetch") else op for op in loop_body)
     convert = fp8_convert_of(spec)
     headers = ((INDEX_BOUNDS_HEADER,) + (("paged_kv.cuh",) if walk else ())
                + ((FP8_HEADER, FP8_CONVERT_HEADERS[convert]) if convert else ()))
-    return make_plan(spec, Family.DECODE, template, consts, regions, decode_loop_body(spec, graph, stages,
-                                                                                       prefetch_first),
+    return make_plan(spec, Family.DECODE, template, consts, regions, loop_body,
                      Launch(threads=threads, smem_bytes=smem, tile_q=s.tile_q), min_blocks_per_sm,
                      lay.register_estimate,
                      kernel_name=name, notes=notes, kv_load=KvLoad.of(kv_walk, fp8=convert),
                      mma_traits="W", mask_rows="packed", kv_pages=walk, kv_fp8=p.kv_fp8, fp8_convert=convert,
                      headers=headers, shared=KV_SHARED + (DEQUANTIZED_SHARED if convert == "shared" else ()),
                      parameters=decode_parameters(bool(walk), p.kv_fp8) + mod_parameters(p.mods),
-                     **score_mod_fields(p.mods, consts))
+                     **score_mod_fields(p.mods, consts), **expression_fields(p.mods))
+
+
+def decode_expression_constants(mods) -> list[Constant]:
+    """MASK_MOD_READS_HEAD: whether mask_mod's tile test takes each of a block's heads (its packed rows span
+    several) or one serves them all."""
+    if mods.score_mod is None and mods.mask_mod is None:
+        return []
+    reads_head = mods.mask_mod is not None and any(v.name == "h" for v in reads(mods.mask_mod, Var))
+    return [Constant("MASK_MOD_READS_HEAD", "bool", reads_head,
+                     "mask_mod reads h: a tile's class is taken for each head of the block's rows")]
 
 
 def decode_parameters(paged: bool, fp8: bool) -> tuple[tuple[Parameter, ...], ...]:

@@ -24,10 +24,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_ranges(batch: int, heads: int, q_len: int, kv_len: int, kv_lens=None) -> dict:
-    """The interval of every expression variable over one launch (bounds included)."""
+def launch_ranges(batch: int, heads: int, q_len: int, kv_len: int, kv_lens=None, positions: bool = False) -> dict:
+    """The interval of every expression variable over one launch (bounds included). `positions`: q_idx is a
+    query's position among the keys (decode's: kv_len - q_len + i, read at 0 below it where aux is read)."""
     lens = (kv_len, kv_len) if kv_lens is None or len(kv_lens) == 0 else (int(min(kv_lens)), int(max(kv_lens)))
-    return {"b": (0, batch - 1), "h": (0, heads - 1), "q_idx": (0, q_len - 1), "kv_idx": (0, kv_len - 1),
+    queries = (0, max(lens[1], 1) - 1) if positions else (0, q_len - 1)
+    return {"b": (0, batch - 1), "h": (0, heads - 1), "q_idx": queries, "kv_idx": (0, kv_len - 1),
             "q_len": (q_len, q_len), "kv_len": lens, "score": (-np.inf, np.inf)}
 
 
@@ -49,11 +51,11 @@ def _builtin_shapes(mods: Modifications, batch: int, heads: int, q_len: int, kv_
 
 
 def check_aux(mods: Modifications, given: dict, batch: int, heads: int, q_len: int, kv_len: int, kv_lens=None,
-              where: str = "attention", value_ranges: dict | None = None) -> None:
+              where: str = "attention", value_ranges: dict | None = None, positions: bool = False) -> None:
     """Refuse aux tensors that don't fit the spec and the launch. `given` maps each name to
     (shape, is_float) (the dropout rng to any value); `value_ranges` each int tensor's (min, max) where
     the data has been read: ints formed from its values are then checked against int32 too (without,
-    they are the caller's to keep in range: reading the data would sync)."""
+    they are the caller's to keep in range: reading the data would sync). `positions`: launch_ranges'."""
     needed = {a.name: a for a in mods.user_aux()}
     if mods.dropout is not None:
         needed[AUX_DROPOUT] = None
@@ -79,7 +81,7 @@ def check_aux(mods: Modifications, given: dict, batch: int, heads: int, q_len: i
             raise RuntimeInputError(f"{where}: {name} must be {kind} tensor")
     if min(batch, heads, q_len, kv_len) == 0:
         return   # nothing is read
-    ranges = launch_ranges(batch, heads, q_len, kv_len, kv_lens)
+    ranges = launch_ranges(batch, heads, q_len, kv_len, kv_lens, positions)
     for role, expr in (("score_mod", mods.score_mod), ("mask_mod", mods.mask_mod)):
         if expr is not None:
             _check_expression(role, expr, given, ranges, where, value_ranges)

@@ -77,20 +77,36 @@ def attend(q, k, v, mask: Mask | str = Mask.NONE, window_left: int = 0, window_r
     return o, lse
 
 
+def query_positions(trees, offset: int):
+    """The tree decode's q_idx stands for in the expressions `trees`: query i's position i + offset (offset =
+    kv_len - queries), read at 0 below it where an expression reads an aux tensor (the kernel's clamp, so a read
+    stays in the table the launch checked; only a sequence shorter than its queries has such positions)."""
+    from ..mods.expr import Aux, Const, Var, apply, reads
+    at = apply("add", Var("q_idx"), Const(offset))
+    if any(e is not None and reads(e, Aux) for e in trees):
+        at = apply("max", at, Const(0))
+    return at
+
+
 # The built-in aux tensors whose first dimension is the batch: one sequence reads its own row.
 _PER_SEQUENCE = ("document_ids", "document_bounds", "block_mask", "alibi_slopes")
 
 
 def attend_modified(q, k, v, mods, b: int, aux: dict | None, mask: Mask | str = Mask.NONE, window_left: int = 0,
-                    window_right: int = 0, scale: float | None = None):
+                    window_right: int = 0, scale: float | None = None, positions: bool = False):
     """attend() with score and mask modifications (mods/model.py) for sequence b of a batch: the
     modifications' `b` is this sequence's index, the batch-major aux tensors give it their row b, and
-    the float64 graph executor (reference/forward.py) runs it as a batch of one."""
+    the float64 graph executor (reference/forward.py) runs it as a batch of one. `positions`: the
+    expressions' q_idx is each query's position in the sequence (query_positions), as decode gives it."""
     from ..mods.expr import Const, substitute
     from ..spec import KernelSpec, Problem, Schedule
     from .forward import reference_attention
     one = {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod}
     mods = replace(mods, **{k: substitute(e, "b", Const(b)) for k, e in one.items() if e is not None})
+    if positions:
+        one = {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod}
+        at = query_positions(one.values(), k.shape[0] - q.shape[0])
+        mods = replace(mods, **{k: substitute(e, "q_idx", at) for k, e in one.items() if e is not None})
     aux = dict(aux or {})
     for name in _PER_SEQUENCE:
         if name in aux and np.ndim(aux[name]) >= 2 and np.shape(aux[name])[0] > 1:
@@ -106,7 +122,8 @@ def attend_modified(q, k, v, mods, b: int, aux: dict | None, mask: Mask | str = 
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, mask: Mask | str = Mask.NONE,
                     window_left: int = 0, window_right: int = 0, scale: float | None = None, mods=None, aux=None):
     """Attention over a paged KV cache: (o (batch, queries, heads, dv), lse (batch, queries, heads)).
-    `mods`, `aux`: score and mask modifications and their aux tensors (attend_modified)."""
+    `mods`, `aux`: score and mask modifications and their aux tensors (attend_modified); the expressions'
+    q_idx is a query's position in its sequence (kv_len - queries + i: the queries are the sequence's last)."""
     q = np.asarray(host(q, "q"), dtype=np.float64)
     k_cache, v_cache = host(k_cache, "k_cache"), host(v_cache, "v_cache")
     if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
@@ -121,7 +138,8 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, mask: Mask | str 
         n = int(lens[b])
         keys, values = gather_pages(k_cache, table[b], n), gather_pages(v_cache, table[b], n)
         if mods is not None and mods.active:
-            o[b], lse[b] = attend_modified(q[b], keys, values, mods, b, aux, mask, window_left, window_right, scale)
+            o[b], lse[b] = attend_modified(q[b], keys, values, mods, b, aux, mask, window_left, window_right, scale,
+                                           positions=True)
         else:
             o[b], lse[b] = attend(q[b], keys, values, mask, window_left, window_right, scale)
     return o, lse

@@ -27,7 +27,10 @@ def aux_names(spec) -> tuple[str, ...]:
 
 
 class AuxArguments:
-    """A kernel class's aux tensors: `self.aux_names` (aux_names) follow its CALL's own tensors."""
+    """A kernel class's aux tensors: `self.aux_names` (aux_names) follow its CALL's own tensors.
+    QUERY_POSITIONS: the kernel's expressions read q_idx as a query's position in its sequence (decode's
+    kv_len - q_len + i), not its index among the queries."""
+    QUERY_POSITIONS = False
 
     def aux_tensors(self, aux) -> tuple:
         """The aux tensors of `aux` (name -> tensor) in CALL order; a missing or unexpected name is refused."""
@@ -88,7 +91,7 @@ class AuxArguments:
                                         "aux tensors with 32-bit offsets (under 2^31 elements)")
         check_aux(mods.without(*BUILT_IN_FIELDS), {n: (t.shape, t.dtype != "int32") for n, t in views.items()},
                   shapes.batch, shapes.heads, shapes.q_len, shapes.kv_len, [0, shapes.kv_len] if ragged else None,
-                  self.name)
+                  self.name, positions=self.QUERY_POSITIONS)
         return tuple(arg for t in views.values() for arg in (pointer_arg(t),) + tuple(i32(s) for s in t.strides))
 
     def _block_mask_args(self, b: CallBuilder, shapes: Shapes) -> tuple:

@@ -74,6 +74,7 @@ class DecodeKernel(AuxArguments, Kernel):
     scales in CALL: runtime/aux_args.py)."""
 
     CALL = Kernel.CALL + ("k_scale", "v_scale")
+    QUERY_POSITIONS = True   # templates/decode_expressions.cuh: the queries are their sequence's last
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
@@ -203,6 +204,6 @@ class DecodeKernel(AuxArguments, Kernel):
                 i32(shapes.q_len), i32(shapes.kv_len), i32(shapes.heads), i32(shapes.heads // shapes.kv_heads),
                 i32(row_tiles), i32(splits),
                 *strides_args(q), *strides_args(k), *strides_args(v), *strides_args(o),
-                *self.mod_args(b, shapes))
+                *self.mod_args(b, shapes, ragged=kv_lens is not None))
         b.launch(self.function(b.device_id), grid, plan.launch.threads, plan.launch.smem_bytes, args,
                  f"{self.name} ({splits} splits)")

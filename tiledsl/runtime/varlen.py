@@ -215,8 +215,12 @@ class VarlenHopperKernel(HopperKernel):
         b.keep.append(work)
         ov = b.output(5, (total_q, heads, p.head_dim_v), p.output_dtype)
         lv = b.output(6, (heads, total_q), DType.FP32, contiguous=True)
-        # the aux tensors checked before an empty launch returns: a wrong one is refused whatever the lengths
-        mods = self.mod_args(b, Shapes(batch, heads, kv_heads, 0, 0))
+        # the aux tensors checked before an empty launch returns: a wrong one is refused whatever the lengths. The
+        # expressions' indices are checked over the longest sequence the kernel can meet: the host lengths where
+        # read, else the queries the device bounds and every packed key (max_seqlen_k is not bounded there).
+        longest = (int(q_lens.max(initial=0)), int(k_lens.max(initial=0))) if host_offsets is not None else \
+            (covered_q, kw.shape[0])
+        mods = self.mod_args(b, Shapes(batch, heads, kv_heads, *longest), ragged=True)
         descales = ()
         if p.fp8:   # per tensor or per (sequence, kv head): the lengths would only size per-block descales
             descales = descale_views(b, len(self.CALL) - 3, p.descales, Shapes(batch, heads, kv_heads, 0, 0), tile_q,

@@ -63,32 +63,35 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     only launch. The key count a launch is sized for is the table's capacity: a table much wider than
     the longest sequence splits decode's keys too finely (plan/run, tiledsl/serving/plan.py, sizes
     them by the host lengths). softcap, alibi_slopes, sinks, score_mod, mask_mod and aux are attention's
-    (b: the batch entry): softcap (a float), alibi_slopes ("geometric" or float32 (heads,) / (batch, heads)) and
-    sinks (float32 (heads,)) run in the paged decode kernel (up to DECODE_MAX_QUERIES queries), the tensors read by
-    pointer on every call; score_mod, mask_mod and chunked prefill with modifications are refused, saying so."""
+    (b: the batch entry): softcap (a float), alibi_slopes ("geometric" or float32 (heads,) / (batch, heads)),
+    sinks (float32 (heads,)) and the expressions run in the paged decode kernel (up to DECODE_MAX_QUERIES queries),
+    the tensors read by pointer on every call. The expressions' q_idx is a query's position in its sequence
+    (kv_len - queries + i: the queries are the sequence's last), kv_idx a key's (logical, not its page slot).
+    Chunked prefill with modifications, and expressions over an FP8 cache, are refused, saying so."""
     mask, window, scale = mask_arguments("paged_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("paged_attention", "return_lse", return_lse)
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)
     key = (signature(q), signature(k_cache), signature(v_cache), signature(block_table), signature(kv_lens),
            signature(ks), signature(vs), number_or_none(k_scale), number_or_none(v_scale), causal, window, scale,
            validate)
-    modified = not (softcap is None and alibi_slopes is None and sinks is None)
-    if score_mod is not None or mask_mod is not None or aux is not None:
-        from ..runtime.paged_views import api_views
-        qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
-        _refuse_modifications(qv, kv, vv, block_table, mask, window, scale,
-                              dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                                   mask_mod=mask_mod, aux=aux))
-    if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
+    built_in = not (softcap is None and alibi_slopes is None and sinks is None)
+    expressions = not (score_mod is None and mask_mod is None and aux is None)
+    modified = built_in or expressions
+    keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}
+    given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+    if built_in:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
         key += keywords_key(softcap, alibi_slopes, sinks)
+    if expressions:   # the trees and the aux tensors' signatures too (the tensors are read by pointer)
+        from ..dispatch.modified import modifications
+        keywords.update(score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+        mods, given = modifications("paged_attention", **keywords)
+        key += (mods, tuple((name, signature(t)) for name, t in sorted((aux or {}).items())))
     hit = _calls.get(key)
     if hit is None:
-        keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}
         hit = _calls.put(key, _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale,
                                              k_scale, v_scale, validate, keywords))
     call, scaled, aux_names = hit
     if modified:   # the scales' slots, then the aux tensors (none for softcap alone): _prepare_paged's order
-        given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
         out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs, *[given[n] for n in aux_names])
     elif scaled:
         out, lse = call(q, k_cache, v_cache, block_table, kv_lens, None, None, ks, vs)
@@ -112,6 +115,10 @@ def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, 
         raise RuntimeInputError(f"{api}: an FP8 (float8_e4m3fn) KV cache is served by the decode kernel, "
                                 f"up to {DECODE_MAX_QUERIES} queries per sequence; q has {q_len} (prefill over FP8 "
                                 "caches is not implemented: dequantize first)")
+    if fp8 and (mods.score_mod is not None or mods.mask_mod is not None):
+        raise RuntimeInputError(f"{api}: score_mod / mask_mod over an FP8 (float8_e4m3fn) KV cache have no CUDA "
+                                "template yet (the decode kernel's FP8 paths spell softcap, ALiBi and sinks); "
+                                "dequantize the cache or drop the expressions")
     if not fp8 and (k_scale is not None or v_scale is not None):
         raise RuntimeInputError(f"{api}: k_scale / v_scale are for float8_e4m3fn caches; these are "
                                 f"{getattr(kv.dtype, 'value', kv.dtype)}")
@@ -140,7 +147,8 @@ def paged_kernel(api: str, qv, kv, vv, mask: Mask, window, scale, k_scale=None, 
 def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, scale, k_scale, v_scale, validate,
                    keywords: dict):
     """(the prepared call, whether it takes FP8 scales, the aux tensors' names it takes after them in CALL order);
-    `keywords`: the call's built-in modifications (softcap, alibi_slopes, sinks), checked here once per key."""
+    `keywords`: the call's modifications (softcap, alibi_slopes, sinks, score_mod, mask_mod, aux), checked here once
+    per key."""
     from ..runtime.paged_views import api_views
     qv, kv, vv, mask, window = api_views("paged_attention", q, k_cache, v_cache, causal, window)
     mods, aux = NO_MODS, {}
@@ -149,7 +157,7 @@ def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, sc
         mods, aux = modifications("paged_attention", **keywords)
         batch, q_len, heads = qv.shape[:3]
         check_launch(mods, aux, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
-                     ragged=True, where="paged_attention")
+                     ragged=True, where="paged_attention", positions=True)
     kernel, fp8 = paged_kernel("paged_attention", qv, kv, vv, mask, window, scale, k_scale, v_scale, mods)
     head = (q, k_cache, v_cache, block_table, kv_lens, None, None)
     if mods.active:
@@ -160,23 +168,3 @@ def _prepare_paged(q, k_cache, v_cache, block_table, kv_lens, causal, window, sc
         tensors = head + (tensor_or_none(k_scale), tensor_or_none(v_scale))
         return kernel.prepare_call(tensors, validate=validate, k_scale=k_scale, v_scale=v_scale), True, ()
     return kernel.prepare_call(head, validate=validate), False, ()
-
-
-def _refuse_modifications(qv, kv, vv, block_table, mask, window, scale, keywords) -> None:
-    """Paged attention with expressions (score_mod, mask_mod, aux): checked (dispatch/modified.py), then
-    refused: neither paged kernel spells them yet (a call whose expressions modify nothing goes on)."""
-    from ..dispatch.modified import check_launch, modifications
-    from ..families import missing_template
-    mods, tensors = modifications("paged_attention", **keywords)
-    if mods.score_mod is None and mods.mask_mod is None and not keywords.get("aux"):
-        return   # the built-in ones alone: the paged decode kernel's (paged_kernel)
-    batch, q_len, heads = qv.shape[:3]
-    check_launch(mods, tensors, batch, heads, q_len, view(block_table, "block_table").shape[1] * kv.shape[1],
-                 ragged=True, where="paged_attention")
-    why = PREFILL_MODS_MISSING
-    if q_len <= DECODE_MAX_QUERIES:
-        spec = paged_spec(qv.dtype, qv.shape[3], vv.shape[3], mask, kv.shape[1], q_len, window,
-                          None if scale is None else float(scale), mods=mods)
-        why = missing_template(spec) or why
-    raise RuntimeInputError(f"paged_attention: {why} (tiledsl.reference.serving.paged_attention(..., mods=, aux=) "
-                            "runs them in float64)")

@@ -136,12 +136,15 @@ class PagedAttention:
     buffers are sized by them once). Score modifications are part of the plan, as in paged_attention
     (decode only): `softcap` (a float), `alibi_slopes` ("geometric", or a float32 (heads,) / (batch, heads)
     tensor) and `sinks` (a float32 (heads,) tensor, or True: each run passes its layer's `sinks=`); the tensors
-    are read by pointer on every run (run's `sinks=` / `alibi_slopes=` replace them for that run: one per layer)."""
+    are read by pointer on every run (run's `sinks=` / `alibi_slopes=` replace them for that run: one per layer).
+    `score_mod` / `mask_mod` (paged_attention's: q_idx a query's position in its sequence) are fixed with the
+    wrapper too, and their aux tensors given by name in `aux` or by each run's `aux=` (which replace the
+    wrapper's for that run, as `sinks=` does)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, *, num_pages: int,
                  dtype, device, max_batch: int, max_pages: int, head_dim_v: int | None = None, causal: bool = False,
                  window: tuple[int, int] | None = None, scale: float | None = None, kv_dtype=None, k_scale=None,
-                 v_scale=None, softcap=None, alibi_slopes=None, sinks=None):
+                 v_scale=None, softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None):
         from ..dispatch.modified import modifications
         from ..runtime.decode import DecodeWorkspace
         if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -158,8 +161,10 @@ class PagedAttention:
         self.max_batch, self.max_pages = max_batch, max_pages
         self.causal, self.window, self.scale = causal, None if window is None else tuple(window), scale
         self.k_scale, self.v_scale = k_scale, v_scale
-        self.mods, _ = modifications("PagedAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-        self.aux = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}   # the runs' aux tensors unless a run passes its own
+        self.mods, tensors = modifications("PagedAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                           score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+        # the runs' aux tensors unless a run passes its own (a traced callable's captured tensors among them)
+        self.aux = tensors | {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
         self.framework = _framework(device)
         self.metadata = MetadataUpload(device, words_for(max_batch, max_batch * max_pages), self.framework)
         self.workspace = DecodeWorkspace()
@@ -209,21 +214,26 @@ class PagedAttention:
                             self.mods)
 
     def run(self, q, k_cache, v_cache, out=None, *, lse=None, return_lse: bool = False, sinks=None,
-            alibi_slopes=None):
+            alibi_slopes=None, aux=None):
         """O (batch, q_len, heads, dv) of the planned step for one layer's q and caches, into `out` when
         given; with `return_lse` also LSE (batch, q_len, heads) (the wrapper's buffer, valid until the
-        next run, unless `lse=` (batch, heads, q_len) fp32 is given). `sinks` / `alibi_slopes`: this layer's,
-        for a wrapper planned with them (None: the wrapper's)."""
+        next run, unless `lse=` (batch, heads, q_len) fp32 is given). `sinks` / `alibi_slopes` / `aux` (the
+        expressions' tensors by name): this layer's, for a wrapper made with them (None: the wrapper's)."""
         if self.planned is None:
             raise RuntimeInputError("PagedAttention.run: call plan(block_table, kv_lens) first")
         batch, width, q_len, bound, lens_view, table_view, (kernel, fp8) = self.planned
         if lse is None:
             lse = self.lse_view
         key = (signature(q), signature(k_cache), signature(v_cache), signature(out), signature(lse), self.plan_key)
+        layer = dict(aux or {})
+        unread = sorted(set(layer) - set(kernel.aux_names))
+        if unread:
+            raise RuntimeInputError(f"PagedAttention.run: aux tensors not read by this wrapper's kernel: "
+                                    f"{', '.join(unread)} (it reads: {', '.join(kernel.aux_names) or 'none'})")
         aux = ()
         if kernel.aux_names:
-            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
-            aux = tuple(self.aux[n] if given[n] is None else given[n] for n in kernel.aux_names)
+            given = layer | {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+            aux = tuple(self.aux.get(n) if given.get(n) is None else given[n] for n in kernel.aux_names)
             key += tuple(map(signature, aux))
         elif sinks is not None or alibi_slopes is not None:
             raise RuntimeInputError("PagedAttention.run: sinks / alibi_slopes are for a wrapper made with them "
@@ -259,10 +269,12 @@ class PagedAttention:
             from ..dispatch.modified import check_launch
             missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
             if missing:
+                built_in = missing[0] in (AUX_ALIBI, AUX_SINKS)
+                how = f"{missing[0]}=tensor" if built_in else f"aux={{{missing[0]!r}: tensor}}"
                 raise RuntimeInputError(f"PagedAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
-                                        f"run(..., {missing[0]}=tensor) for this layer")
+                                        f"run(..., {how}) for this layer")
             check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len,
-                         width * self.page_size, ragged=True, where="PagedAttention.run")
+                         width * self.page_size, ragged=True, where="PagedAttention.run", positions=True)
         if fp8 or aux:
             tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale)) + aux
             options.update(k_scale=self.k_scale, v_scale=self.v_scale)

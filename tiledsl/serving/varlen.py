@@ -12,9 +12,11 @@ capturable in a CUDA graph (runtime/varlen.py: the work list then covers every s
 ceil(max_seqlen_q / tile) tiles). Without them, or with `validate=True`, cu_seqlens is copied to the
 host (a sync), checked, and the work list ordered longest first.
 
-softcap, alibi_slopes and sinks run in the same kernel (the hopper template's score modifications; b of a per-(b, h)
-slope is the sequence's index); a warm call of a signature reads their pointers and launches. score_mod, mask_mod
-and aux are refused, saying so (a document mask is what the packing already is).
+softcap, alibi_slopes, sinks, score_mod and mask_mod run in the same kernel (the hopper template's modifications):
+b is the sequence's index (an aux tensor indexed by it has the sequence count first), q_idx and kv_idx positions
+within the sequence, q_len and kv_len its lengths; a warm call of a signature reads the tensors' pointers and
+launches. A document mask or prefix is refused (the packing is the documents already), and so is a call needing a
+gradient (varlen has no backward).
 
 FP8 (float8_e4m3fn q, k, v) runs the hopper family's e4m3 kernels with `layout = varlen`: q_descale, k_descale,
 v_descale float32, one value each or (sequences, kv_heads) each (sequence b's row; Q's shared by its kv head's
@@ -71,36 +73,40 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     (the tuned hopper schedules); runs on the caller's current stream (torch's for torch tensors).
     softcap (a float), alibi_slopes ("geometric" or float32 (heads,) / (sequences, heads)) and sinks (float32
     (heads,)) are attention's, b the sequence's index, and run in the varlen kernel (module docstring);
-    score_mod, mask_mod and aux (the sequences are the documents already) are checked and refused, saying so.
+    score_mod, mask_mod and aux are attention's expressions over each sequence (module docstring), their aux
+    tensors' shapes checked before launch (no sync).
     float8_e4m3fn q, k, v are FP8 attention (module docstring): `q_descale`, `k_descale`, `v_descale` (None: 1.0)
     and `out_dtype` (bf16 or fp16, default bf16); forward only, no modifications."""
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("varlen_attention", "return_lse", return_lse)
     fp8 = "float8" in str(getattr(q, "dtype", ""))
-    modified = not (softcap is None and alibi_slopes is None and sinks is None)
+    built_in = not (softcap is None and alibi_slopes is None and sinks is None)
     expressions = not (score_mod is None and mask_mod is None and aux is None)
-    fp8_options = _fp8_options(fp8, modified or expressions, q_descale, k_descale, v_descale, out_dtype)
-    if expressions:
-        _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
-                              dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                                   mask_mod=mask_mod, aux=aux))
+    modified = built_in or expressions
+    fp8_options = _fp8_options(fp8, modified, q_descale, k_descale, v_descale, out_dtype)
     descales = (q_descale, k_descale, v_descale) if fp8 else ()
     keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) if modified else {}
+    tensors = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+    if expressions:   # their trees and aux tensors' signatures key the call (the tensors are read by pointer)
+        keywords.update(score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+        mods, tensors = _modifications(keywords)
+        _refuse_gradients(q, k, v, *tensors.values())
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
     if bounded:
         head = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
         key = (tuple(map(signature, head[:5] + descales)), causal, window, scale, max_seqlen_q, max_seqlen_k,
                fp8_options)
-        if modified:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
+        if built_in:   # the built-in ones: their kinds, and their tensors' signatures, are part of the call's key
             key += keywords_key(softcap, alibi_slopes, sinks)
+        if expressions:
+            key += (mods, tuple((name, signature(t)) for name, t in sorted((aux or {}).items())))
         hit = _calls.get(key)
         if hit is None:
             hit = _calls.put(key, _prepare_bounded(head, descales, causal, window, scale, max_seqlen_q, max_seqlen_k,
                                                    fp8_options, keywords))
         call, aux_names = hit
         if aux_names:   # after the outputs, in the kernel's CALL order (_prepare_bounded's)
-            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
-            out, lse = call(*head, *[given[n] for n in aux_names], *descales)
+            out, lse = call(*head, *[tensors[n] for n in aux_names], *descales)
         else:
             out, lse = call(*head, *descales)
     else:
@@ -118,6 +124,15 @@ def _modifications(keywords: dict):
         return NO_MODS, {}
     from ..dispatch.modified import modifications
     return modifications("varlen_attention", **keywords)
+
+
+def _refuse_gradients(*tensors) -> None:
+    """varlen has no backward: a call with expressions whose inputs need a gradient is refused, not run without it."""
+    if any(getattr(t, "requires_grad", False) for t in tensors):
+        from ..errors import RuntimeInputError
+        raise RuntimeInputError("varlen_attention: the varlen kernels have no backward, so score_mod / mask_mod give "
+                                "no gradient there; call under torch.no_grad() or pass tensors that do not require "
+                                "grad (tiledsl.attention differentiates the batched forward's built-in modifications)")
 
 
 def _check_aux(mods, tensors: dict, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> None:
@@ -218,29 +233,3 @@ def varlen_kernel(qv, vv, causal: bool, window, scale, fp8_options: tuple | None
         raise RuntimeInputError(f"varlen_attention: {why} (tiledsl.reference.serving.varlen_attention(..., "
                                 "mods=, aux=) runs them in float64)")
     return kernel_for(spec)
-
-
-def _refuse_modifications(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, window, scale,
-                          keywords) -> None:
-    """varlen attention with expressions (score_mod, mask_mod, aux): checked (dispatch/modified.py), then refused:
-    the varlen kernel spells none of them (families.BUILT_MODS; a call whose expressions modify nothing goes on)."""
-    from ..dispatch.modified import check_launch, modifications
-    from ..errors import RuntimeInputError
-    from ..families import missing_template
-    from ..runtime.device import device_arch
-    from ..runtime.tensors import view
-    mods, tensors = modifications("varlen_attention", **keywords)
-    if not mods.active:
-        return
-    qv, vv = view(q, "q"), view(v, "v")
-    kv_len = max_seqlen_k or view(k, "k").shape[0]   # no bound read from cu_seqlens: the longest possible
-    check_launch(mods, tensors, view(cu_seqlens_q, "cu_seqlens_q").shape[0] - 1, qv.shape[1],
-                 max_seqlen_q or qv.shape[0], kv_len, ragged=True, where="varlen_attention")
-    mask = Mask.WINDOW if window is not None else (Mask.CAUSAL if causal else Mask.NONE)
-    spec = varlen_spec(device_arch(), qv.dtype, qv.shape[-1], mask, vv.shape[-1],
-                       tuple(int(w) for w in window) if window is not None else None,
-                       None if scale is None else float(scale), mods)
-    why = missing_template(spec) if spec is not None else "no varlen schedule for this head dim"
-    if why:
-        raise RuntimeInputError(f"varlen_attention: {why} (tiledsl.reference.serving.varlen_attention(..., "
-                                "mods=, aux=) runs them in float64)")
