@@ -19,6 +19,7 @@ from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
+from .expressions import expression_constants, expression_fields, gradient_fields
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .plan import (INDEX_ERRORS, SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region,
                    make_plan)
@@ -120,6 +121,10 @@ class WsBackwardPlan(KernelPlan):
     # `mask = blocks(...)` (templates/block_mask.cuh): warp 0 marks the steps whose block_mask entry is nonzero in
     # shared bits before the roles split; every role walks the marked steps
     blocks: bool = False
+    # the steps every role walks are the marked ones (shared step bits, before the roles split): block_mask's
+    # nonzero blocks, or mask_mod's steps whose box can show a key (templates/backward_expressions.cuh)
+    marked_steps: bool = False
+    ds_factor: bool = False   # dS^T is multiplied by the modification's derivative before it is packed
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
@@ -285,15 +290,18 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
         *softmax_constants(p),
         *mod_constants(p, sc // 8),
+        *expression_constants(p),
     ]
     if mods.softcap is not None:
         consts.append(Constant("SOFTCAP_TANH_UNITS", "float", math.log(2.0) / mods.softcap,
                                "softcap: ln 2 / cap, from log2 P + LSE log2 (= cap tanh log2 e) back to tanh"))
     if mods.sinks:
         consts.append(Constant("SINK_THREADS", "int", SINK_THREADS, "sink gradient: threads of its one block per head"))
-    if mods.blocks is not None:
+    marked = mods.blocks is not None or mods.mask_mod is not None
+    if marked:
         consts += [Constant("STEP_BITS_OFFSET", "u32", buf["step bits"].offset,
-                            "mask = blocks: one bit per (query head, q tile) step, set where its block is nonzero"),
+                            "one bit per (query head, q tile) step, set where its block is nonzero (mask = blocks) "
+                            "or mask_mod can show a key"),
                    Constant("STEP_BITS", "int", STEP_BITS, "the steps the bits hold (the host refuses more)")]
     ops, wgmma = _wrappers(sc, lay.split, d, dv, dq_cols)
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
@@ -325,6 +333,10 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"
                          + ("; only the steps whose block_mask entry is nonzero (the shared step bits)"
                             if mods.blocks is not None else "")),
+        "mask_mod_steps": Region(w("mask_mod"), "mask_mod: warp 0 evaluates its box over each (query head, q tile) "
+                                 "step of this kv tile (a ballot per 32 steps) and marks those it can show a key of in "
+                                 "shared bits, before the roles split; each role walks the marked steps, and a "
+                                 "consumer warp tests elements only where the box over its 16 keys can be false"),
         "blocks": Region(w("mask"), "block-sparse: warp 0 reads this kv tile's column of block_mask once (a ballot per "
                          "32 steps) and marks the (query head, q tile) steps to walk in shared bits, before the roles "
                          "split; each role walks the marked steps"),
@@ -332,6 +344,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                             "included; NaN for a bad kv_lens entry)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
+    if mods.mask_mod is None:
+        del regions["mask_mod_steps"]
     if mods.masks_positions:
         regions["q_range_mods"] = Region(w("mask"), q_range_text(mods))
     if mods.document is not None:
@@ -343,6 +357,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
     # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
     fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
+    fields |= expression_fields(mods) | gradient_fields(mods)
+    fields["ds_factor"] = fields["softcap"] or bool(fields.get("score_grad_expression"))
     fields |= dict(mask_mods=mods.masks_positions, documents=mods.document.value if mods.document else "",
                    prefix=mods.prefix is not None)
     # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
@@ -354,5 +370,6 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers, shared=WS_SHARED + ((STEP_BITS_SHARED,) if mods.blocks is not None else ()),
-                     parameters=WS_MAIN_PARAMETERS + mod_lines, blocks=mods.blocks is not None, **fields)
+                     barriers=lay.barriers, shared=WS_SHARED + ((STEP_BITS_SHARED,) if marked else ()),
+                     parameters=WS_MAIN_PARAMETERS + mod_lines, blocks=mods.blocks is not None, marked_steps=marked,
+                     **fields)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..mods.expr import OPS, Apply, Aux, Const, Expr, Type, Var, reads, source
+from ..mods.expr import ONE, OPS, Apply, Aux, Const, Expr, Type, Var, depends_on_score, derivative, reads, source
 from ..mods.intervals import INT32
 from ..mods.model import Modifications
 from .plan import Constant, Parameter
@@ -275,3 +275,16 @@ def expression_fields(mods: Modifications) -> dict:
                 mask_expression=cuda(mods.mask_mod) if mods.mask_mod is not None else "",
                 mask_expression_text=source(mods.mask_mod) if mods.mask_mod is not None else "",
                 mask_box_lines=tuple(lines), mask_box_answer=(can_false, can_true))
+
+
+def gradient_fields(mods: Modifications) -> dict:
+    """A backward's score_mod derivative fields (KernelPlan's score_grad_*): d score_mod / d score spelled by
+    `cuda`, whether it reads the score (the kernel then keeps the scores from before score_mod); none where it is
+    constant 1 (a pure bias: folded here, so dS takes no multiply). NotDifferentiable where it has none."""
+    if mods.score_mod is None:
+        return {}
+    grad = derivative(mods.score_mod)
+    if grad == ONE:
+        return {}
+    return dict(score_grad_expression=cuda(grad), score_grad_expression_text=source(grad),
+                score_grad_reads_score=depends_on_score(grad))

@@ -69,19 +69,8 @@ class HopperPlan(KernelPlan):
     # `mask = blocks(...)` (templates/block_mask.cuh): the producer lists each item's kv tiles whose block_mask
     # entry is nonzero; the producer and the consumers walk the list
     blocks: bool = False
-    # score_mod / mask_mod (lower/expressions.py: macros.j2's expression_functions pastes them, templates/
-    # expressions.cuh applies them): the ExprAux struct's fields and its value from the parameters, each tree's
-    # CUDA expression and DSL text, mask_mod's box statements and answer (can be false, can be true). A
-    # mask_mod also narrows each item's kv tiles and steps over the empty ones (MaskModTiles).
-    expressions: bool = False
-    expr_aux_fields: tuple[str, ...] = ()
-    expr_aux_value: str = "{}"
-    score_expression: str = ""
-    score_expression_text: str = ""
-    mask_expression: str = ""
-    mask_expression_text: str = ""
-    mask_box_lines: tuple[str, ...] = ()
-    mask_box_answer: tuple[str, str] = ("false", "true")
+    # score_mod / mask_mod: KernelPlan's expression fields; a mask_mod also narrows each item's kv tiles and steps
+    # over the empty ones (templates/expressions.cuh's MaskModTiles).
 
 
 # Q's panels, the K and V rings, O's staging and the mbarriers in the Shared view.

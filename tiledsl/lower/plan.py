@@ -229,7 +229,22 @@ class KernelPlan:
     softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
     alibi: bool = False
     sinks: bool = False
-
+    # score_mod / mask_mod (lower/expressions.expression_fields: macros.j2's expression_functions pastes them):
+    # the ExprAux struct's fields and its value from the parameters, each tree's CUDA expression and DSL text,
+    # mask_mod's box statements and answer (can be false, can be true); in a backward, score_mod's derivative
+    # (score_grad_expression: "" where it is 1, so dS takes no multiply)
+    expressions: bool = False
+    expr_aux_fields: tuple[str, ...] = ()
+    expr_aux_value: str = "{}"
+    score_expression: str = ""
+    score_expression_text: str = ""
+    mask_expression: str = ""
+    mask_expression_text: str = ""
+    mask_box_lines: tuple[str, ...] = ()
+    mask_box_answer: tuple[str, str] = ("false", "true")
+    score_grad_expression: str = ""
+    score_grad_expression_text: str = ""
+    score_grad_reads_score: bool = False
 
     @property
     def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:

@@ -13,7 +13,9 @@ from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DO
                           Documents)
 from ..spec import DType
 from .backward import BackwardKernel
-from .aux_args import aux_view, block_mask_arguments, geometric_slope_tensor
+from ..lower.expressions import AUX_PARAMETER
+from .aux_args import aux_view, block_mask_arguments, expression_views, geometric_slope_tensor
+from .inputs import Shapes
 from .index_checks import add_check, host_validation
 from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
@@ -72,6 +74,11 @@ class WsBackwardKernel(BackwardKernel):
             out |= {"document_bounds": t, "document_stride": t.strides[0], "document_count": t.shape[1]}
         if mods.document is not None:
             self.add_document_check(b, kv_len, validate)
+        shapes = Shapes(batch, heads, kv_heads, q_len, kv_len)
+        ragged = b.tensors[self.CALL.index("kv_lens")] is not None
+        for name, t in expression_views(b, self.name, self.CALL, mods, shapes, ragged).items():
+            out |= {AUX_PARAMETER + name: t} | {f"{AUX_PARAMETER}{name}_stride{axis}": stride
+                                                 for axis, stride in enumerate(t.strides)}
         return out
 
     def add_document_check(self, b: CallBuilder, kv_len: int, validate: bool | None) -> None:
