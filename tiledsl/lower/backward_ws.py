@@ -19,7 +19,7 @@ from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
-from .expressions import expression_constants, expression_fields, gradient_fields
+from .expressions import expression_constants, expression_fields
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .plan import (INDEX_ERRORS, SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region,
                    make_plan)
@@ -357,7 +357,7 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
     # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
     fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
-    fields |= expression_fields(mods) | gradient_fields(mods)
+    fields |= expression_fields(mods, gradient=True)
     fields["ds_factor"] = fields["softcap"] or bool(fields.get("score_grad_expression"))
     fields |= dict(mask_mods=mods.masks_positions, documents=mods.document.value if mods.document else "",
                    prefix=mods.prefix is not None)
