@@ -300,8 +300,9 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
     marked = mods.blocks is not None or mods.mask_mod is not None
     if marked:
         consts += [Constant("STEP_BITS_OFFSET", "u32", buf["step bits"].offset,
-                            "one bit per (query head, q tile) step, set where its block is nonzero (mask = blocks) "
-                            "or mask_mod can show a key"),
+                            "mask = blocks: one bit per (query head, q tile) step, set where its block is nonzero"
+                            if mods.blocks is not None else
+                            "mask_mod: one bit per (query head, q tile) step, set where its box can show a key"),
                    Constant("STEP_BITS", "int", STEP_BITS, "the steps the bits hold (the host refuses more)")]
     ops, wgmma = _wrappers(sc, lay.split, d, dv, dq_cols)
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
