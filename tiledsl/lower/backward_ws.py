@@ -14,6 +14,7 @@ from ..device_limits import H200, DeviceLimits, entry_registers
 from ..hw import PANEL_COLUMNS, PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..layout.backward import BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS
 from ..layout.backward_ws import STAGING_BOX_COLUMNS, STEP_BITS, WRITER_WARPS, WS_CONSUMERS, backward_ws_layout
+from ..mods.expr import ONE, depends_on_score, derivative, source
 from ..schedule.backward import build_backward_graph
 from ..schedule.ops import Role
 from ..schedule.passes import emission_order
@@ -171,6 +172,24 @@ def consumer_body(spec: KernelSpec, staged: bool, split: str) -> tuple[LoopOp, .
     text = dict(_TEXT, mask=mask_text(spec.problem.mods))
     return tuple(LoopOp(n, spec_line(spec, graph.op(n).key or "backward"), text.get(n, graph.op(n).text),
                         pending=graph.op(n).pending, node=n) for n in names)
+
+
+def expression_text(mods) -> str:
+    """explain's line of the backward's score_mod / mask_mod: dS's factor, and how mask_mod's steps are walked."""
+    parts = []
+    if mods.score_mod is not None:
+        grad = derivative(mods.score_mod)
+        if grad == ONE:
+            parts.append(f"score_mod = {source(mods.score_mod)}: d/dscore = 1, folded (dS takes no multiply)")
+        else:
+            when = ("evaluated at score_mod's step from the unmodified score, held as bf16 pairs until dS"
+                    if depends_on_score(grad) else "evaluated at dS from the indices")
+            parts.append(f"score_mod = {source(mods.score_mod)}: dS *= {source(grad)} ({when})")
+    if mods.mask_mod is not None:
+        parts.append(f"mask_mod = {source(mods.mask_mod)}: warp 0 marks the (query head, q tile) steps whose box "
+                     "can show a key; every role walks only those; a consumer warp tests elements where the box over "
+                     "its 16 keys can be false")
+    return "; ".join(parts)
 
 
 def q_range_text(mods) -> str:
