@@ -224,7 +224,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     key of. The aux tensors get no gradient (FlexAttention's rule for captured buffers)."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
-    mods, aux = NO_MODS, ()
+    mods, aux_tensors = NO_MODS, ()
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and prefix is None and block_mask is None and block_size is None
             and score_mod is None and mask_mod is None and aux is None):
@@ -234,8 +234,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
                                     block_mask=block_mask, block_size=block_size, score_mod=score_mod,
                                     mask_mod=mask_mod, aux=aux, differentiable=True)
         check_mask("attention_backward", mods, mask)
-        aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
-    tensors = (q, k, v, o, lse, do, kv_lens) + aux
+        aux_tensors = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
+    tensors = (q, k, v, o, lse, do, kv_lens) + aux_tensors
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,
                              mods)(*tensors)
 
