@@ -122,7 +122,8 @@ def test_softcap_with_alibi_takes_alibis_bias_out_of_the_tanh_read_back():
     assert body.index("softmax_grad") + 1 == body.index("score_mod_grad") and plan.softcap and plan.alibi
     source = render(plan)
     assert source.index("softcap_scores<ScoreC>(acc_s);") < source.index("alibi_scores<ScoreC>(acc_s, alibi_slope")
-    assert "softcap_gradient<SliceC>(acc_s, acc_dp, lse_tile + col0 * 4, lane, alibi_slope * C::SCALE_LOG2," in source
+    assert "softcap_gradient<SliceC>(acc_s, acc_dp, lse_tile + col0 * 4, lane,\n" in source
+    assert "slopes[batch * alibi_batch_stride + head] * (C::ALIBI_UNITS * C::SCALE_LOG2)," in source
     assert "u32 lse_tile, int lane, float slope_log2, int position0) {" in source
     alone = render(lower_backward(spec(["softcap  = 30"])))
     assert "slope_log2" not in alone   # softcap alone: its kernel as before
