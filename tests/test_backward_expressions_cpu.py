@@ -203,6 +203,17 @@ def test_attention_backward_passes_the_aux_tensors_by_name(device):
         tiledsl.attention_backward(q, k, v, o, lse, do, score_mod="floor(score)")
 
 
+def test_mask_mods_steps_must_fit_the_step_bits(device):
+    import tiledsl
+    q, o, do = (device.tensor((1, 32, 64 * 129, 128)) for _ in range(3))   # 32 query heads x 129 q tiles
+    k, v = (device.tensor((1, 1, 64 * 129, 128)) for _ in range(2))
+    lse = device.tensor((1, 32, 64 * 129), "float32")
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match="mask_mod: a kv tile walks 4128 .* marks at most 4096"):
+        tiledsl.attention_backward(q, k, v, o, lse, do, mask_mod=WINDOW.split("= ", 1)[1])
+    assert len(device.launches) == launches
+
+
 def test_an_autograd_step_with_a_score_mod_gives_the_aux_tensor_no_gradient(device):
     import tiledsl
     q, k, v = (device.tensor((2, 4, 300, 128), requires_grad=True) for _ in range(3))
@@ -224,17 +235,38 @@ def test_an_autograd_step_with_a_score_mod_gives_the_aux_tensor_no_gradient(devi
 
 # ---- nvcc ------------------------------------------------------------------------------------------------------
 
+# Known spills, listed exactly (strict: a fix or a new spill fails the test): d64's only schedule (tile q 128: S^T
+# and dP^T hold 64 registers each per consumer thread) spills with a score_mod (ptxas: 8 bytes for the bias table's
+# reads, 194 with tanh's held factors) and with softcap and ALiBi together (22 bytes). The kernels are correct; the
+# spills cost speed.
+D64_SPILLS = pytest.mark.xfail(strict=True, reason="d64's tile q 128 consumers spill with these modifications")
+CASES = [([BIAS], "causal", "tma_reduce"), ([TANH], "none", "tma_reduce"), ([WINDOW], "none", "ordered"),
+         (["softcap  = 30", "alibi    = geometric"], "causal", "tma_reduce")]
+
+
 @pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("mods, mask, dq", [
-    ([BIAS], "causal", "tma_reduce"),
-    ([TANH], "none", "tma_reduce"),
-    ([WINDOW], "none", "ordered"),
-    (["softcap  = 30", "alibi    = geometric"], "causal", "tma_reduce"),
-])
-def test_the_expression_kernels_compile_without_spills(mods, mask, dq, tmp_path):
-    plan = lower_backward(spec(mods, mask=mask, dq=dq))
+@pytest.mark.parametrize("mods, mask, dq, d", [case + (d,) for d in (128, 256) for case in CASES]
+                         + [pytest.param(*case, 64, marks=[] if case[0] == [WINDOW] else [D64_SPILLS])
+                            for case in CASES])
+def test_the_expression_kernels_compile_without_spills(mods, mask, dq, d, tmp_path):
+    plan = lower_backward(spec(mods, d, mask=mask, dq=dq))
     _, report = nvcc.compile_to(render(plan), plan.kernel_name, "cubin", Path(tmp_path))
     found = nvcc.parse_ptxas(report)
     assert set(plan.kernel_names.values()) <= set(found)
     for name in plan.kernel_names.values():
         assert (found[name].spill_stores, found[name].spill_loads, found[name].stack_bytes) == (0, 0, 0), name
+
+
+@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not on PATH")
+def test_the_bundled_expression_backward_specs_build_without_spills(tmp_path):
+    from tiledsl.frontend.parse import load_specs
+    specs = load_specs(str(ROOT / "specs" / "mods" / "expressions_backward_d128.tile"))
+    assert [s.name for s in specs] == ["relative_bias_backward_d128", "window_global_backward_d128",
+                                       "tanh_softcap_backward_d128"]
+    for s in specs:
+        assert s.backward.warp_specialized
+        plan = lower_backward(s)
+        _, report = nvcc.compile_to(render(plan), plan.kernel_name, "cubin", Path(tmp_path))
+        found = nvcc.parse_ptxas(report)
+        for name in plan.kernel_names.values():
+            assert (found[name].spill_stores, found[name].spill_loads, found[name].stack_bytes) == (0, 0, 0), name

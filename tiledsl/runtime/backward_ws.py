@@ -96,18 +96,26 @@ class WsBackwardKernel(BackwardKernel):
             index = self.CALL.index(AUX_DOCUMENT_BOUNDS)
             add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
 
+    def check_marked_steps(self, heads: int, kv_heads: int, q_len: int) -> None:
+        """The steps a kv tile may walk fit the shared step bits (block_mask's or mask_mod's marked steps)."""
+        from ..layout.backward_ws import STEP_BITS
+        if not self.plan.marked_steps:
+            return
+        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
+        if steps > STEP_BITS:
+            what = f"{AUX_BLOCK_MASK}: " if self.spec.problem.mods.blocks is not None else "mask_mod: "
+            kind = "block-sparse" if self.spec.problem.mods.blocks is not None else "mask_mod"
+            raise RuntimeInputError(f"{self.name}: {what}a kv tile walks {steps} (query head, q tile) "
+                                    f"steps here; the {kind} backward marks at most {STEP_BITS} (fewer query "
+                                    "heads per kv head, or a shorter sequence)")
+
     def _block_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> dict:
+        self.check_marked_steps(heads, kv_heads, q_len)
         blocks = self.spec.problem.mods.blocks
         if blocks is None:
             return {}
-        from ..layout.backward_ws import STEP_BITS
         t, batch_stride, head_stride, kv_blocks = block_mask_arguments(b, self.name, self.CALL, blocks, batch, heads,
                                                                        q_len, kv_len)
-        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
-        if steps > STEP_BITS:
-            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: a kv tile walks {steps} (query head, q tile) "
-                                    f"steps here; the block-sparse backward marks at most {STEP_BITS} (fewer query "
-                                    "heads per kv head, or a shorter sequence)")
         return {"block_mask": t, "block_mask_batch_stride": batch_stride, "block_mask_head_stride": head_stride,
                 "block_mask_kv_blocks": kv_blocks}
 
