@@ -152,7 +152,8 @@ def _wrappers(sc: int, split: str, d: int, dv: int, dq_cols: int) -> tuple[tuple
 def mask_text(mods) -> str:
     """The consumers' mask step as explain prints it: the spec's mask and the mask modifications it tests."""
     tested = [what for what, on in (("each key's document", mods.document is not None),
-                                     (f"the prefix ({mods.prefix} keys)", mods.prefix is not None)) if on]
+                                     (f"the prefix ({mods.prefix} keys)", mods.prefix is not None),
+                                     ("mask_mod", mods.mask_mod is not None)) if on]
     if not tested:
         return _TEXT["mask"]
     return ("mask keys outside the sequence / diagonal / window, " + " and ".join(tested)
