@@ -191,8 +191,9 @@ def test_attention_backward_passes_the_aux_tensors_by_name(device):
     import tiledsl
     q, k, v, o, do = (device.tensor((2, 4, 300, 128)) for _ in range(5))
     lse, bias = device.tensor((2, 4, 300), "float32"), device.tensor((4, 8191), "float32")
-    dq, dk, dv = tiledsl.attention_backward(q, k, v, o, lse, do, causal=True, score_mod=BIAS.split("= ", 1)[1],
-                                            aux={"bias": bias})
+    grads = tiledsl.attention_backward(q, k, v, o, lse, do, causal=True, score_mod=BIAS.split("= ", 1)[1],
+                                       aux={"bias": bias})
+    assert len(grads) == 3 and tuple(grads[1].shape) == (2, 4, 300, 128)
     main, *_, values = device.last(2)
     assert main.endswith("_main") and "_smod" in main
     assert values[-3:] == [bias.data_ptr(), 8191, 1]   # the pointer, then its strides in elements
