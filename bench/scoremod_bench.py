@@ -18,7 +18,10 @@ function over the documents); tiledsl's document calls pass validate=False (no h
 sync-free, as the peers are).
 A tiledsl row whose modification has no kernel yet records the refusal in `error` and tflops None.
 `--pass backward`: rows of the backward alone (pass "backward") for none, softcap, ALiBi, sinks (learnable:
-dsink computed) and document (flex: its mask_mod over the ids, as a block mask; validate=False), causal and not, FLOPs of the mask's visible pairs (2.5x the forward's) over the time of
+dsink computed), document (flex: its mask_mod over the ids, as a block mask; validate=False), causal and not, and
+the expressions rel_bias (score_mod over a bias table, aux: no gradient) and window_global (mask_mod = kv_idx == 0 |
+q_idx - kv_idx < WINDOW), causal only (--mods rel_bias window_global for those alone); FLOPs of the mask's visible
+pairs (2.5x the forward's) over the time of
 forward + backward minus forward, for tiledsl (tiledsl.attention through autograd: the warp-specialized
 backward) and flex (FlexAttention compiled, the same score_mod, its backward by autograd); each tiledsl backward
 checked first against the float64 reference's gradients (batch 1, heads 2, seqlen 257).
@@ -39,8 +42,9 @@ from tiledsl.frontend.parse import load_spec
 from tiledsl.reference.forward import reference_attention
 from tiledsl.tune.bench import attention_flops, prefill_shape, record, time_ms
 
-HEAD_DIM, CAP, DOC_LEN = 128, 30.0, 1000
-MODS = ("none", "softcap", "alibi", "sinks", "document", "rel_bias")
+HEAD_DIM, CAP, DOC_LEN, WINDOW = 128, 30.0, 1000, 1024
+MODS = ("none", "softcap", "alibi", "sinks", "document", "rel_bias", "window_global")
+DEFAULT_MODS = MODS[:-1]   # the rows a run without --mods measures (window_global: the backward's, by name)
 
 
 def modification(mod: str, batch: int, heads: int, n: int, device="cuda", is_causal: bool = True):
@@ -61,6 +65,9 @@ def modification(mod: str, batch: int, heads: int, n: int, device="cuda", is_cau
         if not is_causal:
             return dict(document_ids=ids), None, lambda b, h, q, kv: docs[q] == docs[kv], None, docs
         return dict(document_ids=ids), None, lambda b, h, q, kv: (docs[q] == docs[kv]) & (q >= kv), None, docs
+    if mod == "window_global":
+        return (dict(mask_mod=f"kv_idx == 0 | q_idx - kv_idx < {WINDOW}"), None,
+                lambda b, h, q, kv: (q >= kv) & ((kv == 0) | (q - kv < WINDOW)), None, None)
     bias = torch.randn(heads, 2 * n - 1, device=device)
     return (dict(score_mod=f"score + bias[h, q_idx - kv_idx + {n - 1}]", aux={"bias": bias}),
             lambda s, b, h, q, kv: s + bias[h, q - kv + n - 1], causal, None, None)
@@ -83,7 +90,8 @@ def check_tiledsl(mod: str, causal: bool = True) -> str:
     return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
 
 
-BACKWARD_MODS = ("none", "softcap", "alibi", "sinks", "document")
+BACKWARD_MODS = ("none", "softcap", "alibi", "sinks", "document", "rel_bias", "window_global")
+EXPRESSION_MODS = ("rel_bias", "window_global")   # causal only: their expressions are written for it
 
 
 def check_backward(mod: str, causal: bool) -> str:
@@ -104,8 +112,8 @@ def check_backward(mod: str, causal: bool) -> str:
     except Exception as err:   # a modification without a backward yet: recorded, not timed
         return str(err).splitlines()[0][:300]
     mods, _ = modifications("attention_backward", differentiable=True,
-                            **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks", "document_ids")
-                               if key in keywords})
+                            **{key: keywords[key] for key in ("softcap", "alibi_slopes", "sinks", "document_ids",
+                                                              "score_mod", "mask_mod", "aux") if key in keywords})
     spec = chosen_backward_spec("sm_90a", DType.BF16, HEAD_DIM, Mask.CAUSAL if causal else Mask.NONE, HEAD_DIM,
                                 mods=mods)
     aux = {name: t.detach().double().cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
@@ -122,7 +130,8 @@ def backward_rows(seqlens: list[int], mods: list[str], argv: list[str], out: Pat
     """The `--pass backward` rows (the module docstring), saved after each."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     flex = torch.compile(flex_attention, dynamic=False)
-    cases = [(mod, causal) for mod in mods if mod in BACKWARD_MODS for causal in (True, False)]
+    cases = [(mod, causal) for mod in mods if mod in BACKWARD_MODS for causal in (True, False)
+             if causal or mod not in EXPRESSION_MODS]
     checks = {f"{mod}_{'causal' if causal else 'none'}": check_backward(mod, causal) for mod, causal in cases}
     rows = []
     for n in seqlens:
@@ -130,6 +139,7 @@ def backward_rows(seqlens: list[int], mods: list[str], argv: list[str], out: Pat
         for mod, causal in cases:
             check = checks[f"{mod}_{'causal' if causal else 'none'}"]
             flops = 2.5 * (document_flops(batch, heads, n, causal) if mod == "document" else
+                           window_flops(batch, heads, n) if mod == "window_global" else
                            attention_flops(batch, heads, n, n, HEAD_DIM, causal))
             q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=True) for _ in range(3))
@@ -230,6 +240,12 @@ def check_kernel(kernel, spec, aux: dict) -> str:
     return "" if error < 1e-2 else f"wrong: normwise error {error:.3g} against float64"
 
 
+def window_flops(batch: int, heads: int, n: int) -> float:
+    """FLOPs of window_global's visible pairs: each query's WINDOW latest keys (itself included) and key 0."""
+    i = np.arange(n)
+    return 4.0 * HEAD_DIM * batch * heads * float((np.minimum(i + 1, WINDOW) + (i >= WINDOW)).sum())
+
+
 def document_flops(batch: int, heads: int, n: int, causal: bool) -> float:
     """FLOPs of the visible pairs of n tokens in documents of DOC_LEN (the last one shorter)."""
     lengths = [min(DOC_LEN, n - s) for s in range(0, n, DOC_LEN)]
@@ -268,9 +284,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backward", action="store_true", help="also time forward + backward")
     parser.add_argument("--variants", action="store_true",
                         help="only the hopper kernels' variants (softcap's ways, ALiBi, sinks), interleaved")
-    parser.add_argument("--mods", nargs="+", choices=MODS, default=list(MODS), help="the rows to measure")
+    parser.add_argument("--mods", nargs="+", choices=MODS, default=list(DEFAULT_MODS), help="the rows to measure")
     parser.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward",
-                        help="backward: the backward's rows alone (none, softcap, alibi, sinks; causal and not)")
+                        help="backward: the backward's rows alone (BACKWARD_MODS of --mods; causal and not)")
     args = parser.parse_args(argv)
     if args.pass_ == "backward":
         backward_rows(args.seqlens, args.mods, argv, Path(args.out))
@@ -297,8 +313,9 @@ def main(argv: list[str]) -> int:
         batch, heads = prefill_shape(n, HEAD_DIM)
         for mod, causal in cases:
             check = checks[f"{mod}{'' if causal else '_noncausal'}"]
-            flops = (document_flops(batch, heads, n, causal) if mod == "document"
-                     else attention_flops(batch, heads, n, n, HEAD_DIM, True))
+            flops = (document_flops(batch, heads, n, causal) if mod == "document" else
+                     window_flops(batch, heads, n) if mod == "window_global" else
+                     attention_flops(batch, heads, n, n, HEAD_DIM, True))
             q, k, v = (torch.randn(batch, heads, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=args.backward) for _ in range(3))
             keywords, score_mod, mask_mod, fa4, docs = modification(mod, batch, heads, n, is_causal=causal)

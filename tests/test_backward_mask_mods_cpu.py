@@ -241,20 +241,21 @@ def test_a_training_step_with_document_ids_runs_the_document_backward(device):
     o = tiledsl.attention(q, k, v, causal=True, document_ids=ids)
     assert device.last()[0].startswith("hopper") and "_doc_" in device.last()[0]
     grads = device.backward(o, device.tensor(o.shape))
-    assert len(grads) == 10 and grads[6:9] == (None,) * 3   # no gradient for the ids (nor bounds, block mask)
+    assert len(grads) == 11 and grads[6:10] == (None,) * 4   # no gradient for the ids (nor bounds, block mask, aux)
     assert device.last(3)[0].endswith("_documents") and "_doc_" in device.last(2)[0]
 
 
 def test_what_stays_refused():
     """The warp-specialized backward takes documents, prefix(n) and block masks (with the score modifications);
-    dropout and expressions stay refused, by name."""
+    dropout and a mask_mod beside the documents, prefix or a block mask stay refused, by name."""
     from tiledsl.dispatch.modified import modifications
     from tiledsl.layout.backward_ws import ws_mods_refusal
     from tiledsl.mods.model import Documents, Modifications
     assert ws_mods_refusal(Modifications(prefix=5, document=Documents.BOUNDS, softcap=30.0, sinks=True)) == ""
     assert ws_mods_refusal(Modifications(blocks=(128, 128), document=Documents.IDS)) == ""
     assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
-    assert "mask_mod" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0])
+    assert ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0]) == ""
+    assert "without prefix" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx", prefix=4)[0])
 
 
 def test_the_bundled_document_backward_spec_builds_both_passes():
@@ -276,7 +277,7 @@ def test_the_prefix_keyword_trains_through_the_prefix_kernels(device):
     o = tiledsl.attention(q, k, v, prefix=100)
     assert device.last()[0].startswith("hopper") and "_prefix100_" in device.last()[0]
     grads = device.backward(o, device.tensor(o.shape))
-    assert len(grads) == 10 and all(g is not None for g in grads[:3])
+    assert len(grads) == 11 and all(g is not None for g in grads[:3])
     names = [device.last(back)[0] for back in range(1, 4)]   # the backward's preprocess, main and dQ launches
     assert any(name.endswith("_main") and "_prefix100_" in name for name in names), names
 

@@ -218,7 +218,7 @@ def test_an_autograd_step_passes_the_table_to_the_backward(device):
     o = tiledsl.attention(q, k, v, causal=True, block_mask=table)
     assert "_blk128x128_" in device.last()[0]
     dq, dk, dv, *nones = device.backward(o, device.tensor(o.shape))
-    assert nones == [None] * 7   # kv_lens, slopes, sinks, document ids and bounds, the table, the scalars
+    assert nones == [None] * 8   # kv_lens, slopes, sinks, document ids and bounds, the table, the aux, the scalars
     main, *_, values = device.last(2)
     assert main.endswith("_main") and "_blk128x128_" in main and values[-4:] == [table.data_ptr(), 0, 9, 3]
 

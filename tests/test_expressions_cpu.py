@@ -336,13 +336,13 @@ def test_the_tuned_path_builds_the_hopper_kernel_with_the_expressions():
     assert "tiles.next" not in text   # a score_mod alone visits the mask's tiles
 
 
-def test_the_backward_refuses_expressions_with_why_and_varlen_builds_them():
+def test_the_backward_and_varlen_take_expressions():
     from tiledsl.dispatch.backward import modified_backward_refusal
     from tiledsl.families import missing_template
     from tiledsl.serving.varlen import varlen_spec
     from tiledsl.spec import DType, Mask
     mods = Modifications(score_mod=tree("score_mod", "score * 0.5"))
-    assert "score_mod" in modified_backward_refusal("sm_90a", 128, 128, mods)
+    assert modified_backward_refusal("sm_90a", 128, 128, mods) == ""
     spec = varlen_spec("sm_90a", DType.BF16, 128, Mask.CAUSAL, 128, None, None, mods)
     assert missing_template(spec) == ""
 

@@ -59,14 +59,17 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     tensors by name). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
     queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
     together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
-    backward (head dims 64, 128, 256) differentiates softcap or ALiBi (not both), sinks (which get their gradient
-    when they require grad), the documents, prefix and block_mask: torch tensors that require grad go through autograd
-    (under torch.compile the custom ops tiledsl::attention_forward_mods / attention_backward_mods; block_mask runs
-    eagerly there). score_mod and mask_mod have no backward yet: a call that needs a gradient through them, or
-    through a problem the backward does not take, is refused before it runs. Documents are runs of one id each
-    (packed sequences); the host checks that where it checks kv_lens (`validate`; validate=False keeps the call
-    sync-free). Any other modification, or another family, checks its aux tensors, then raises RuntimeInputError
-    naming what is missing."""
+    backward (head dims 64, 128, 256) differentiates softcap and ALiBi, sinks (which get their gradient when they
+    require grad), the documents, prefix, block_mask, score_mod (dS through its derivative; softcap and a score_mod
+    together are refused: write the cap in the score_mod) and mask_mod (without documents, prefix or block_mask):
+    torch tensors that require grad go through autograd (under torch.compile the custom ops
+    tiledsl::attention_forward_mods / attention_backward_mods; block_mask, prefix and the expressions run eagerly
+    there). The expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers: one that
+    requires grad is refused; pass it detached). A score_mod without a gradient (floor of the score) and a call
+    that needs a gradient through a problem the backward does not take are refused before it runs. Documents are
+    runs of one id each (packed sequences); the host checks that where it checks kv_lens (`validate`;
+    validate=False keeps the call sync-free). Any other modification, or another family, checks its aux tensors,
+    then raises RuntimeInputError naming what is missing."""
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("attention", "return_lse", return_lse)
     deterministic = switch("attention", "deterministic", deterministic)

@@ -302,6 +302,9 @@ def backward_lines(spec: KernelSpec, batch: int = 1, heads: int = 16, seqlen_q: 
             from ..lower.backward_ws import mask_text, q_range_text
             lines += ["mask modifications (each block's q tiles): " + q_range_text(spec.problem.mods),
                       "    consumers' mask step: " + mask_text(spec.problem.mods)]
+        if spec.problem.mods.score_mod is not None or spec.problem.mods.mask_mod is not None:
+            from ..lower.backward_ws import expression_text
+            lines.append("expressions in the backward: " + expression_text(spec.problem.mods))
     if lay.dq_kernel:
         lines.append(f"  dQ kernel (`dq accumulate separate`): {lay.dq_kernel_smem} B shared memory, "
                      f"{lay.dq_kernel_threads} threads")

@@ -16,6 +16,9 @@ sinks):
     tiledsl::attention_backward_mods(q, k, v, o, lse, do, kv_lens, alibi_slopes, sinks, document_ids,
                                      document_bounds, <the same scalars>) -> (dq, dk, dv, dsink)
 
+score_mod / mask_mod (and their aux tensors, which get no gradient) and block_mask / prefix have no op: under
+torch.compile they run EagerModifiedAttention as an eager call does.
+
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces a model that calls
 `tiledsl.attention` as one opaque op, and the forward's autograd formula (register_autograd) saves
 q, k, v, O and the LSE and calls the backward op (recomputation: P is never kept). The real
@@ -40,6 +43,7 @@ ops' schema from their annotations, which must be real types.
 """
 from ..errors import RuntimeInputError
 from ..layout.backward_ws import ws_mods_refusal
+from ..lower.expressions import expression_aux
 from ..mods.model import AUX_BLOCK_MASK
 from . import backward, tuned
 
@@ -88,14 +92,20 @@ def decode_mods(softcap, alibi: str, alibi_slopes, sinks, document_ids=None, doc
 
 def gradient_refusal(mods, aux: dict, arch: str, head_dim: int, head_dim_v: int) -> str:
     """Why a call with `mods` that needs a gradient can't have one ("" when it can), asked before the forward
-    runs: the backward's (dispatch/backward.modified_backward_refusal), or ALiBi slopes that require grad (the
-    slopes are constants: no gradient flows to them, and a silent None would read as zero)."""
+    runs: the backward's (dispatch/backward.modified_backward_refusal), or ALiBi slopes or an expression's aux
+    tensor that require grad (they are constants: no gradient flows to them, and a silent None would read as
+    zero)."""
+    from ..lower.expressions import expression_aux
     from ..mods.model import AUX_ALIBI
     why = backward.modified_backward_refusal(arch, head_dim, head_dim_v, mods)
     if why:
         return why
     if getattr(aux.get(AUX_ALIBI), "requires_grad", False):
         return "alibi_slopes get no gradient (they are constants of the model); pass alibi_slopes.detach()"
+    learned = sorted(a.name for a in expression_aux(mods) if getattr(aux.get(a.name), "requires_grad", False))
+    if learned:
+        return (f"the expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers), and "
+                f"{', '.join(learned)} require{'s' if len(learned) == 1 else ''} one; pass .detach()")
     return ""
 
 
@@ -108,8 +118,9 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
-    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask or a prefix runs eagerly)
-    if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None and mods.prefix is None:
+    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask, a prefix or an expression runs eagerly)
+    if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None and mods.prefix is None \
+            and mods.score_mod is None and mods.mask_mod is None:
         softcap, alibi, slopes, sinks, ids, bounds = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
         o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, ids, bounds, bool(causal),
@@ -122,7 +133,9 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
             raise RuntimeInputError(f"attention: no gradient through the modifications ({', '.join(mods.config())})"
                                     f": {why}; call under torch.no_grad() for the forward alone")
         _, _, slopes, sinks, ids, bounds = encode_mods(mods, aux)
+        expressions = {a.name: aux[a.name] for a in expression_aux(mods)}
         o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks, ids, bounds, aux.get(AUX_BLOCK_MASK),
+                                              expressions,
                                               eager_scalars(causal, window, scale, deterministic, validate) + (mods,))
     else:
         o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate)
@@ -309,19 +322,20 @@ def _register(torch):
     class EagerModifiedAttention(torch.autograd.Function):
         """The modified forward op's autograd formula without the op (as EagerAttention): one non-tensor argument,
         eager_scalars + (the Modifications,); the slopes, sinks, documents and block mask tensors beside q, k, v and
-        kv_lens."""
+        kv_lens, then the expressions' aux tensors by name (a dict: they get no gradient)."""
 
         @staticmethod
-        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask, scalars):
+        def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask, expressions,
+                    scalars):
             causal, window, scale, _, validate, mods = scalars
             aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks),
                                            ("document_ids", document_ids), ("document_bounds", document_bounds),
-                                           (AUX_BLOCK_MASK, block_mask)) if t is not None}
+                                           (AUX_BLOCK_MASK, block_mask)) if t is not None} | expressions
             o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate,
                                             recorded=True)
             ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds,
                                   block_mask)
-            ctx.scalars = scalars
+            ctx.scalars, ctx.expressions = scalars, expressions
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
             return o, lse
@@ -329,19 +343,21 @@ def _register(torch):
         @staticmethod
         def backward(ctx, grad_o, grad_lse):
             if grad_o is None:
-                return (None,) * 10
+                return (None,) * 11
             q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask = ctx.saved_tensors
             causal, window, scale, deterministic, validate, mods = ctx.scalars
             softcap, alibi, *_ = encode_mods(mods, {})
             masks = {} if block_mask is None else {"block_mask": block_mask, "block_size": mods.blocks}
             masks |= {} if mods.prefix is None else {"prefix": mods.prefix}
+            masks |= {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod, "aux": ctx.expressions} \
+                if ctx.expressions or mods.score_mod is not None or mods.mask_mod is not None else {}
             grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
                                                 scale=scale, kv_lens=kv_lens, deterministic=deterministic,
                                                 validate=validate,
                                                 **mod_keywords(softcap, alibi, alibi_slopes, sinks, document_ids,
                                                                document_bounds), **masks)
             dsink = grads[3] if sinks is not None else None   # (autograd drops it when sinks need none)
-            return grads[0], grads[1], grads[2], None, None, dsink, None, None, None, None
+            return grads[0], grads[1], grads[2], None, None, dsink, None, None, None, None, None
 
     return attention_forward, attention_backward, EagerAttention, EagerModifiedAttention
 

@@ -191,7 +191,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
                        validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
                        alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None, prefix=None,
-                       block_mask=None, block_size=None):
+                       block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -216,19 +216,26 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     `document_ids` (int32 (batch, kv_len)) or `document_bounds` (int32 (batch, documents + 1)) are the forward's
     document mask (the same tensor): a block of keys walks only the q tiles of its keys' documents. Their order is
     checked on the host as the forward's (mods/checks; a copy, skipped with validate=False). `prefix` (an int N >= 1,
-    with causal=False and no window) is the forward's prefix-LM mask: a kv tile of prefix keys walks every q tile."""
+    with causal=False and no window) is the forward's prefix-LM mask: a kv tile of prefix keys walks every q tile.
+
+    `score_mod`, `mask_mod` and `aux` are the forward's expressions and their aux tensors (tiledsl.attention's
+    keywords): the scores are recomputed through score_mod and dS taken through its derivative (a score_mod with
+    none, such as floor of the score, is refused before launch); a kv tile walks only the steps mask_mod can show a
+    key of. The aux tensors get no gradient (FlexAttention's rule for captured buffers)."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
-    mods, aux = NO_MODS, ()
+    mods, aux_tensors = NO_MODS, ()
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
-            and document_bounds is None and prefix is None and block_mask is None and block_size is None):
+            and document_bounds is None and prefix is None and block_mask is None and block_size is None
+            and score_mod is None and mask_mod is None and aux is None):
         from .modified import check_mask, modifications
         mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                     document_ids=document_ids, document_bounds=document_bounds, prefix=prefix,
-                                    block_mask=block_mask, block_size=block_size, differentiable=True)
+                                    block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                                    mask_mod=mask_mod, aux=aux, differentiable=True)
         check_mask("attention_backward", mods, mask)
-        aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
-    tensors = (q, k, v, o, lse, do, kv_lens) + aux
+        aux_tensors = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
+    tensors = (q, k, v, o, lse, do, kv_lens) + aux_tensors
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,
                              mods)(*tensors)
 

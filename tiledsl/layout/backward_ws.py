@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..device_limits import H200, DeviceLimits, consumer_regs_fit, entry_registers, setmaxnreg_refusal
 from ..hw import MBARRIER_BYTES, PANEL_COLUMNS, PANEL_ROW_BYTES, SWIZZLE_ATOM, WARP_THREADS, WARPGROUP_THREADS, \
     WGMMA_ROWS
+from ..mods.expr import depends_on_score, derivative
 from ..mods.model import MASK_MODS, SCORE_MODS
 from ..spec import DqAccumulate, KernelSpec
 from .base import REGISTER_OVERHEAD, TEMPLATE_DTYPES, Buffer, Layout, Registers, align, finish, require
@@ -39,9 +40,11 @@ WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERE
 # The modifications the warp-specialized backward spells (mods/model.py's field names): softcap's and ALiBi's
 # scores recomputed as the forward's (dS through softcap's 1 - tanh^2), sinks' gradient by a kernel of its own;
 # documents and prefix(n) narrow a block's q tiles and mask its partial ones (templates/backward_mask_mods.cuh);
-# blocks(...) walks only the steps block_mask keeps (templates/block_mask.cuh). One of softcap and ALiBi at a time:
-# softcap's 1 - tanh^2 is read back from P, which ALiBi's bias would have to be taken out of again.
-WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks",)
+# blocks(...) walks only the steps block_mask keeps (templates/block_mask.cuh); score_mod is the forward's tree
+# (lower/expressions.py) with dS through its derivative, mask_mod skips the steps its box shows empty in every role
+# and tests the elements of partial ones. softcap with ALiBi: softcap's 1 - tanh^2 is read back from P with ALiBi's
+# bias taken out again.
+WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod")
 # mask = blocks(...): the (query head of the GQA group, q tile) steps one kv tile may walk, one bit each in shared
 # memory (a bit set where block_mask's entry is nonzero)
 STEP_BITS = 4096
@@ -101,8 +104,16 @@ def ws_mods_refusal(mods) -> str:
     if missing:
         return (f"the warp-specialized backward has no template for the modifications {', '.join(missing)} yet "
                 f"(it spells {', '.join(k for k in WS_BUILT_MODS if k != 'softcap_via')})")
-    if mods.softcap is not None and mods.alibi is not None:
-        return "the warp-specialized backward takes softcap or ALiBi, not both in one spec yet"
+    if mods.score_mod is not None and mods.softcap is not None:
+        return ("the warp-specialized backward takes softcap or a score_mod, not both (softcap's 1 - tanh^2 is read "
+                "back from P, which the score_mod changes): write the cap in the score_mod, "
+                "`score_mod = 30 * tanh(score / 30) + ...`")
+    if mods.mask_mod is not None:
+        others = [name for name, on in (("document", mods.document is not None), ("prefix", mods.prefix is not None),
+                                         ("blocks", mods.blocks is not None)) if on]
+        if others:
+            return (f"the warp-specialized backward takes a mask_mod without {' or '.join(others)} (write the whole "
+                    "mask as the mask_mod)")
     return ""
 
 
@@ -115,6 +126,12 @@ def require_tiles_nest(spec: KernelSpec) -> None:
             f"blocks(q = {block_q}, kv = {block_kv}): the backward's tiles (q {b.tile_q}, kv {b.tile_kv}) must divide "
             "the blocks, so that every tile lies in one block",
             f"blocks whose q size is a multiple of {b.tile_q} and kv size a multiple of {b.tile_kv}")
+
+
+def gradient_reads_score(mods) -> bool:
+    """Whether score_mod's derivative reads the score: the consumers then evaluate it at score_mod's step and hold
+    it until dS (templates/backward_expression_grads.cuh)."""
+    return mods.score_mod is not None and depends_on_score(derivative(mods.score_mod))
 
 
 def ws_split(tile_kv: int) -> str:
@@ -182,10 +199,12 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
     add("D", Br * 4, S, f"{S}x Br*4", "fp32 (padded rows: 0)", 16)
     if p.mods.blocks is not None:
         require_tiles_nest(spec)
-        require(S <= 3, spec, "backward.pipeline", f"{S} stages: block-sparse steps are named per ring slot in the "
+    if p.mods.blocks is not None or p.mods.mask_mod is not None:
+        what = "block-sparse" if p.mods.blocks is not None else "mask_mod's"
+        require(S <= 3, spec, "backward.pipeline", f"{S} stages: {what} steps are named per ring slot in the "
                 "step bits' 16-byte header (at most 3 slots)", "pipeline 2 stages via tma")
         add("step bits", 16 + STEP_BITS // 8, formula=f"16 B count + {STEP_BITS} bits: (query head, q tile) steps "
-            "with a nonzero block",
+            + ("with a nonzero block" if p.mods.blocks is not None else "mask_mod can show a key of"),
             layout="u32 words", alignment=16)
     before_staging = end
     stage_bytes = Br * d * 4
@@ -216,10 +235,15 @@ def backward_ws_layout(spec: KernelSpec, limits: DeviceLimits = H200) -> Backwar
                 Registers("dV accumulator", dv // 2 // cols, f"dv/{2 * cols}", True),
                 Registers("S^T/P^T", Br // 2 // cols, f"64 x Br/{cols}: Br/{2 * cols}", True),
                 Registers("dP^T/dS^T", Br // 2 // cols, f"Br/{2 * cols}", True),
+                # held beside S^T and dP^T inside the allowance below, as ptxas allocates them (no spills at d128
+                # tile q 64: tests/test_backward_expressions_cpu.py compiles it)
+                *([Registers("dS^T factors", Br // 4 // cols, f"Br/{4 * cols}: score_mod' as bf16 pairs")]
+                  if gradient_reads_score(p.mods) else []),
                 Registers("dQ_i accumulator", dq_cols // 2, f"64 x {dq_cols}: {dq_cols}/2 (after S^T, dP^T die)"),
                 Registers("addresses, indices", REGISTER_OVERHEAD, "allowance (ptxas ballpark)", True)]
     live = sum(r.amount for r in consumer if r.accumulator)
-    live = max(live, live - consumer[2].amount - consumer[3].amount + consumer[4].amount)
+    scores = sum(r.amount for r in consumer if r.name.startswith(("S^T", "dP^T", "dS^T")))   # dead once dQ_i is made
+    live = max(live, live - scores + next(r.amount for r in consumer if r.name == "dQ_i accumulator"))
     require(live <= b.consumer_regs, spec, wg_key,
             f"registers: ~{live} per consumer thread at the peak (" + " + ".join(
                 f"{r.name} {r.amount}" for r in consumer if r.accumulator) + f") > consumer regs {b.consumer_regs}",

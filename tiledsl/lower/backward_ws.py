@@ -14,11 +14,13 @@ from ..device_limits import H200, DeviceLimits, entry_registers
 from ..hw import PANEL_COLUMNS, PANEL_ROW_BYTES, WARP_THREADS, WARPGROUP_THREADS, WGMMA_ROWS
 from ..layout.backward import BACKWARD_PRE_ROWS, BACKWARD_PRE_THREADS
 from ..layout.backward_ws import STAGING_BOX_COLUMNS, STEP_BITS, WRITER_WARPS, WS_CONSUMERS, backward_ws_layout
+from ..mods.expr import ONE, depends_on_score, derivative, source
 from ..schedule.backward import build_backward_graph
 from ..schedule.ops import Role
 from ..schedule.passes import emission_order
 from ..spec import DqAccumulate, Family, KernelSpec
 from .fa2_wgmma import WgmmaAsm
+from .expressions import expression_constants, expression_fields
 from .score_mods import mod_constants, mod_parameters, score_mod_fields
 from .plan import (INDEX_ERRORS, SharedBuffer, BackwardWgmma, Constant, KernelPlan, Launch, LoopOp, Parameter, Region,
                    make_plan)
@@ -120,6 +122,10 @@ class WsBackwardPlan(KernelPlan):
     # `mask = blocks(...)` (templates/block_mask.cuh): warp 0 marks the steps whose block_mask entry is nonzero in
     # shared bits before the roles split; every role walks the marked steps
     blocks: bool = False
+    # the steps every role walks are the marked ones (shared step bits, before the roles split): block_mask's
+    # nonzero blocks, or mask_mod's steps whose box can show a key (templates/backward_expressions.cuh)
+    marked_steps: bool = False
+    ds_factor: bool = False   # dS^T is multiplied by the modification's derivative before it is packed
     kernel_class: str = "runtime.backward_ws:WsBackwardKernel"
 
     @property
@@ -146,7 +152,8 @@ def _wrappers(sc: int, split: str, d: int, dv: int, dq_cols: int) -> tuple[tuple
 def mask_text(mods) -> str:
     """The consumers' mask step as explain prints it: the spec's mask and the mask modifications it tests."""
     tested = [what for what, on in (("each key's document", mods.document is not None),
-                                     (f"the prefix ({mods.prefix} keys)", mods.prefix is not None)) if on]
+                                     (f"the prefix ({mods.prefix} keys)", mods.prefix is not None),
+                                     ("mask_mod", mods.mask_mod is not None)) if on]
     if not tested:
         return _TEXT["mask"]
     return ("mask keys outside the sequence / diagonal / window, " + " and ".join(tested)
@@ -166,6 +173,24 @@ def consumer_body(spec: KernelSpec, staged: bool, split: str) -> tuple[LoopOp, .
     text = dict(_TEXT, mask=mask_text(spec.problem.mods))
     return tuple(LoopOp(n, spec_line(spec, graph.op(n).key or "backward"), text.get(n, graph.op(n).text),
                         pending=graph.op(n).pending, node=n) for n in names)
+
+
+def expression_text(mods) -> str:
+    """explain's line of the backward's score_mod / mask_mod: dS's factor, and how mask_mod's steps are walked."""
+    parts = []
+    if mods.score_mod is not None:
+        grad = derivative(mods.score_mod)
+        if grad == ONE:
+            parts.append(f"score_mod = {source(mods.score_mod)}: d/dscore = 1, folded (dS takes no multiply)")
+        else:
+            when = ("evaluated at score_mod's step from the unmodified score, held as bf16 pairs until dS"
+                    if depends_on_score(grad) else "evaluated at dS from the indices")
+            parts.append(f"score_mod = {source(mods.score_mod)}: dS *= {source(grad)} ({when})")
+    if mods.mask_mod is not None:
+        parts.append(f"mask_mod = {source(mods.mask_mod)}: warp 0 marks the (query head, q tile) steps whose box "
+                     "can show a key; every role walks only those; a consumer warp tests elements where the box over "
+                     "its 16 keys can be false")
+    return "; ".join(parts)
 
 
 def q_range_text(mods) -> str:
@@ -285,15 +310,19 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         Constant("PRE_THREADS", "int", BACKWARD_PRE_THREADS),
         *softmax_constants(p),
         *mod_constants(p, sc // 8),
+        *expression_constants(p),
     ]
     if mods.softcap is not None:
         consts.append(Constant("SOFTCAP_TANH_UNITS", "float", math.log(2.0) / mods.softcap,
                                "softcap: ln 2 / cap, from log2 P + LSE log2 (= cap tanh log2 e) back to tanh"))
     if mods.sinks:
         consts.append(Constant("SINK_THREADS", "int", SINK_THREADS, "sink gradient: threads of its one block per head"))
-    if mods.blocks is not None:
+    marked = mods.blocks is not None or mods.mask_mod is not None
+    if marked:
         consts += [Constant("STEP_BITS_OFFSET", "u32", buf["step bits"].offset,
-                            "mask = blocks: one bit per (query head, q tile) step, set where its block is nonzero"),
+                            "mask = blocks: one bit per (query head, q tile) step, set where its block is nonzero"
+                            if mods.blocks is not None else
+                            "mask_mod: one bit per (query head, q tile) step, set where its box can show a key"),
                    Constant("STEP_BITS", "int", STEP_BITS, "the steps the bits hold (the host refuses more)")]
     ops, wgmma = _wrappers(sc, lay.split, d, dv, dq_cols)
     names = {"preprocess": f"{name}_preprocess", "main": f"{name}_main", "convert": f"{name}_convert"}
@@ -325,6 +354,10 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
         "q_loop": Region(w("backward.order"), "for each query head of the GQA group, for each visible q tile (serial)"
                          + ("; only the steps whose block_mask entry is nonzero (the shared step bits)"
                             if mods.blocks is not None else "")),
+        "mask_mod_steps": Region(w("mask_mod"), "mask_mod: warp 0 evaluates its box over each (query head, q tile) "
+                                 "step of this kv tile (a ballot per 32 steps) and marks those it can show a key of in "
+                                 "shared bits, before the roles split; each role walks the marked steps, and a "
+                                 "consumer warp tests elements only where the box over its 16 keys can be false"),
         "blocks": Region(w("mask"), "block-sparse: warp 0 reads this kv tile's column of block_mask once (a ballot per "
                          "32 steps) and marks the (query head, q tile) steps to walk in shared bits, before the roles "
                          "split; each role walks the marked steps"),
@@ -332,6 +365,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                             "included; NaN for a bad kv_lens entry)"),
         "convert": Region(w("backward.dq"), "dQ = scale * dQ_accum, fp32 -> dtype (NaN for a bad kv_lens entry)"),
     }
+    if mods.mask_mod is None:
+        del regions["mask_mod_steps"]
     if mods.masks_positions:
         regions["q_range_mods"] = Region(w("mask"), q_range_text(mods))
     if mods.document is not None:
@@ -343,6 +378,8 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                                       "block per query head, a fixed order (deterministic; no atomics, no zeroing)")
     # score_mods.cuh is pasted where the scores change (sinks alone change only the sink gradient kernel)
     fields = score_mod_fields(mods, consts) | {"score_mods": mods.modifies_scores}
+    fields |= expression_fields(mods, gradient=True)
+    fields["ds_factor"] = fields["softcap"] or bool(fields.get("score_grad_expression"))
     fields |= dict(mask_mods=mods.masks_positions, documents=mods.document.value if mods.document else "",
                    prefix=mods.prefix is not None)
     # ALiBi's slopes are the main kernel's; the sinks only the sink gradient kernel's
@@ -354,5 +391,6 @@ def lower_backward_ws(spec: KernelSpec, name: str, limits: DeviceLimits = H200, 
                      kernel_name=name, plan_class=WsBackwardPlan, kernel_names=names, dq_mode=b.dq.value, tile_kv=bc,
                      wgmma_ops=ops, wgmma=wgmma, mma="wgmma", split=lay.split, dq_path=lay.dq_path, ordered=ordered,
                      staging=lay.staging, box_rows={"q": br, "do": br, "k": bc, "v": bc, "dq": br}, copies=copies,
-                     barriers=lay.barriers, shared=WS_SHARED + ((STEP_BITS_SHARED,) if mods.blocks is not None else ()),
-                     parameters=WS_MAIN_PARAMETERS + mod_lines, blocks=mods.blocks is not None, **fields)
+                     barriers=lay.barriers, shared=WS_SHARED + ((STEP_BITS_SHARED,) if marked else ()),
+                     parameters=WS_MAIN_PARAMETERS + mod_lines, blocks=mods.blocks is not None, marked_steps=marked,
+                     **fields)

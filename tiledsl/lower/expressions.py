@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..mods.expr import OPS, Apply, Aux, Const, Expr, Type, Var, reads, source
+from ..mods.expr import ONE, OPS, Apply, Aux, Const, Expr, Type, Var, depends_on_score, derivative, reads, source
 from ..mods.intervals import INT32
 from ..mods.model import Modifications
 from .plan import Constant, Parameter
@@ -260,8 +260,9 @@ def expression_constants(p) -> list[Constant]:
                      "expressions read aux tensors: an element past q_len or kv_len reads at the last index")]
 
 
-def expression_fields(mods: Modifications) -> dict:
-    """HopperPlan's expression fields: what macros.j2's expression_functions pastes and the hooks branch on."""
+def expression_fields(mods: Modifications, gradient: bool = False) -> dict:
+    """KernelPlan's expression fields: what macros.j2's expression_functions pastes and the hooks branch on;
+    `gradient`: a backward's, with score_mod's derivative (_gradient_fields)."""
     if mods.score_mod is None and mods.mask_mod is None:
         return {}
     aux = expression_aux(mods)
@@ -274,4 +275,21 @@ def expression_fields(mods: Modifications) -> dict:
                 score_expression_text=source(mods.score_mod) if mods.score_mod is not None else "",
                 mask_expression=cuda(mods.mask_mod) if mods.mask_mod is not None else "",
                 mask_expression_text=source(mods.mask_mod) if mods.mask_mod is not None else "",
-                mask_box_lines=tuple(lines), mask_box_answer=(can_false, can_true))
+                mask_box_lines=tuple(lines), mask_box_answer=(can_false, can_true),
+                **(_gradient_fields(mods) if gradient else NO_GRADIENT))
+
+
+NO_GRADIENT = dict(score_grad_expression="", score_grad_expression_text="", score_grad_reads_score=False)
+
+
+def _gradient_fields(mods: Modifications) -> dict:
+    """A backward's score_mod derivative fields (KernelPlan's score_grad_*): d score_mod / d score spelled by
+    `cuda`, whether it reads the score (the kernel then keeps the scores from before score_mod); none where it is
+    constant 1 (a pure bias: folded here, so dS takes no multiply). NotDifferentiable where it has none."""
+    if mods.score_mod is None:
+        return NO_GRADIENT
+    grad = derivative(mods.score_mod)
+    if grad == ONE:
+        return NO_GRADIENT
+    return dict(score_grad_expression=cuda(grad), score_grad_expression_text=source(grad),
+                score_grad_reads_score=depends_on_score(grad))

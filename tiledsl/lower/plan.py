@@ -229,11 +229,12 @@ class KernelPlan:
     softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
     alibi: bool = False
     sinks: bool = False
-    # score_mod / mask_mod (lower/expressions.py: macros.j2's expression_functions pastes them; templates/
-    # expressions.cuh applies them in the hopper forward, decode_expressions.cuh in decode): the ExprAux struct's
-    # fields and its value from the parameters, each tree's CUDA expression and DSL text, mask_mod's box statements
-    # and answer (can be false, can be true). A mask_mod also narrows each item's (decode: each split's) kv tiles
-    # and steps over the empty ones.
+    # score_mod / mask_mod (lower/expressions.expression_fields: macros.j2's expression_functions pastes them;
+    # templates/expressions.cuh applies them in the hopper forward, decode_expressions.cuh in decode,
+    # backward_expressions.cuh in the WS backward): the ExprAux struct's fields and its value from the parameters,
+    # each tree's CUDA expression and DSL text, mask_mod's box statements and answer (can be false, can be true). A
+    # mask_mod also narrows each item's (decode: each split's) kv tiles and steps over the empty ones. In a
+    # backward, score_mod's derivative (score_grad_expression: "" where it is 1, so dS takes no multiply).
     expressions: bool = False
     expr_aux_fields: tuple[str, ...] = ()
     expr_aux_value: str = "{}"
@@ -243,7 +244,9 @@ class KernelPlan:
     mask_expression_text: str = ""
     mask_box_lines: tuple[str, ...] = ()
     mask_box_answer: tuple[str, str] = ("false", "true")
-
+    score_grad_expression: str = ""
+    score_grad_expression_text: str = ""
+    score_grad_reads_score: bool = False
 
     @property
     def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:

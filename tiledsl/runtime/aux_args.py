@@ -80,18 +80,8 @@ class AuxArguments:
         strides, after mods/checks.check_aux's refusals on the shapes (no sync): every index the expressions can
         form over this launch inside its tensor, every int inside int32. `ragged`: kv_lens may shorten the
         sequences, so an expression's kv_len may be anything in 0..kv_len."""
-        mods = self.spec.problem.mods
-        tensors = expression_aux(mods)
-        if not tensors:
-            return ()
-        views = {a.name: self._aux_view(b, a.name, None, "fp32" if a.dtype is Type.FLOAT else "int32") for a in tensors}
-        for name, t in views.items():
-            if math.prod(t.shape) >= 1 << 31:
-                raise RuntimeInputError(f"{self.name}: {name} has {math.prod(t.shape)} elements; the kernel indexes "
-                                        "aux tensors with 32-bit offsets (under 2^31 elements)")
-        check_aux(mods.without(*BUILT_IN_FIELDS), {n: (t.shape, t.dtype != "int32") for n, t in views.items()},
-                  shapes.batch, shapes.heads, shapes.q_len, shapes.kv_len, [0, shapes.kv_len] if ragged else None,
-                  self.name, positions=self.QUERY_POSITIONS)
+        views = expression_views(b, self.name, self.CALL, self.spec.problem.mods, shapes, ragged,
+                                 self.QUERY_POSITIONS)
         return tuple(arg for t in views.values() for arg in (pointer_arg(t),) + tuple(i32(s) for s in t.strides))
 
     def _block_mask_args(self, b: CallBuilder, shapes: Shapes) -> tuple:
@@ -109,6 +99,23 @@ class AuxArguments:
 
     def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
         return aux_view(b, self.name, self.CALL, name, shapes, dtype)
+
+
+def expression_views(b: CallBuilder, kernel: str, call: tuple, mods, shapes: Shapes, ragged: bool,
+                     positions: bool = False) -> dict:
+    """{name: view} of the aux tensors the expressions read, in lower/expressions.expression_parameters' order,
+    checked as AuxArguments.expression_args says (`positions`: AuxArguments.QUERY_POSITIONS)."""
+    views = {a.name: aux_view(b, kernel, call, a.name, None, "fp32" if a.dtype is Type.FLOAT else "int32")
+             for a in expression_aux(mods)}
+    for name, t in views.items():
+        if math.prod(t.shape) >= 1 << 31:
+            raise RuntimeInputError(f"{kernel}: {name} has {math.prod(t.shape)} elements; the kernel indexes "
+                                    "aux tensors with 32-bit offsets (under 2^31 elements)")
+    if views:
+        check_aux(mods.without(*BUILT_IN_FIELDS), {n: (t.shape, t.dtype != "int32") for n, t in views.items()},
+                  shapes.batch, shapes.heads, shapes.q_len, shapes.kv_len, [0, shapes.kv_len] if ragged else None,
+                  kernel, positions=positions)
+    return views
 
 
 def aux_view(b: CallBuilder, kernel: str, call: tuple, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:

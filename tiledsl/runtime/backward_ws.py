@@ -13,7 +13,9 @@ from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DO
                           Documents)
 from ..spec import DType
 from .backward import BackwardKernel
-from .aux_args import aux_view, block_mask_arguments, geometric_slope_tensor
+from ..lower.expressions import AUX_PARAMETER
+from .aux_args import aux_view, block_mask_arguments, expression_views, geometric_slope_tensor
+from .inputs import Shapes
 from .index_checks import add_check, host_validation
 from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
@@ -72,6 +74,11 @@ class WsBackwardKernel(BackwardKernel):
             out |= {"document_bounds": t, "document_stride": t.strides[0], "document_count": t.shape[1]}
         if mods.document is not None:
             self.add_document_check(b, kv_len, validate)
+        shapes = Shapes(batch, heads, kv_heads, q_len, kv_len)
+        ragged = b.tensors[self.CALL.index("kv_lens")] is not None
+        for name, t in expression_views(b, self.name, self.CALL, mods, shapes, ragged).items():
+            out |= {AUX_PARAMETER + name: t} | {f"{AUX_PARAMETER}{name}_stride{axis}": stride
+                                                 for axis, stride in enumerate(t.strides)}
         return out
 
     def add_document_check(self, b: CallBuilder, kv_len: int, validate: bool | None) -> None:
@@ -89,18 +96,26 @@ class WsBackwardKernel(BackwardKernel):
             index = self.CALL.index(AUX_DOCUMENT_BOUNDS)
             add_check(b, lambda tensors: check_bounds(host(tensors[index], AUX_DOCUMENT_BOUNDS), kv_len, self.name))
 
+    def check_marked_steps(self, heads: int, kv_heads: int, q_len: int) -> None:
+        """The steps a kv tile may walk fit the shared step bits (block_mask's or mask_mod's marked steps)."""
+        from ..layout.backward_ws import STEP_BITS
+        if not self.plan.marked_steps:
+            return
+        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
+        if steps > STEP_BITS:
+            what = f"{AUX_BLOCK_MASK}: " if self.spec.problem.mods.blocks is not None else "mask_mod: "
+            kind = "block-sparse" if self.spec.problem.mods.blocks is not None else "mask_mod"
+            raise RuntimeInputError(f"{self.name}: {what}a kv tile walks {steps} (query head, q tile) "
+                                    f"steps here; the {kind} backward marks at most {STEP_BITS} (fewer query "
+                                    "heads per kv head, or a shorter sequence)")
+
     def _block_arguments(self, b: CallBuilder, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> dict:
+        self.check_marked_steps(heads, kv_heads, q_len)
         blocks = self.spec.problem.mods.blocks
         if blocks is None:
             return {}
-        from ..layout.backward_ws import STEP_BITS
         t, batch_stride, head_stride, kv_blocks = block_mask_arguments(b, self.name, self.CALL, blocks, batch, heads,
                                                                        q_len, kv_len)
-        steps = (heads // max(kv_heads, 1)) * -(-q_len // self.plan.launch.tile_q)
-        if steps > STEP_BITS:
-            raise RuntimeInputError(f"{self.name}: {AUX_BLOCK_MASK}: a kv tile walks {steps} (query head, q tile) "
-                                    f"steps here; the block-sparse backward marks at most {STEP_BITS} (fewer query "
-                                    "heads per kv head, or a shorter sequence)")
         return {"block_mask": t, "block_mask_batch_stride": batch_stride, "block_mask_head_stride": head_stride,
                 "block_mask_kv_blocks": kv_blocks}
 
