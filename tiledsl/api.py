@@ -15,7 +15,8 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
               validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
               document_bounds=None, prefix=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None,
-              aux=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              aux=None, dropout_p=0.0, dropout_seed=None, q_descale=None, k_descale=None, v_descale=None,
+              out_dtype=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -77,12 +78,12 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
                                 "float8_e4m3fn q, k, v (FP8 attention) take q_descale, k_descale and v_descale")
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and prefix is None and block_mask is None and block_size is None
-            and score_mod is None and mask_mod is None and aux is None):
+            and score_mod is None and mask_mod is None and aux is None and not dropout_p and dropout_seed is None):
         from .dispatch.modified import check_mask, modifications
         from .dispatch.tuned import modified_forward
         keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
                         document_bounds=document_bounds, prefix=prefix, block_mask=block_mask, block_size=block_size,
-                        score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                        score_mod=score_mod, mask_mod=mask_mod, aux=aux, dropout_p=dropout_p)
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
         check_mask("attention", mods, mask)
@@ -90,6 +91,13 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
             from .errors import RuntimeInputError
             raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
                                     f"modifications ({', '.join(mods.config())}); pass bf16 or fp16 q, k, v for them")
+        if mods.dropout is not None:
+            from .dispatch.dropout import draw_rng
+            from .mods.model import AUX_DROPOUT
+            tensors[AUX_DROPOUT] = draw_rng("attention", q, dropout_seed)
+        elif dropout_seed is not None:
+            from .errors import RuntimeInputError
+            raise RuntimeInputError("attention: dropout_seed seeds dropout; pass dropout_p > 0 with it")
         if mods.active and type(q).__module__.startswith("torch"):   # autograd and torch.compile's path
             if _entry.tuned is None:
                 _load_entry_points()

@@ -229,6 +229,9 @@ class KernelPlan:
     softcap_degree: int = 0               # the quotient polynomial's degree (len(softcap_terms) - 1)
     alibi: bool = False
     sinks: bool = False
+    # dropout after the softmax (templates/philox.cuh, dropout.cuh): P's dropped weights zeroed, O's 1 / l
+    # becomes C::KEEP_SCALE / l
+    dropout: bool = False
 
 
     @property
