@@ -33,3 +33,61 @@ __device__ __forceinline__ void dropout_scores(float (&p)[C::M_TILES][C::S_TILES
         }
     }
 }
+
+// The backward's S^T (keys are rows): a thread holds keys lane / 4 and lane / 4 + 8 of its warp's 16 and, per
+// 8-query tile, queries 2 (lane & 3) and 2 (lane & 3) + 1, so a 4-key group of one query lies across the 4 lanes
+// lane & 19 + 4 r (r = 0..3) -- which between them hold 2 groups (top rows, bottom rows) x 2 queries of each tile:
+// 4 Philox calls, one per lane. Lane r draws group (top if r < 2) of query (r & 1) and keeps word k for lane k; a
+// shuffle from each of the 4 lanes per 8 tiles gathers, for element e, the words lane r = e drew. keep[c][e] bit
+// 4 t is element e of tile 8 c + t (the same (query, key) words as the forward's, hence the same mask).
+template <int TILES>
+__device__ __forceinline__ void dropout_keep_transposed(u32 (&keep)[(TILES + 7) / 8][4], const DropoutRng& rng,
+                                                        int key0, int query0, int lane, u32 threshold) {
+    const int r = (lane >> 2) & 3;
+    const u32 group = (u32)(key0 >> 2) + (lane >> 4) + 2 * (r >> 1);   // key0: the warp's first key (16 | key0)
+    const u32 query = (u32)query0 + 2 * (lane & 3) + (r & 1);
+#pragma unroll
+    for (int chunk = 0; chunk < (TILES + 7) / 8; ++chunk) {
+        u32 drawn = 0;
+#pragma unroll
+        for (int t = 0; t < 8 && chunk * 8 + t < TILES; ++t)
+            drawn |= keep_bits(rng, group, query + 8 * (chunk * 8 + t), threshold) << (4 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            keep[chunk][e] = __shfl_sync(0xffffffffu, drawn, (lane & ~12) | (e << 2)) >> r;
+    }
+}
+
+// Whether element e of 8-query tile nt is kept (dropout_keep_transposed's bits).
+template <int TILES>
+__device__ __forceinline__ bool kept(const u32 (&keep)[(TILES + 7) / 8][4], int nt, int e) {
+    return (keep[nt / 8][e] >> (4 * (nt % 8))) & 1u;
+}
+
+// P^T's A fragments for dV += (P Z / (1 - p))^T dO: the kept weights scaled, the dropped ones 0.
+template <int K16>
+__device__ __forceinline__ void pack_dropped_fragments(u32 (&frag)[K16][4], const float (&x)[1][2 * K16][4],
+                                                       const u32 (&keep)[(2 * K16 + 7) / 8][4], float scale) {
+#pragma unroll
+    for (int kk = 0; kk < K16; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int nt = 2 * kk + half;
+            const float* s = x[0][nt];
+            frag[kk][2 * half] = pack2(kept<2 * K16>(keep, nt, 0) ? s[0] * scale : 0.f,
+                                       kept<2 * K16>(keep, nt, 1) ? s[1] * scale : 0.f);
+            frag[kk][2 * half + 1] = pack2(kept<2 * K16>(keep, nt, 2) ? s[2] * scale : 0.f,
+                                           kept<2 * K16>(keep, nt, 3) ? s[3] * scale : 0.f);
+        }
+}
+
+// dP^T of the dropped weights: dO V^T reaches P only through the kept ones, scaled (dP Z / (1 - p)), before
+// dS = P (dP - D) with the undropped P.
+template <int TILES>
+__device__ __forceinline__ void drop_gradient(float (&dp)[1][TILES][4], const u32 (&keep)[(TILES + 7) / 8][4],
+                                              float scale) {
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][nt][e] = kept<TILES>(keep, nt, e) ? dp[0][nt][e] * scale : 0.f;
+}

@@ -41,7 +41,7 @@ WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERE
 # documents and prefix(n) narrow a block's q tiles and mask its partial ones (templates/backward_mask_mods.cuh);
 # blocks(...) walks only the steps block_mask keeps (templates/block_mask.cuh). One of softcap and ALiBi at a time:
 # softcap's 1 - tanh^2 is read back from P, which ALiBi's bias would have to be taken out of again.
-WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks",)
+WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks", "dropout")
 # mask = blocks(...): the (query head of the GQA group, q tile) steps one kv tile may walk, one bit each in shared
 # memory (a bit set where block_mask's entry is nonzero)
 STEP_BITS = 4096

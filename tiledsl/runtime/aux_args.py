@@ -88,18 +88,7 @@ class AuxArguments:
         return args + self.expression_args(b, shapes, ragged) + self.dropout_args(b)
 
     def dropout_args(self, b: CallBuilder) -> tuple:
-        """Dropout's seed and offset (LaunchValues in the call's slots: a warm call writes each call's pair)."""
-        if self.spec.problem.mods.dropout is None:
-            return ()
-        args = ()
-        for name in DROPOUT_PARAMETERS:
-            index = self.CALL.index(name)
-            value = b.tensors[index] if len(b.tensors) == len(self.CALL) else None
-            if type(value) is not LaunchValue:
-                raise RuntimeInputError(f"{self.name}: {name} is dropout's; pass aux={{{AUX_DROPOUT!r}: (seed, offset)}} "
-                                        "to the kernel's call")
-            args += (Arg("u64", value.value, -1 if b.immediate else index),)
-        return args
+        return tuple(dropout_arguments(b, self.name, self.CALL, self.spec.problem.mods).values())
 
     def expression_args(self, b: CallBuilder, shapes: Shapes, ragged: bool) -> tuple:
         """lower/expressions.expression_parameters' arguments: each aux tensor an expression reads (float32 or
@@ -136,6 +125,22 @@ class AuxArguments:
 
     def _aux_view(self, b: CallBuilder, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:
         return aux_view(b, self.name, self.CALL, name, shapes, dtype)
+
+
+def dropout_arguments(b: CallBuilder, kernel: str, call: tuple, mods) -> dict:
+    """Dropout's seed and offset by parameter name (none without dropout): the LaunchValues in the call's slots,
+    so a warm call writes each call's pair where a pointer would be written."""
+    if mods.dropout is None:
+        return {}
+    out = {}
+    for name in DROPOUT_PARAMETERS:
+        index = call.index(name)
+        value = b.tensors[index] if len(b.tensors) == len(call) else None
+        if type(value) is not LaunchValue:
+            raise RuntimeInputError(f"{kernel}: {name} is dropout's; pass aux={{{AUX_DROPOUT!r}: (seed, offset)}} to "
+                                    "the kernel's call")
+        out[name] = Arg("u64", value.value, -1 if b.immediate else index)
+    return out
 
 
 def aux_view(b: CallBuilder, kernel: str, call: tuple, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:

@@ -13,7 +13,7 @@ from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DO
                           Documents)
 from ..spec import DType
 from .backward import BackwardKernel
-from .aux_args import aux_view, block_mask_arguments, geometric_slope_tensor
+from .aux_args import aux_names, aux_view, block_mask_arguments, dropout_arguments, geometric_slope_tensor, launch_aux
 from .index_checks import add_check, host_validation
 from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
 from .tensor_maps import map_arg
@@ -27,12 +27,12 @@ class WsBackwardKernel(BackwardKernel):
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
-        self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())   # after CALL, in this order
+        self.aux_names = aux_names(spec)   # after CALL, in this order
         if self.aux_names:
             self.CALL = type(self).CALL + self.aux_names
 
     def __call__(self, q, k, v, o, lse, do, kv_lens=None, *, validate: bool | None = None, aux=None):
-        aux = dict(aux or {})
+        aux = launch_aux(dict(aux or {}))   # dropout's (seed, offset) as two values
         missing = [n for n in self.aux_names if aux.get(n) is None]
         extra = sorted(set(aux) - set(self.aux_names))
         if missing or extra:
@@ -72,7 +72,7 @@ class WsBackwardKernel(BackwardKernel):
             out |= {"document_bounds": t, "document_stride": t.strides[0], "document_count": t.shape[1]}
         if mods.document is not None:
             self.add_document_check(b, kv_len, validate)
-        return out
+        return out | dropout_arguments(b, self.name, self.CALL, mods)
 
     def add_document_check(self, b: CallBuilder, kv_len: int, validate: bool | None) -> None:
         """The documents' host check (mods/checks: ids in runs, bounds in order) where the call checks its index
