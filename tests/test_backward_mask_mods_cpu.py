@@ -246,14 +246,14 @@ def test_a_training_step_with_document_ids_runs_the_document_backward(device):
 
 
 def test_what_stays_refused():
-    """The warp-specialized backward takes documents, prefix(n) and block masks (with the score modifications);
-    dropout and expressions stay refused, by name."""
+    """The warp-specialized backward takes documents, prefix(n), block masks and dropout (with the score
+    modifications); expressions stay refused, by name."""
     from tiledsl.dispatch.modified import modifications
     from tiledsl.layout.backward_ws import ws_mods_refusal
     from tiledsl.mods.model import Documents, Modifications
     assert ws_mods_refusal(Modifications(prefix=5, document=Documents.BOUNDS, softcap=30.0, sinks=True)) == ""
     assert ws_mods_refusal(Modifications(blocks=(128, 128), document=Documents.IDS)) == ""
-    assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
+    assert ws_mods_refusal(Modifications(dropout=0.1, document=Documents.IDS, softcap=30.0)) == ""
     assert "mask_mod" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0])
 
 

@@ -126,7 +126,6 @@ def test_the_graph_gives_the_modification_the_consumers_and_explain_names_it():
 
 @pytest.mark.parametrize("mods, why", [
     (["softcap = 30", "alibi = geometric"], "softcap or ALiBi, not both"),
-    (["dropout = 0.1"], "no template for the modifications dropout"),
     (["score_mod = score * 2"], "no template for the modifications score_mod"),
 ])
 def test_modifications_without_a_template_are_refused_at_the_backward(mods, why):

@@ -5,7 +5,6 @@ through the host stubs, and p = 0's plain kernels."""
 from __future__ import annotations
 
 import functools
-import re
 import shutil
 import subprocess
 import tempfile

@@ -133,9 +133,10 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 # The modifications each family's forward template spells on each sequence layout (mods/model.py's field
 # names); the rest are refused. The hopper template takes them on batched sequences, and its varlen variant
 # the score modifications (its sequences are the documents already: a document or prefix mask, and the
-# expressions, are refused there; dropout is the batched kernels' alone); the decode template on contiguous, paged and FP8 KV caches alike. FP8
-# inputs take none.
-BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod", "dropout"),
+# expressions, are refused there; dropout is the batched kernels' alone); the decode template on contiguous,
+# paged and FP8 KV caches alike. FP8 inputs take none.
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod",
+                                                                            "dropout"),
               (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS,
               (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS}
 

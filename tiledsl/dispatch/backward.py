@@ -191,7 +191,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
                        validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
                        alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None, prefix=None,
-                       block_mask=None, block_size=None):
+                       block_mask=None, block_size=None, dropout_p=0.0, dropout_rng=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -216,21 +216,47 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     `document_ids` (int32 (batch, kv_len)) or `document_bounds` (int32 (batch, documents + 1)) are the forward's
     document mask (the same tensor): a block of keys walks only the q tiles of its keys' documents. Their order is
     checked on the host as the forward's (mods/checks; a copy, skipped with validate=False). `prefix` (an int N >= 1,
-    with causal=False and no window) is the forward's prefix-LM mask: a kv tile of prefix keys walks every q tile."""
+    with causal=False and no window) is the forward's prefix-LM mask: a kv tile of prefix keys walks every q tile.
+
+    `dropout_p` with `dropout_rng` = the forward's (seed, offset) (tiledsl.attention(..., dropout_seed=S) draws
+    (S, 0); autograd saves the pair it drew): the backward redraws the forward's keep mask from them."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     mods, aux = NO_MODS, ()
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
-            and document_bounds is None and prefix is None and block_mask is None and block_size is None):
+            and document_bounds is None and prefix is None and block_mask is None and block_size is None
+            and not dropout_p and dropout_rng is None):
         from .modified import check_mask, modifications
         mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                     document_ids=document_ids, document_bounds=document_bounds, prefix=prefix,
-                                    block_mask=block_mask, block_size=block_size, differentiable=True)
+                                    block_mask=block_mask, block_size=block_size, dropout_p=dropout_p,
+                                    differentiable=True)
         check_mask("attention_backward", mods, mask)
         aux = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
+        aux += dropout_values("attention_backward", mods, dropout_rng)
     tensors = (q, k, v, o, lse, do, kv_lens) + aux
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,
                              mods)(*tensors)
+
+
+def dropout_values(where: str, mods: Modifications, rng) -> tuple:
+    """The backward kernel's dropout seed and offset (runtime/aux_args.launch_aux) from the forward's pair."""
+    from ..lower.score_mods import DROPOUT_PARAMETERS
+    from ..mods.model import AUX_DROPOUT
+    from ..runtime.aux_args import launch_aux
+    if mods.dropout is None:
+        if rng is not None:
+            raise RuntimeInputError(f"{where}: dropout_rng is the forward's dropout (seed, offset); pass "
+                                    "dropout_p with it")
+        return ()
+    if rng is None:
+        raise RuntimeInputError(f"{where}: dropout_p needs dropout_rng, the forward's (seed, offset), to redraw its "
+                                "keep mask")
+    try:
+        values = launch_aux({AUX_DROPOUT: rng})
+    except RuntimeInputError as err:
+        raise RuntimeInputError(f"{where}: {err}") from None
+    return tuple(values[name] for name in DROPOUT_PARAMETERS)
 
 
 def prepared_backward(tensors: tuple, causal: bool, window: tuple[int, int] | None, scale: float | None,

@@ -173,8 +173,8 @@ def fp8_plan_fields(spec: KernelSpec) -> dict:
             "pv_operand": "vt", "q_row_bytes": fp8_swizzle(p.head_dim_qk)}
 
 
-FP8_HEADERS = ("hopper_fp8.cuh",)
-DROPOUT_HEADERS = ("philox.cuh", "dropout.cuh")   # Philox4x32-10 and the keep bits of P's fragments   # the e4m3 path's device helpers (V's transpose, P's packing)
+FP8_HEADERS = ("hopper_fp8.cuh",)   # the e4m3 path's device helpers (V's transpose, P's packing)
+DROPOUT_HEADERS = ("philox.cuh", "dropout.cuh")   # Philox4x32-10 and the keep bits of P's fragments
 
 
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
