@@ -5,6 +5,8 @@
 // shares each 4-key group of both its rows. Each lane of the pair draws one row's group (the top row for
 // the even lane, the bottom one for the odd) and keeps the two bits of its own keys, and hands its partner
 // the other two: every word drawn is used, at one call per thread per 8-key tile and one shuffle per 16.
+// The calls run one at a time (unroll 1: each writes only the two bit words): unrolled, ptxas interleaves
+// their ten-round chains and runs the consumers out of registers.
 template <class C>
 __device__ __forceinline__ void dropout_scores(float (&p)[C::M_TILES][C::S_TILES][4], const DropoutRng& rng,
                                                int row0, int col0, int lane) {
@@ -15,7 +17,7 @@ __device__ __forceinline__ void dropout_scores(float (&p)[C::M_TILES][C::S_TILES
 #pragma unroll
     for (int chunk = 0; chunk < CHUNKS; ++chunk) {
         u32 own = 0, theirs = 0;
-#pragma unroll
+#pragma unroll 1
         for (int t = 0; t < 16 && chunk * 16 + t < C::S_TILES; ++t) {
             const u32 keep = keep_bits(rng, group + 2 * (chunk * 16 + t), row, C::DROP_THRESHOLD);
             own |= ((keep >> (2 * odd)) & 3u) << (2 * t);
@@ -49,7 +51,7 @@ __device__ __forceinline__ void dropout_keep_transposed(u32 (&keep)[(TILES + 7) 
 #pragma unroll
     for (int chunk = 0; chunk < (TILES + 7) / 8; ++chunk) {
         u32 drawn = 0;
-#pragma unroll
+#pragma unroll 1
         for (int t = 0; t < 8 && chunk * 8 + t < TILES; ++t)
             drawn |= keep_bits(rng, group, query + 8 * (chunk * 8 + t), threshold) << (4 * t);
 #pragma unroll

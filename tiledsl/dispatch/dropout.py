@@ -37,6 +37,14 @@ def dropout_probability(where: str, dropout_p) -> float | None:
     return float(dropout_p) or None
 
 
+def refuse_dropout(where: str, dropout_p) -> None:
+    """The serving entry points (decode, paged, varlen) have no dropout kernel: any dropout_p but 0 is refused."""
+    if dropout_p is not None and dropout_p != 0:
+        raise RuntimeInputError(f"{where}: dropout is a training-time modification; the {where} kernels have none "
+                                f"(got dropout_p={dropout_p!r}): tiledsl.attention takes dropout_p on batched "
+                                "sequences")
+
+
 def draw_rng(where: str, like, dropout_seed=None) -> tuple[int, int]:
     """(seed, offset) of one dropout call on `like`'s framework and device (the module docstring)."""
     if capturing(like):
