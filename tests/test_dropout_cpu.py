@@ -66,3 +66,23 @@ def test_a_warps_dropout_keeps_what_the_numpy_mask_keeps(tile_kv, p):
         got[r - row0, c - col0] = True
     np.testing.assert_array_equal(got, want)
     assert 0 < got.mean() < 1
+
+
+@needs_gxx
+@pytest.mark.parametrize("queries,p", [(64, 0.1), (32, 0.5), (128, 0.3)])
+def test_the_backwards_transposed_keep_bits_are_the_forwards(queries, p):
+    """One warp's S^T (16 keys x `queries` queries) after dropout_keep_transposed: kept exactly where the forward's
+    keep_mask is, for the same (query, key)."""
+    rng = np.random.default_rng()
+    seed, offset = int(rng.integers(0, 1 << 63)), int(rng.integers(0, 1 << 40))
+    batch, heads, head = int(rng.integers(0, 4)), 3, int(rng.integers(0, 3))
+    key0, query0 = int(rng.integers(0, 500)) * 16, int(rng.integers(0, 50)) * queries
+    kept = run(host_binary(queries, p), ["transposed", seed & 0xFFFFFFFF, seed >> 32, offset, batch, heads, head,
+                                         key0, query0])
+    rows, cols = np.arange(query0, query0 + queries)[:, None], np.arange(key0, key0 + 16)[None, :]
+    want = keep_mask(p, seed, offset, heads, batch, head, rows, cols)
+    got = np.zeros_like(want)
+    for q, k in kept:
+        got[q - query0, k - key0] = True
+    np.testing.assert_array_equal(got, want)
+    assert 0 < got.mean() < 1
