@@ -5,6 +5,7 @@ through the host stubs, and p = 0's plain kernels."""
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import subprocess
 import tempfile
@@ -86,3 +87,173 @@ def test_the_backwards_transposed_keep_bits_are_the_forwards(queries, p):
         got[q - query0, k - key0] = True
     np.testing.assert_array_equal(got, want)
     assert 0 < got.mean() < 1
+
+
+# ---- the kernels' constants, the spec and the routing --------------------------------------------------------
+def test_the_bundled_spec_builds_a_dropout_forward_and_backward():
+    from tiledsl.families import lower
+    from tiledsl.frontend.parse import load_spec
+    from tiledsl.lower.backward import lower_backward
+    s = load_spec(str(ROOT / "specs" / "mods" / "dropout_d128.tile"))
+    forward, backward = lower(s), lower_backward(s)
+    assert forward.dropout and backward.dropout
+    assert "_drop0p1_" in forward.kernel_name and "_drop0p1_" in backward.kernel_name
+    assert all("_drop0p1_" in name for name in backward.kernel_names.values())
+    for plan in (forward, backward):
+        constants = {c.name: c.value for c in plan.constants}
+        assert constants["DROP_THRESHOLD"] == drop_threshold(0.1) == 429496729
+        assert constants["KEEP_SCALE"] == pytest.approx(1 / 0.9, rel=1e-15)
+        names = [p.name for line in plan.parameters for p in line]
+        assert names[-2:] == ["dropout_seed", "dropout_offset"]
+    assert [op.kind for op in forward.loop_body].index("dropout") == \
+        [op.kind for op in forward.loop_body].index("softmax") + 1
+    steps = [op.kind for op in backward.loop_body]
+    assert steps[steps.index("recompute_p") + 1] == "dropout"
+
+
+def test_dropout_is_refused_where_no_kernel_spells_it():
+    from tiledsl.families import takes_mods
+    from tiledsl.layout.backward_ws import ws_mods_refusal
+    from tiledsl.mods.model import Modifications
+    from tiledsl.spec import Family, SeqLayout
+    mods = Modifications(dropout=0.1)
+    assert takes_mods(Family.HOPPER, mods) and ws_mods_refusal(mods) == ""
+    assert not takes_mods(Family.HOPPER, mods, SeqLayout.VARLEN) and not takes_mods(Family.DECODE, mods)
+
+
+class Shaped:   # spec_for reads shapes and dtypes only
+    def __init__(self, shape, dtype="torch.bfloat16"):
+        self.shape, self.dtype = shape, dtype
+
+
+def test_spec_for_prints_dropout_and_p_0_is_the_plain_spec():
+    import tiledsl
+    q = Shaped((2, 8, 1000, 128))
+    text = tiledsl.spec_for(q, q, q, causal=True, dropout_p=0.25)
+    assert re.search(r"^\s*dropout\s+= 0\.25$", text, re.M), text
+    assert tiledsl.spec_for(q, q, q, causal=True, dropout_p=0.0) == tiledsl.spec_for(q, q, q, causal=True)
+    from tiledsl.frontend.parse import parse_text
+    (spec,) = parse_text(text, "<spec_for>")
+    assert spec.problem.mods.dropout == 0.25
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1, 1.5, True, "0.1", float("nan")])
+def test_dropout_p_outside_0_1_is_refused(bad):
+    import tiledsl
+    from tiledsl.errors import RuntimeInputError
+    q = Shaped((2, 8, 1000, 128))
+    with pytest.raises(RuntimeInputError, match=r"dropout_p is the probability of dropping a weight, a number in "
+                                                 r"\[0, 1\)"):
+        tiledsl.spec_for(q, q, q, dropout_p=bad)
+
+
+# ---- the API through the host stubs --------------------------------------------------------------------------
+@pytest.fixture
+def device(tmp_path):
+    from tests.host_stubs import stub_device
+    with stub_device(tmp_path, {}) as dev:
+        yield dev
+
+
+def launch_rng(launch) -> list[int]:
+    return launch[-1][-2:]   # dropout_seed, dropout_offset: the kernels' last two parameters
+
+
+def test_the_seed_comes_from_torchs_generator_and_each_call_advances_it(device):
+    import torch
+    import tiledsl
+    q = device.tensor((2, 4, 300, 128))
+    torch.manual_seed(1234)
+    tiledsl.attention(q, q, q, causal=True, dropout_p=0.1)
+    name = device.last()[0]
+    assert name.startswith("hopper") and "_drop0p1_" in name
+    assert launch_rng(device.last()) == [1234, 0]
+    tiledsl.attention(q, q, q, causal=True, dropout_p=0.1)   # a warm call: the same launch, the next offset
+    assert device.last()[0] == name and launch_rng(device.last()) == [1234, 4]
+    torch.manual_seed(1234)                                   # reseeding reproduces the masks
+    tiledsl.attention(q, q, q, causal=True, dropout_p=0.1)
+    assert launch_rng(device.last()) == [1234, 0]
+    tiledsl.attention(q, q, q, causal=True, dropout_p=0.1, dropout_seed=(1 << 64) - 1)
+    assert launch_rng(device.last()) == [(1 << 64) - 1, 0]
+    assert torch.cuda.default_generators[0].get_offset() == 4   # an explicit seed leaves the generator alone
+
+
+def test_p_0_runs_the_plain_kernel(device):
+    import tiledsl
+    q = device.tensor((2, 4, 300, 128))
+    tiledsl.attention(q, q, q, causal=True)
+    plain = device.last()[0]
+    tiledsl.attention(q, q, q, causal=True, dropout_p=0.0)
+    assert device.last()[0] == plain and "drop" not in plain
+
+
+def test_the_backward_redraws_the_forwards_mask(device):
+    """Through autograd the backward's main kernel gets the (seed, offset) the forward drew, and its name has
+    dropout in it."""
+    import torch
+    import tiledsl
+    torch.manual_seed(77)
+    torch.cuda.default_generators[0].set_offset(40)
+    q, k, v = (device.tensor((2, 4, 300, 128), requires_grad=True) for _ in range(3))
+    o = tiledsl.attention(q, k, v, causal=True, dropout_p=0.2)
+    assert launch_rng(device.last()) == [77, 40]
+    tiledsl.attention(q, k, v, causal=True, dropout_p=0.2)   # a later forward moves the generator on
+    grads = device.backward(o, device.tensor(o.shape))
+    assert all(g is not None for g in grads[:3])
+    mains = [device.last(back) for back in range(1, 4) if device.last(back)[0].endswith("_main")]
+    assert len(mains) == 1 and "_drop0p2_" in mains[0][0] and launch_rng(mains[0]) == [77, 40]
+
+
+def test_the_backward_needs_the_forwards_rng(device):
+    import tiledsl
+    from tiledsl.errors import RuntimeInputError
+    q, o, do = (device.tensor((2, 4, 300, 128)) for _ in range(3))
+    lse = device.tensor((2, 4, 300), "float32")
+    with pytest.raises(RuntimeInputError, match=r"dropout_p needs dropout_rng, the forward's \(seed, offset\)"):
+        tiledsl.attention_backward(q, q, q, o, lse, do, causal=True, dropout_p=0.1)
+    with pytest.raises(RuntimeInputError, match="dropout_rng is the forward's dropout"):
+        tiledsl.attention_backward(q, q, q, o, lse, do, causal=True, dropout_rng=(1, 2))
+    with pytest.raises(RuntimeInputError, match="must be an int in 0..2\\^64-1"):
+        tiledsl.attention_backward(q, q, q, o, lse, do, causal=True, dropout_p=0.1, dropout_rng=(-1, 0))
+    tiledsl.attention_backward(q, q, q, o, lse, do, causal=True, dropout_p=0.1, dropout_rng=(9, 12))
+    main = next(device.last(back) for back in range(1, 4) if device.last(back)[0].endswith("_main"))
+    assert launch_rng(main) == [9, 12]
+
+
+def test_dropout_under_graph_capture_is_refused(device, monkeypatch):
+    import tiledsl
+    from tiledsl.dispatch import dropout
+    from tiledsl.errors import RuntimeInputError
+    q = device.tensor((2, 4, 300, 128))
+    monkeypatch.setattr(dropout, "capturing", lambda like: True)   # (the stubs answer False for every stream)
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match="dropout under CUDA-graph capture would replay one keep mask"):
+        tiledsl.attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(RuntimeInputError, match="dropout under CUDA-graph capture"):
+        tiledsl.attention(q, q, q, dropout_p=0.1, dropout_seed=3)
+    assert len(device.launches) == launches
+
+
+def test_a_held_counter_seeds_arrays_without_a_generator(monkeypatch):
+    from tiledsl.dispatch import dropout
+    monkeypatch.setattr(dropout, "capturing", lambda like: False)
+    first = dropout.draw_rng("attention", object())
+    second = dropout.draw_rng("attention", object())
+    assert first[0] == second[0] == dropout.HELD_SEED and second[1] == first[1] + dropout.OFFSET_STEP
+    assert dropout.draw_rng("attention", object(), 42) == (42, 0)
+
+
+def test_dropout_is_refused_in_fp8_paged_and_varlen(device):
+    import tiledsl
+    from tiledsl.errors import RuntimeInputError
+    q8 = device.tensor((1, 4, 256, 128), "float8_e4m3fn")
+    with pytest.raises(RuntimeInputError, match=r"FP8 \(float8_e4m3fn\) attention has no kernel with score or mask "
+                                                r"modifications \(dropout\)"):
+        tiledsl.attention(q8, q8, q8, dropout_p=0.1)
+    q = device.tensor((1, 4, 256, 128))
+    with pytest.raises(RuntimeInputError, match="paged_attention: dropout is a training-time modification"):
+        tiledsl.paged_attention(q, q, q, None, None, dropout_p=0.1)
+    with pytest.raises(RuntimeInputError, match="varlen_attention: dropout is a training-time modification"):
+        tiledsl.varlen_attention(q, q, q, None, None, dropout_p=0.1)
+    with pytest.raises(RuntimeInputError, match="dropout_seed seeds dropout; pass dropout_p > 0 with it"):
+        tiledsl.attention(q, q, q, dropout_seed=3)
