@@ -57,7 +57,9 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     (batch or 1, heads or 1, q blocks, kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128;
     or a FlexAttention BlockMask),
     `score_mod` / `mask_mod` (DSL text, or a callable traced by tiledsl/mods/trace.py) and `aux` (their aux
-    tensors by name). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
+    tensors by name), `dropout_p` (a probability in [0, 1): dropout on the attention weights, 0 the plain kernels;
+    the seed is torch's CUDA generator's for torch tensors, `dropout_seed` an int for a fixed mask, else a counter
+    tiledsl holds: tiledsl/dispatch/dropout.py; refused under CUDA-graph capture). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
     queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
     together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
     backward (head dims 64, 128, 256) differentiates softcap or ALiBi (not both), sinks (which get their gradient
