@@ -60,36 +60,31 @@ __device__ __forceinline__ void dropout_keep_transposed(u32 (&keep)[(TILES + 7) 
     }
 }
 
-// Whether element e of 8-query tile nt is kept (dropout_keep_transposed's bits).
+// The dropped weights of the backward's P^T marked by their sign (P >= 0: a dropped P is stored as -P, and
+// an exact 0 counts as dropped, whose gradient terms are 0 either way), so the mask costs no registers
+// between the steps that read it: dV's fragments (pack_dropped_fragments) and dS (dropout_softmax_gradient).
 template <int TILES>
-__device__ __forceinline__ bool kept(const u32 (&keep)[(TILES + 7) / 8][4], int nt, int e) {
-    return (keep[nt / 8][e] >> (4 * (nt % 8))) & 1u;
+__device__ __forceinline__ void mark_dropped(float (&p)[1][TILES][4], const DropoutRng& rng, int key0, int query0,
+                                             int lane, u32 threshold) {
+    u32 keep[(TILES + 7) / 8][4];
+    dropout_keep_transposed<TILES>(keep, rng, key0, query0, lane, threshold);
+#pragma unroll
+    for (int nt = 0; nt < TILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!((keep[nt / 8][e] >> (4 * (nt % 8))) & 1u)) p[0][nt][e] = -p[0][nt][e];
 }
 
-// P^T's A fragments for dV += (P Z / (1 - p))^T dO: the kept weights scaled, the dropped ones 0.
+// P^T's A fragments for dV += (P Z / (1 - p))^T dO: the kept weights scaled, the dropped (negative) ones 0.
 template <int K16>
 __device__ __forceinline__ void pack_dropped_fragments(u32 (&frag)[K16][4], const float (&x)[1][2 * K16][4],
-                                                       const u32 (&keep)[(2 * K16 + 7) / 8][4], float scale) {
+                                                       float scale) {
 #pragma unroll
     for (int kk = 0; kk < K16; ++kk)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int nt = 2 * kk + half;
-            const float* s = x[0][nt];
-            frag[kk][2 * half] = pack2(kept<2 * K16>(keep, nt, 0) ? s[0] * scale : 0.f,
-                                       kept<2 * K16>(keep, nt, 1) ? s[1] * scale : 0.f);
-            frag[kk][2 * half + 1] = pack2(kept<2 * K16>(keep, nt, 2) ? s[2] * scale : 0.f,
-                                           kept<2 * K16>(keep, nt, 3) ? s[3] * scale : 0.f);
+            const float* s = x[0][2 * kk + half];
+            frag[kk][2 * half] = pack2(fmaxf(s[0], 0.f) * scale, fmaxf(s[1], 0.f) * scale);
+            frag[kk][2 * half + 1] = pack2(fmaxf(s[2], 0.f) * scale, fmaxf(s[3], 0.f) * scale);
         }
-}
-
-// dP^T of the dropped weights: dO V^T reaches P only through the kept ones, scaled (dP Z / (1 - p)), before
-// dS = P (dP - D) with the undropped P.
-template <int TILES>
-__device__ __forceinline__ void drop_gradient(float (&dp)[1][TILES][4], const u32 (&keep)[(TILES + 7) / 8][4],
-                                              float scale) {
-#pragma unroll
-    for (int nt = 0; nt < TILES; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[0][nt][e] = kept<TILES>(keep, nt, e) ? dp[0][nt][e] * scale : 0.f;
 }

@@ -3,11 +3,12 @@
 // Reads: mode ("words": then count, key0 key1, count counters of 4 words; prints each call's 4 words), or
 // "tile" / "transposed" then seed lo, seed hi, offset, batch, heads, head, row0, col0: "tile" runs the forward's
 // dropout_scores on a tile of ones held as one warp's accumulators (16 query rows from row0 x TILE_KV keys from
-// col0), "transposed" the backward's dropout_keep_transposed on S^T (16 key rows from row0 x TILE_KV queries from
+// col0), "transposed" the backward's mark_dropped on S^T (16 key rows from row0 x TILE_KV queries from
 // col0); each prints, per kept element, "query key".
 #include <barrier>
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -70,11 +71,10 @@ int main() {
             float p[1][C::S_TILES][4];
             for (int nt = 0; nt < C::S_TILES; ++nt)
                 for (int e = 0; e < 4; ++e) p[0][nt][e] = 1.f;
-            if (transposed) {
-                u32 keep[(C::S_TILES + 7) / 8][4];
-                dropout_keep_transposed<C::S_TILES>(keep, rng, row0, col0, lane, C::DROP_THRESHOLD);
+            if (transposed) {   // the dropped ones come back negative
+                mark_dropped<C::S_TILES>(p, rng, row0, col0, lane, C::DROP_THRESHOLD);
                 for (int nt = 0; nt < C::S_TILES; ++nt)
-                    for (int e = 0; e < 4; ++e) p[0][nt][e] = kept<C::S_TILES>(keep, nt, e) ? 1.f : 0.f;
+                    for (int e = 0; e < 4; ++e) p[0][nt][e] = p[0][nt][e] > 0.f ? 1.f : 0.f;
             } else {
                 dropout_scores<C>(p, rng, row0, col0, lane);
             }
