@@ -59,13 +59,15 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     `score_mod` / `mask_mod` (DSL text, or a callable traced by tiledsl/mods/trace.py) and `aux` (their aux
     tensors by name), `dropout_p` (a probability in [0, 1): dropout on the attention weights, 0 the plain kernels;
     the seed is torch's CUDA generator's for torch tensors, `dropout_seed` an int for a fixed mask, else a counter
-    tiledsl holds: tiledsl/dispatch/dropout.py; refused under CUDA-graph capture). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
-    queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
+    tiledsl holds: tiledsl/dispatch/dropout.py; refused under CUDA-graph capture). All of them run on the hopper
+    family's forward kernels (families.BUILT_MODS; a call of 1..16 queries with only softcap, alibi_slopes and sinks
+    runs the decode kernels, which spell those three); a mask_mod
     together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
     backward (head dims 64, 128, 256) differentiates softcap or ALiBi (not both), sinks (which get their gradient
-    when they require grad), the documents, prefix and block_mask: torch tensors that require grad go through autograd
-    (under torch.compile the custom ops tiledsl::attention_forward_mods / attention_backward_mods; block_mask runs
-    eagerly there). score_mod and mask_mod have no backward yet: a call that needs a gradient through them, or
+    when they require grad), the documents, prefix, block_mask and dropout (redrawing the forward's mask from the
+    (seed, offset) autograd saves): torch tensors that require grad go through autograd (under torch.compile the
+    custom ops tiledsl::attention_forward_mods / attention_backward_mods; block_mask, prefix and dropout run eagerly
+    there). score_mod and mask_mod have no backward yet: a call that needs a gradient through them, or
     through a problem the backward does not take, is refused before it runs. Documents are runs of one id each
     (packed sequences); the host checks that where it checks kv_lens (`validate`; validate=False keeps the call
     sync-free). Any other modification, or another family, checks its aux tensors, then raises RuntimeInputError
