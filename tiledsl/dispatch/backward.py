@@ -241,8 +241,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
 
 def dropout_values(where: str, mods: Modifications, rng) -> tuple:
     """The backward kernel's dropout seed and offset (runtime/aux_args.launch_aux) from the forward's pair."""
-    from ..lower.score_mods import DROPOUT_PARAMETERS
-    from ..mods.model import AUX_DROPOUT
+    from ..mods.model import AUX_DROPOUT, DROPOUT_PARAMETERS
     from ..runtime.aux_args import launch_aux
     if mods.dropout is None:
         if rng is not None:

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import math
 
-from ..mods.model import Documents, Modifications
+from ..mods.model import DROPOUT_PARAMETERS, Documents, Modifications
 from ..mods.philox import drop_threshold
 from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from .expressions import expression_parameters
 from .plan import Constant, Parameter
 from .steps import parameters
-
-DROPOUT_PARAMETERS = ("dropout_seed", "dropout_offset")   # the kernel's names of mods.model.AUX_DROPOUT's pair
 
 
 def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:

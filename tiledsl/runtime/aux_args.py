@@ -11,9 +11,8 @@ from ..errors import RuntimeInputError
 from ..lower.expressions import expression_aux
 from ..mods.checks import check_aux
 from ..mods.expr import Type
-from ..lower.score_mods import DROPOUT_PARAMETERS
 from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_DROPOUT, AUX_SINKS, \
-    AlibiSlopes, Documents, geometric_slopes
+    DROPOUT_PARAMETERS, AlibiSlopes, Documents, geometric_slopes
 from .inputs import Shapes
 from .launch import Arg, CallBuilder, i32, i64, is_compact, pointer_arg
 from .tensors import LaunchValue, TensorView, view
