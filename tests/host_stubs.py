@@ -55,6 +55,26 @@ class FakeDevice:
         return f"device(type='{self.type}', index={self.index})"
 
 
+class FakeGenerator:
+    """A CUDA generator's Philox state as torch's CUDA generators keep it: a seed and an offset."""
+
+    def __init__(self, seed=67280421310721):
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed):
+        self.seed, self.offset = int(seed), 0
+        return self
+
+    def initial_seed(self):
+        return self.seed
+
+    def get_offset(self):
+        return self.offset
+
+    def set_offset(self, offset):
+        self.offset = int(offset)
+
+
 _addresses = itertools.count(1 << 32, 1 << 20)   # 1 MiB apart: every fake tensor 16-byte aligned
 
 
@@ -225,8 +245,11 @@ def fake_torch() -> types.ModuleType:
     torch.is_grad_enabled = lambda: True
     torch.compiler = types.SimpleNamespace(is_compiling=lambda: False)
     torch._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: 0x5000 + index)
+    generators = [FakeGenerator()]
     torch.cuda = types.SimpleNamespace(is_current_stream_capturing=lambda: False, Event=Event,
-                                       current_stream=lambda device=None: types.SimpleNamespace(cuda_stream=0x5000))
+                                       current_stream=lambda device=None: types.SimpleNamespace(cuda_stream=0x5000),
+                                       default_generators=generators, current_device=lambda: 0)
+    torch.manual_seed = lambda seed: [g.manual_seed(seed) for g in generators] and generators[0]
 
     class Op:
         def __init__(self, fn):

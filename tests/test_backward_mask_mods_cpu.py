@@ -246,16 +246,18 @@ def test_a_training_step_with_document_ids_runs_the_document_backward(device):
 
 
 def test_what_stays_refused():
-    """The warp-specialized backward takes documents, prefix(n) and block masks (with the score modifications);
-    dropout and a mask_mod beside the documents, prefix or a block mask stay refused, by name."""
+    """The warp-specialized backward takes documents, prefix(n), block masks and dropout (with the score
+    modifications); a mask_mod beside the documents, prefix or a block mask, and dropout beside an expression, stay
+    refused, by name."""
     from tiledsl.dispatch.modified import modifications
     from tiledsl.layout.backward_ws import ws_mods_refusal
     from tiledsl.mods.model import Documents, Modifications
     assert ws_mods_refusal(Modifications(prefix=5, document=Documents.BOUNDS, softcap=30.0, sinks=True)) == ""
     assert ws_mods_refusal(Modifications(blocks=(128, 128), document=Documents.IDS)) == ""
-    assert "dropout" in ws_mods_refusal(Modifications(dropout=0.1))
+    assert ws_mods_refusal(Modifications(dropout=0.1, document=Documents.IDS, softcap=30.0)) == ""
     assert ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx")[0]) == ""
     assert "without prefix" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx", prefix=4)[0])
+    assert "dropout" in ws_mods_refusal(modifications("attention", mask_mod="kv_idx <= q_idx", dropout_p=0.1)[0])
 
 
 def test_the_bundled_document_backward_spec_builds_both_passes():

@@ -126,7 +126,7 @@ def test_the_graph_gives_the_modification_the_consumers_and_explain_names_it():
 
 @pytest.mark.parametrize("mods, why", [
     (["softcap = 30", "score_mod = score * 2"], "softcap or a score_mod, not both"),
-    (["dropout = 0.1"], "no template for the modifications dropout"),
+    (["dropout = 0.1", "score_mod = score * 2"], "dropout or an expression (score_mod, mask_mod), not both"),
 ])
 def test_modifications_without_a_template_are_refused_at_the_backward(mods, why):
     s = spec([m for m in mods if not m.startswith("mask")], mask="causal") if not mods[0].startswith("mask") else None

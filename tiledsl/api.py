@@ -15,7 +15,8 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
               kv_lens=None, return_lse: bool = False, deterministic: bool = False, k_scale=None, v_scale=None,
               validate: bool | None = None, *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
               document_bounds=None, prefix=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None,
-              aux=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+              aux=None, dropout_p=0.0, dropout_seed=None, q_descale=None, k_descale=None, v_descale=None,
+              out_dtype=None):
     """Attention of q (batch, heads, seqlen_q, d) over k, v (batch, kv_heads, seqlen_kv, d / dv)
     with the tuned spec for this GPU; returns O (q's dtype), or (O, LSE) with `return_lse` (LSE
     fp32 (batch, heads, seqlen_q), natural log). `window=(left, right)` is a sliding window (keys
@@ -56,18 +57,22 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     (batch or 1, heads or 1, q blocks, kv blocks), nonzero = computed, of `block_size` (q, kv) blocks, default 128;
     or a FlexAttention BlockMask),
     `score_mod` / `mask_mod` (DSL text, or a callable traced by tiledsl/mods/trace.py) and `aux` (their aux
-    tensors by name). All of them run on the hopper family's forward kernels (families.BUILT_MODS; a call of 1..16
-    queries with only softcap, alibi_slopes and sinks runs the decode kernels, which spell those three); a mask_mod
+    tensors by name), `dropout_p` (a probability in [0, 1): dropout on the attention weights, 0 the plain kernels;
+    the seed is torch's CUDA generator's for torch tensors, `dropout_seed` an int for a fixed mask, else a counter
+    tiledsl holds: tiledsl/dispatch/dropout.py; refused under CUDA-graph capture). All of them run on the hopper
+    family's forward kernels (families.BUILT_MODS; a call of 1..16 queries with only softcap, alibi_slopes and sinks
+    runs the decode kernels, which spell those three); a mask_mod
     together with block_mask is refused (each picks the kv tiles an item walks). The warp-specialized Hopper
     backward (head dims 64, 128, 256) differentiates softcap and ALiBi, sinks (which get their gradient when they
     require grad), the documents, prefix, block_mask, score_mod (dS through its derivative; softcap and a score_mod
-    together are refused: write the cap in the score_mod) and mask_mod (without documents, prefix or block_mask):
+    together are refused: write the cap in the score_mod), mask_mod (without documents, prefix or block_mask) and
+    dropout (redrawing the forward's mask from the (seed, offset) autograd saves; not beside score_mod or mask_mod):
     torch tensors that require grad go through autograd (under torch.compile the custom ops
-    tiledsl::attention_forward_mods / attention_backward_mods; block_mask, prefix and the expressions run eagerly
-    there). The expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers: one that
-    requires grad is refused; pass it detached). A score_mod without a gradient (floor of the score) and a call
-    that needs a gradient through a problem the backward does not take are refused before it runs. Documents are
-    runs of one id each (packed sequences); the host checks that where it checks kv_lens (`validate`;
+    tiledsl::attention_forward_mods / attention_backward_mods; block_mask, prefix, the expressions and dropout run
+    eagerly there). The expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers: one
+    that requires grad is refused; pass it detached). A score_mod without a gradient (floor of the score) and a
+    call that needs a gradient through a problem the backward does not take are refused before it runs. Documents
+    are runs of one id each (packed sequences); the host checks that where it checks kv_lens (`validate`;
     validate=False keeps the call sync-free). Any other modification, or another family, checks its aux tensors,
     then raises RuntimeInputError naming what is missing."""
     mask, window, scale = mask_arguments("attention", causal, window, scale)   # before any spec is built
@@ -80,12 +85,12 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
                                 "float8_e4m3fn q, k, v (FP8 attention) take q_descale, k_descale and v_descale")
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and prefix is None and block_mask is None and block_size is None
-            and score_mod is None and mask_mod is None and aux is None):
+            and score_mod is None and mask_mod is None and aux is None and not dropout_p and dropout_seed is None):
         from .dispatch.modified import check_mask, modifications
         from .dispatch.tuned import modified_forward
         keywords = dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, document_ids=document_ids,
                         document_bounds=document_bounds, prefix=prefix, block_mask=block_mask, block_size=block_size,
-                        score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+                        score_mod=score_mod, mask_mod=mask_mod, aux=aux, dropout_p=dropout_p)
         needs_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks))
         mods, tensors = modifications("attention", differentiable=needs_grad, **keywords)
         check_mask("attention", mods, mask)
@@ -93,6 +98,13 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
             from .errors import RuntimeInputError
             raise RuntimeInputError(f"attention: FP8 (float8_e4m3fn) attention has no kernel with score or mask "
                                     f"modifications ({', '.join(mods.config())}); pass bf16 or fp16 q, k, v for them")
+        if mods.dropout is not None:
+            from .dispatch.dropout import draw_rng
+            from .mods.model import AUX_DROPOUT
+            tensors[AUX_DROPOUT] = draw_rng("attention", q, dropout_seed)
+        elif dropout_seed is not None:
+            from .errors import RuntimeInputError
+            raise RuntimeInputError("attention: dropout_seed seeds dropout; pass dropout_p > 0 with it")
         if mods.active and type(q).__module__.startswith("torch"):   # autograd and torch.compile's path
             if _entry.tuned is None:
                 _load_entry_points()

@@ -133,10 +133,10 @@ def _serving_refusal(spec: KernelSpec) -> tuple[str, str] | None:
 # The modifications each family's forward template spells on each sequence layout (mods/model.py's field
 # names); the rest are refused. The hopper template takes them on batched sequences, and its varlen variant
 # the score modifications and the expressions (its sequences are the documents already: a document or prefix
-# mask is refused there); the decode template the score modifications on contiguous, paged and FP8 KV caches
-# alike, the expressions on the 16-bit ones. FP8 inputs take none.
+# mask is refused there; dropout is the batched kernels' alone); the decode template the score modifications on
+# contiguous, paged and FP8 KV caches alike, the expressions on the 16-bit ones. FP8 inputs take none.
 EXPRESSIONS = ("score_mod", "mask_mod")
-BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",) + EXPRESSIONS,
+BUILT_MODS = {(Family.HOPPER, SeqLayout.BATCHED): SCORE_MODS + MASK_MODS + ("blocks",) + EXPRESSIONS + ("dropout",),
               (Family.HOPPER, SeqLayout.VARLEN): SCORE_MODS + EXPRESSIONS,
               (Family.DECODE, SeqLayout.BATCHED): SCORE_MODS + EXPRESSIONS}
 

@@ -44,7 +44,7 @@ ops' schema from their annotations, which must be real types.
 from ..errors import RuntimeInputError
 from ..layout.backward_ws import ws_mods_refusal
 from ..lower.expressions import expression_aux
-from ..mods.model import AUX_BLOCK_MASK
+from ..mods.model import AUX_BLOCK_MASK, AUX_DROPOUT
 from . import backward, tuned
 
 WINDOW_NONE = (False, 0, 0)   # (has_window, left, right) of "no window": ops take no Optional tuple
@@ -118,9 +118,10 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
     if kv_lens is not None and not isinstance(kv_lens, torch.Tensor):
         kv_lens = torch.as_tensor(kv_lens, device=q.device)
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, *aux.values()))
-    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask, a prefix or an expression runs eagerly)
+    # the modified ops carry softcap, ALiBi, sinks and documents (a block mask, a prefix, an expression or dropout
+    # runs eagerly)
     if torch.compiler.is_compiling() and not ws_mods_refusal(mods) and mods.blocks is None and mods.prefix is None \
-            and mods.score_mod is None and mods.mask_mod is None:
+            and mods.score_mod is None and mods.mask_mod is None and mods.dropout is None:
         softcap, alibi, slopes, sinks, ids, bounds = encode_mods(mods, aux)
         has_window, left, right = encode_window(window)
         o, lse = torch.ops.tiledsl.attention_forward_mods(q, k, v, kv_lens, slopes, sinks, ids, bounds, bool(causal),
@@ -136,7 +137,8 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
         expressions = {a.name: aux[a.name] for a in expression_aux(mods)}
         o, lse = EagerModifiedAttention.apply(q, k, v, kv_lens, slopes, sinks, ids, bounds, aux.get(AUX_BLOCK_MASK),
                                               expressions,
-                                              eager_scalars(causal, window, scale, deterministic, validate) + (mods,))
+                                              eager_scalars(causal, window, scale, deterministic, validate)
+                                              + (mods, aux.get(AUX_DROPOUT)))
     else:
         o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate)
     return (o, lse) if return_lse else o
@@ -321,16 +323,18 @@ def _register(torch):
 
     class EagerModifiedAttention(torch.autograd.Function):
         """The modified forward op's autograd formula without the op (as EagerAttention): one non-tensor argument,
-        eager_scalars + (the Modifications,); the slopes, sinks, documents and block mask tensors beside q, k, v and
-        kv_lens, then the expressions' aux tensors by name (a dict: they get no gradient)."""
+        eager_scalars + (the Modifications, dropout's (seed, offset) or None: the backward redraws the forward's
+        mask from it); the slopes, sinks, documents and block mask tensors beside q, k, v and kv_lens, then the
+        expressions' aux tensors by name (a dict: they get no gradient)."""
 
         @staticmethod
         def forward(ctx, q, k, v, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask, expressions,
                     scalars):
-            causal, window, scale, _, validate, mods = scalars
+            causal, window, scale, _, validate, mods, rng = scalars
             aux = {name: t for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks),
                                            ("document_ids", document_ids), ("document_bounds", document_bounds),
-                                           (AUX_BLOCK_MASK, block_mask)) if t is not None} | expressions
+                                           (AUX_BLOCK_MASK, block_mask), (AUX_DROPOUT, rng)) if t is not None} \
+                | expressions
             o, lse = tuned.modified_forward(q, k, v, causal, window, scale, kv_lens, mods, aux, validate,
                                             recorded=True)
             ctx.save_for_backward(q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds,
@@ -345,12 +349,13 @@ def _register(torch):
             if grad_o is None:
                 return (None,) * 11
             q, k, v, o, lse, kv_lens, alibi_slopes, sinks, document_ids, document_bounds, block_mask = ctx.saved_tensors
-            causal, window, scale, deterministic, validate, mods = ctx.scalars
+            causal, window, scale, deterministic, validate, mods, rng = ctx.scalars
             softcap, alibi, *_ = encode_mods(mods, {})
             masks = {} if block_mask is None else {"block_mask": block_mask, "block_size": mods.blocks}
             masks |= {} if mods.prefix is None else {"prefix": mods.prefix}
             masks |= {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod, "aux": ctx.expressions} \
                 if ctx.expressions or mods.score_mod is not None or mods.mask_mod is not None else {}
+            masks |= {} if mods.dropout is None else {"dropout_p": mods.dropout, "dropout_rng": rng}
             grads = backward.attention_backward(q, k, v, o, lse, grad_o.contiguous(), causal=causal, window=window,
                                                 scale=scale, kv_lens=kv_lens, deterministic=deterministic,
                                                 validate=validate,

@@ -191,7 +191,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
                        scale: float | None = None, kv_lens=None, deterministic: bool = False, mma: str | None = None,
                        validate: bool | None = None, warp_specialized: bool | None = None, softcap=None,
                        alibi_slopes=None, sinks=None, document_ids=None, document_bounds=None, prefix=None,
-                       block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None):
+                       block_mask=None, block_size=None, score_mod=None, mask_mod=None, aux=None, dropout_p=0.0,
+                       dropout_rng=None):
     """(dq, dk, dv) of attention: q, o, do (batch, heads, q_len, d[v]); k, v (batch, kv_heads, kv_len,
     d[v]); lse fp32 (batch, heads, q_len), natural log, as tiledsl.attention(..., return_lse=True)
     returns it. Masks and kv_lens as the forward's. `deterministic`: bit-identical results run to
@@ -221,23 +222,46 @@ def attention_backward(q, k, v, o, lse, do, *, causal: bool = False, window: tup
     `score_mod`, `mask_mod` and `aux` are the forward's expressions and their aux tensors (tiledsl.attention's
     keywords): the scores are recomputed through score_mod and dS taken through its derivative (a score_mod with
     none, such as floor of the score, is refused before launch); a kv tile walks only the steps mask_mod can show a
-    key of. The aux tensors get no gradient (FlexAttention's rule for captured buffers)."""
+    key of. The aux tensors get no gradient (FlexAttention's rule for captured buffers).
+
+    `dropout_p` with `dropout_rng` = the forward's (seed, offset) (tiledsl.attention(..., dropout_seed=S) draws
+    (S, 0); autograd saves the pair it drew): the backward redraws the forward's keep mask from them."""
     mask, window, scale = mask_arguments("attention_backward", causal, window, scale)   # every call, before any spec
     causal, deterministic = mask is Mask.CAUSAL, switch("attention_backward", "deterministic", deterministic)
     mods, aux_tensors = NO_MODS, ()
     if not (softcap is None and alibi_slopes is None and sinks is None and document_ids is None
             and document_bounds is None and prefix is None and block_mask is None and block_size is None
-            and score_mod is None and mask_mod is None and aux is None):
+            and score_mod is None and mask_mod is None and aux is None and not dropout_p and dropout_rng is None):
         from .modified import check_mask, modifications
         mods, named = modifications("attention_backward", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                     document_ids=document_ids, document_bounds=document_bounds, prefix=prefix,
                                     block_mask=block_mask, block_size=block_size, score_mod=score_mod,
-                                    mask_mod=mask_mod, aux=aux, differentiable=True)
+                                    mask_mod=mask_mod, aux=aux, dropout_p=dropout_p, differentiable=True)
         check_mask("attention_backward", mods, mask)
         aux_tensors = tuple(named[a.name] for a in mods.user_aux())   # the kernel's CALL order after kv_lens
+        aux_tensors += dropout_values("attention_backward", mods, dropout_rng)
     tensors = (q, k, v, o, lse, do, kv_lens) + aux_tensors
     return prepared_backward(tensors, causal, window, scale, deterministic, mma, validate, warp_specialized,
                              mods)(*tensors)
+
+
+def dropout_values(where: str, mods: Modifications, rng) -> tuple:
+    """The backward kernel's dropout seed and offset (runtime/aux_args.launch_aux) from the forward's pair."""
+    from ..mods.model import AUX_DROPOUT, DROPOUT_PARAMETERS
+    from ..runtime.aux_args import launch_aux
+    if mods.dropout is None:
+        if rng is not None:
+            raise RuntimeInputError(f"{where}: dropout_rng is the forward's dropout (seed, offset); pass "
+                                    "dropout_p with it")
+        return ()
+    if rng is None:
+        raise RuntimeInputError(f"{where}: dropout_p needs dropout_rng, the forward's (seed, offset), to redraw its "
+                                "keep mask")
+    try:
+        values = launch_aux({AUX_DROPOUT: rng})
+    except RuntimeInputError as err:
+        raise RuntimeInputError(f"{where}: {err}") from None
+    return tuple(values[name] for name in DROPOUT_PARAMETERS)
 
 
 def prepared_backward(tensors: tuple, causal: bool, window: tuple[int, int] | None, scale: float | None,

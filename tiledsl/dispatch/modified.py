@@ -1,5 +1,5 @@
 """The Python API's score and mask modifications: `tiledsl.attention(..., softcap=, alibi_slopes=, sinks=,
-document_ids=, document_bounds=, prefix=, block_mask=, block_size=, score_mod=, mask_mod=, aux=)` (and
+document_ids=, document_bounds=, prefix=, block_mask=, block_size=, score_mod=, mask_mod=, aux=, dropout_p=)` (and
 paged_attention / varlen_attention's
 same keywords) become the spec's Modifications (mods/model.py) and the aux tensors a launch passes, the
 same ones `softcap = 30`, `mask = causal & document`, `score_mod = ...` write in a spec
@@ -26,6 +26,8 @@ same ones `softcap = 30`, `mask = causal & document`, `score_mod = ...` write in
                    mods.expr tree
   mask_mod         the same, a condition
   aux              the expressions' aux tensors by name
+  dropout_p        a probability in [0, 1): dropout on the attention weights (0: none, the plain kernels); the
+                   call's seed and offset come from dispatch/dropout.py
 The aux tensors' shapes and element kinds are checked before launch (mods/checks.check_aux: shapes only,
 no device sync).
 """
@@ -36,21 +38,25 @@ import numbers
 
 from ..errors import RuntimeInputError
 from ..hw import MMA_ROWS
+from .dropout import dropout_probability
 from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, NO_MODS,
                           PREFIX_ALONE, AlibiSlopes, Documents, Modifications)
 
 KEYWORDS = ("softcap", "alibi_slopes", "sinks", "document_ids", "document_bounds", "prefix", "block_mask", "block_size",
-            "score_mod", "mask_mod", "aux")
+            "score_mod", "mask_mod", "aux", "dropout_p")
 DEFAULT_BLOCK_SIZE = 128   # FlexAttention's
 
 
 def modifications(where: str = "attention", *, softcap=None, alibi_slopes=None, sinks=None, document_ids=None,
                   document_bounds=None, prefix=None, block_mask=None, block_size=None, score_mod=None, mask_mod=None,
-                  aux=None, differentiable: bool = False, tables: bool = True) -> tuple[Modifications, dict]:
+                  aux=None, dropout_p=None, differentiable: bool = False,
+                  tables: bool = True) -> tuple[Modifications, dict]:
     """(the Modifications of the keywords, the aux tensors by name). `differentiable`: the call needs a
     gradient, so score_mod must have one in score. `tables` False leaves block_mask as given (spec_for reads
-    shapes only)."""
+    shapes only). `dropout_p` (dispatch/dropout.py) sets the spec's dropout; the call draws its (seed, offset)."""
     fields, tensors = {}, dict(aux or {})
+    if dropout_p is not None and dropout_probability(where, dropout_p) is not None:
+        fields["dropout"] = float(dropout_p)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < float(softcap) < float("inf"):
             raise RuntimeInputError(f"{where}: softcap must be a finite number > 0, got {softcap!r}")

@@ -229,13 +229,15 @@ def modified_forward(q, k, v, causal: bool, window, scale, kv_lens, mods: Modifi
         raise RuntimeInputError(f"attention: the kernels with score modifications ({', '.join(mods.config())}) "
                                 "give gradients through PyTorch's autograd only (torch tensors); call under "
                                 "torch.no_grad() or pass tensors that do not require grad")
+    from ..runtime.aux_args import launch_aux
+    passed = launch_aux(aux)   # dropout's (seed, offset) as the call's two values
     key = (signature(q), signature(k), signature(v), signature(kv_lens), causal, window, scale, validate, mods,
-           tuple((name, signature(t)) for name, t in sorted(aux.items())))
+           tuple((name, signature(t)) for name, t in sorted(passed.items())))
     hit = _modified_calls.get(key)
     if hit is None:
         hit = _modified_calls.put(key, _prepare_modified(q, k, v, causal, window, scale, kv_lens, mods, aux, validate))
     call, scale_slots, names = hit
-    return call(q, k, v, kv_lens, None, None, *scale_slots, *[aux[n] for n in names])
+    return call(q, k, v, kv_lens, None, None, *scale_slots, *[passed[n] for n in names])
 
 
 _modified_calls = SignatureCache()

@@ -43,8 +43,8 @@ WS_DQ_MODES = (DqAccumulate.ATOMIC, DqAccumulate.TMA_REDUCE, DqAccumulate.ORDERE
 # blocks(...) walks only the steps block_mask keeps (templates/block_mask.cuh); score_mod is the forward's tree
 # (lower/expressions.py) with dS through its derivative, mask_mod skips the steps its box shows empty in every role
 # and tests the elements of partial ones. softcap with ALiBi: softcap's 1 - tanh^2 is read back from P with ALiBi's
-# bias taken out again.
-WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod")
+# bias taken out again. dropout redraws the forward's keep bits (templates/dropout.cuh).
+WS_BUILT_MODS = SCORE_MODS + MASK_MODS + ("blocks", "score_mod", "mask_mod", "dropout")
 # mask = blocks(...): the (query head of the GQA group, q tile) steps one kv tile may walk, one bit each in shared
 # memory (a bit set where block_mask's entry is nonzero)
 STEP_BITS = 4096
@@ -114,6 +114,9 @@ def ws_mods_refusal(mods) -> str:
         if others:
             return (f"the warp-specialized backward takes a mask_mod without {' or '.join(others)} (write the whole "
                     "mask as the mask_mod)")
+    if mods.dropout is not None and (mods.score_mod is not None or mods.mask_mod is not None):
+        # each was built and GPU-tested beside the other modifications, not beside each other
+        return "the warp-specialized backward takes dropout or an expression (score_mod, mask_mod), not both yet"
     return ""
 
 

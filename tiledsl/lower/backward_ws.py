@@ -45,8 +45,8 @@ CONSUMER_ORDER = {
                 "softmax_grad", "stage_ds", "sync_ds", "mma_dv", "mma_dk", "mma_dq", "wait_grads", "arrive_q_empty"),
 }
 DQ_OUT = {True: ("wait_dq_empty", "stage_dq", "arrive_dq_full"), False: ("accumulate_dq",)}
-# The score modification's steps (schedule/modify.py), where the graph has them: after the step named here.
-MOD_STEPS = (("score_mod", "wait_s"), ("score_mod_grad", "softmax_grad"))
+# The modifications' steps (schedule/modify.py), where the graph has them: after the step named here.
+MOD_STEPS = (("score_mod", "wait_s"), ("dropout", "recompute_p"), ("score_mod_grad", "softmax_grad"))
 SINK_THREADS = 256   # the sink gradient kernel: one block per query head
 
 _TEXT = {

@@ -91,7 +91,8 @@ _STEP = {(OpKind.WAIT, "k_full"): "wait_k_full", (OpKind.WAIT, "v_full"): "wait_
          (OpKind.ARRIVE, "v_empty"): "release_v",
          (OpKind.MMA_WAIT, "S"): "wait_qk", (OpKind.MMA_WAIT, "PV"): "wait_pv", (OpKind.MMA_QK, ""): "mma_qk",
          (OpKind.MMA_PV, ""): "mma_pv", (OpKind.MASK, ""): "mask", (OpKind.ONLINE_SOFTMAX, ""): "softmax",
-         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p", (OpKind.SCORE_MOD, ""): "score_mod"}
+         (OpKind.RESCALE_O, ""): "rescale_o", (OpKind.PACK_P, ""): "pack_p", (OpKind.SCORE_MOD, ""): "score_mod",
+         (OpKind.DROPOUT, ""): "dropout"}
 _WAITED = {"S": OpKind.MMA_QK, "PV": OpKind.MMA_PV}
 
 
@@ -160,6 +161,7 @@ def fp8_plan_fields(spec: KernelSpec) -> dict:
 
 
 FP8_HEADERS = ("hopper_fp8.cuh",)   # the e4m3 path's device helpers (V's transpose, P's packing)
+DROPOUT_HEADERS = ("philox.cuh", "dropout.cuh")   # Philox4x32-10 and the keep bits of P's fragments
 
 
 def hopper_parameters(varlen: bool, dynamic: bool = False) -> tuple[tuple[Parameter, ...], ...]:
@@ -329,7 +331,8 @@ def lower_hopper(spec: KernelSpec, lay: Layout, graph: ScheduleGraph, template: 
                      parameters=hopper_parameters(p.seq_layout is SeqLayout.VARLEN, s.launch is LaunchKind.DYNAMIC)
                      + mod_parameters(p.mods) + (FP8_PARAMETERS if fp8 else ()),
                      **(fp8_plan_fields(spec) if fp8 else {}),
-                     headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ()),
+                     headers=(INDEX_BOUNDS_HEADER,) + (FP8_HEADERS if fp8 else ())
+                     + (DROPOUT_HEADERS if p.mods.dropout is not None else ()),
                      blocks=p.mods.blocks is not None,
                      **score_mod_fields(p.mods, consts),
                      mask_mods=any(x is not None for x in (p.mods.document, p.mods.prefix, p.mods.mask_mod)),

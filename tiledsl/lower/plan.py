@@ -79,13 +79,13 @@ class Parameter:
 
 
 def parameter_kind(cuda_type: str) -> str:
-    """How the host passes a parameter of `cuda_type`: pointer | i32 | i64 | map (a TMA tensor map, by
+    """How the host passes a parameter of `cuda_type`: pointer | i32 | i64 | u64 | map (a TMA tensor map, by
     value). A function of the type alone, so a plan read back from the warm cache (fields only) has it."""
     if "TensorMap" in cuda_type:
         return "map"
     if "*" in cuda_type:
         return "pointer"
-    return {"int": "i32", "i64": "i64"}[cuda_type]
+    return {"int": "i32", "i64": "i64", "unsigned long long": "u64"}[cuda_type]
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,10 @@ class KernelPlan:
     score_grad_expression: str = ""
     score_grad_expression_text: str = ""
     score_grad_reads_score: bool = False
+    # dropout after the softmax (templates/philox.cuh, dropout.cuh): P's dropped weights zeroed, O's 1 / l
+    # becomes C::KEEP_SCALE / l
+    dropout: bool = False
+
 
     @property
     def loop_bodies(self) -> tuple[tuple[str, tuple[LoopOp, ...]], ...]:

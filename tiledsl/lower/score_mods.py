@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 
-from ..mods.model import Documents, Modifications
+from ..mods.model import DROPOUT_PARAMETERS, Documents, Modifications
+from ..mods.philox import drop_threshold
 from ..mods.softcap import DEFAULT_VIA, QUOTIENT_FITS, TanhVia, mufu_tiles, quotient_degree
 from .expressions import expression_parameters
 from .plan import Constant, Parameter
@@ -33,6 +34,8 @@ def mod_parameters(mods: Modifications) -> tuple[tuple[Parameter, ...], ...]:
                  + parameters("i64", "block_mask_batch_stride", "block_mask_head_stride")
                  + parameters("int", "block_mask_kv_blocks"))
     line += expression_parameters(mods)
+    if mods.dropout is not None:   # (seed, offset) of the launch's Philox streams (mods/philox.py)
+        line += parameters("unsigned long long", *DROPOUT_PARAMETERS)
     return (line,) if line else ()
 
 
@@ -76,7 +79,16 @@ def mod_constants(p, s_tiles: int) -> list[Constant]:
     if mods.blocks is not None:
         out += [Constant("BLOCK_Q", "int", mods.blocks[0], "blocks: queries of one block_mask row"),
                 Constant("BLOCK_KV", "int", mods.blocks[1], "blocks: keys of one block_mask entry")]
+    if mods.dropout is not None:
+        out += dropout_constants(mods.dropout)
     return out
+
+
+def dropout_constants(p: float) -> list[Constant]:
+    """Dropout's threshold (a Philox word below it drops its weight: mods/philox.drop_threshold) and the
+    scale of the kept weights, a spec fact each."""
+    return [Constant("DROP_THRESHOLD", "u32", drop_threshold(p), f"dropout {p:g}: words below p 2^32 drop"),
+            Constant("KEEP_SCALE", "float", 1.0 / (1.0 - p), "dropout: 1 / (1 - p), the kept weights' scale")]
 
 
 def score_mod_fields(mods: Modifications, constants) -> dict:
@@ -86,4 +98,4 @@ def score_mod_fields(mods: Modifications, constants) -> dict:
     terms = tuple("C::" + c.name for c in constants if c.name.startswith("SOFTCAP_Q"))
     return dict(score_mods=mods.active, softcap=mods.softcap is not None, alibi=mods.alibi is not None,
                 sinks=mods.sinks, softcap_via=via.value if via else "", softcap_terms=terms,
-                softcap_degree=max(len(terms) - 1, 0))
+                softcap_degree=max(len(terms) - 1, 0), dropout=mods.dropout is not None)

@@ -55,6 +55,7 @@ AUX_DOCUMENT_IDS = "document_ids"
 AUX_DOCUMENT_BOUNDS = "document_bounds"
 AUX_BLOCK_MASK = "block_mask"
 AUX_DROPOUT = "dropout_rng"    # (seed, offset): two uint64 launch arguments, not a tensor
+DROPOUT_PARAMETERS = ("dropout_seed", "dropout_offset")   # the kernels' names of AUX_DROPOUT's pair
 BUILTIN_AUX = {
     AUX_ALIBI: (2, Type.FLOAT, "(batch, heads) ALiBi slopes ((heads,) is taken for every batch entry)"),
     AUX_SINKS: (1, Type.FLOAT, "(heads,) sink logits, in the units of the scaled scores"),

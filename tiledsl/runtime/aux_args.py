@@ -11,19 +11,34 @@ from ..errors import RuntimeInputError
 from ..lower.expressions import expression_aux
 from ..mods.checks import check_aux
 from ..mods.expr import Type
-from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes, \
-    Documents, geometric_slopes
+from ..mods.model import AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_DROPOUT, AUX_SINKS, \
+    DROPOUT_PARAMETERS, AlibiSlopes, Documents, geometric_slopes
 from .inputs import Shapes
-from .launch import CallBuilder, i32, i64, is_compact, pointer_arg
-from .tensors import TensorView, view
+from .launch import Arg, CallBuilder, i32, i64, is_compact, pointer_arg
+from .tensors import LaunchValue, TensorView, view
 
 # Modifications' fields besides the expressions: expression_args checks the expressions' aux tensors alone.
 BUILT_IN_FIELDS = ("softcap", "softcap_via", "alibi", "sinks", "document", "prefix", "blocks", "dropout")
 
 
 def aux_names(spec) -> tuple[str, ...]:
-    """The aux tensors a call of `spec`'s kernel passes by name, in CALL order (geometric slopes: none)."""
-    return tuple(a.name for a in spec.problem.mods.user_aux())
+    """The aux tensors a call of `spec`'s kernel passes by name, in CALL order (geometric slopes: none), then
+    dropout's seed and offset (LaunchValues: the (seed, offset) pair aux names AUX_DROPOUT, launch_aux)."""
+    mods = spec.problem.mods
+    return tuple(a.name for a in mods.user_aux()) + (DROPOUT_PARAMETERS if mods.dropout is not None else ())
+
+
+def launch_aux(aux: dict) -> dict:
+    """`aux` with dropout's (seed, offset) (AUX_DROPOUT) as the two LaunchValues a call passes in its place."""
+    if AUX_DROPOUT not in aux:
+        return aux
+    pair = aux[AUX_DROPOUT]
+    if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+        raise RuntimeInputError(f"{AUX_DROPOUT} must be (seed, offset), two ints, got {pair!r}")
+    out = {name: value for name, value in aux.items() if name != AUX_DROPOUT}
+    for name, value in zip(DROPOUT_PARAMETERS, pair):
+        out[name] = value if type(value) is LaunchValue else LaunchValue(value, f"{AUX_DROPOUT}'s {name}")
+    return out
 
 
 class AuxArguments:
@@ -36,7 +51,7 @@ class AuxArguments:
         """The aux tensors of `aux` (name -> tensor) in CALL order; a missing or unexpected name is refused."""
         if not aux and not self.aux_names:
             return ()
-        aux = dict(aux or {})
+        aux = launch_aux(dict(aux or {}))
         missing = [n for n in self.aux_names if aux.get(n) is None]
         extra = sorted(set(aux) - set(self.aux_names))
         if missing or extra:
@@ -72,7 +87,10 @@ class AuxArguments:
             args += (pointer_arg(t), i64(t.strides[0]), i32(t.shape[1]))
         if mods.blocks is not None:
             args += self._block_mask_args(b, shapes)
-        return args + self.expression_args(b, shapes, ragged)
+        return args + self.expression_args(b, shapes, ragged) + self.dropout_args(b)
+
+    def dropout_args(self, b: CallBuilder) -> tuple:
+        return tuple(dropout_arguments(b, self.name, self.CALL, self.spec.problem.mods).values())
 
     def expression_args(self, b: CallBuilder, shapes: Shapes, ragged: bool) -> tuple:
         """lower/expressions.expression_parameters' arguments: each aux tensor an expression reads (float32 or
@@ -116,6 +134,22 @@ def expression_views(b: CallBuilder, kernel: str, call: tuple, mods, shapes: Sha
                   shapes.batch, shapes.heads, shapes.q_len, shapes.kv_len, [0, shapes.kv_len] if ragged else None,
                   kernel, positions=positions)
     return views
+
+
+def dropout_arguments(b: CallBuilder, kernel: str, call: tuple, mods) -> dict:
+    """Dropout's seed and offset by parameter name (none without dropout): the LaunchValues in the call's slots,
+    so a warm call writes each call's pair where a pointer would be written."""
+    if mods.dropout is None:
+        return {}
+    out = {}
+    for name in DROPOUT_PARAMETERS:
+        index = call.index(name)
+        value = b.tensors[index] if len(b.tensors) == len(call) else None
+        if type(value) is not LaunchValue:
+            raise RuntimeInputError(f"{kernel}: {name} is dropout's; pass aux={{{AUX_DROPOUT!r}: (seed, offset)}} to "
+                                    "the kernel's call")
+        out[name] = Arg("u64", value.value, -1 if b.immediate else index)
+    return out
 
 
 def aux_view(b: CallBuilder, kernel: str, call: tuple, name: str, shapes: tuple | None, dtype="fp32") -> TensorView:

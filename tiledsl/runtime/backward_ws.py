@@ -12,9 +12,10 @@ from ..errors import RuntimeInputError
 from ..mods.model import (AUX_ALIBI, AUX_BLOCK_MASK, AUX_DOCUMENT_BOUNDS, AUX_DOCUMENT_IDS, AUX_SINKS, AlibiSlopes,
                           Documents)
 from ..spec import DType
-from .backward import BackwardKernel
 from ..lower.expressions import AUX_PARAMETER
-from .aux_args import aux_view, block_mask_arguments, expression_views, geometric_slope_tensor
+from .aux_args import (aux_names, aux_view, block_mask_arguments, dropout_arguments, expression_views,
+                       geometric_slope_tensor, launch_aux)
+from .backward import BackwardKernel
 from .inputs import Shapes
 from .index_checks import add_check, host_validation
 from .launch import CallBuilder, i32, i64, pointer_arg, strides_args
@@ -29,12 +30,12 @@ class WsBackwardKernel(BackwardKernel):
 
     def __init__(self, spec, plan):
         super().__init__(spec, plan)
-        self.aux_names = tuple(a.name for a in spec.problem.mods.user_aux())   # after CALL, in this order
+        self.aux_names = aux_names(spec)   # after CALL, in this order
         if self.aux_names:
             self.CALL = type(self).CALL + self.aux_names
 
     def __call__(self, q, k, v, o, lse, do, kv_lens=None, *, validate: bool | None = None, aux=None):
-        aux = dict(aux or {})
+        aux = launch_aux(dict(aux or {}))   # dropout's (seed, offset) as two values
         missing = [n for n in self.aux_names if aux.get(n) is None]
         extra = sorted(set(aux) - set(self.aux_names))
         if missing or extra:
@@ -79,7 +80,7 @@ class WsBackwardKernel(BackwardKernel):
         for name, t in expression_views(b, self.name, self.CALL, mods, shapes, ragged).items():
             out |= {AUX_PARAMETER + name: t} | {f"{AUX_PARAMETER}{name}_stride{axis}": stride
                                                  for axis, stride in enumerate(t.strides)}
-        return out
+        return out | dropout_arguments(b, self.name, self.CALL, mods)
 
     def add_document_check(self, b: CallBuilder, kv_len: int, validate: bool | None) -> None:
         """The documents' host check (mods/checks: ids in runs, bounds in order) where the call checks its index

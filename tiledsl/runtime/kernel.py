@@ -38,7 +38,8 @@ def kernel_arguments(plan, values: dict) -> tuple:
     int64 from its value, a tensor map as it is. A name missing or left over is a bug in the caller."""
     from ..lower.plan import parameter_kind
     make = {"pointer": lambda value: value if isinstance(value, Arg) else pointer_arg(value), "i32": i32, "i64": i64,
-            "map": lambda value: value}
+            "map": lambda value: value,
+            "u64": lambda value: value if isinstance(value, Arg) else Arg("u64", int(value))}
     flat = [p for line in plan.parameters for p in line]
     missing, unknown = [p.name for p in flat if p.name not in values], sorted(set(values) - {p.name for p in flat})
     if missing or unknown:

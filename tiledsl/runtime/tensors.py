@@ -11,6 +11,7 @@ dtype and device, read without building a view."""
 from __future__ import annotations
 
 import ctypes
+import numbers
 import sys
 from dataclasses import dataclass
 
@@ -104,12 +105,37 @@ def _from_torch(x, name: str, slot: int) -> TensorView:
     return TensorView(name, x.data_ptr(), tuple(x.shape), tuple(x.stride()), dtype, device.index or 0, x, slot)
 
 
+class LaunchValue:
+    """A uint64 launch argument that changes from call to call of one prepared launch (dropout's seed and
+    offset): it sits among the call's tensors and is read where their addresses are (data_ptr(), .data.ptr,
+    pointer()), so a warm call writes it into the parameter buffer as it writes a pointer."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: int, name: str = "value"):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) < 1 << 64:
+            raise RuntimeInputError(f"{name} must be an int in 0..2^64-1, got {value!r}")
+        self.value = int(value)
+
+    def data_ptr(self) -> int:
+        return self.value
+
+    @property
+    def data(self):   # CuPy's spelling: .data.ptr
+        return self
+
+    @property
+    def ptr(self) -> int:
+        return self.value
+
+
 def signature(x):
     """The part of `x` a prepared launch depends on (framework, shape, strides, dtype, device), read
     with O(1) attribute lookups for torch and CuPy; None for None. Equal signatures get the same
     launch, whatever the pointers."""
     if x is None:
         return None
+    if type(x) is LaunchValue:   # its value is read on every call
+        return LaunchValue
     module = type(x).__module__
     if module.startswith("torch"):
         return x.shape, x.stride(), x.dtype, x.device
@@ -125,6 +151,8 @@ def pointer(x) -> int:
     """The device address of `x` (0 for None): data_ptr() for torch, .data.ptr for CuPy, else its view."""
     if x is None:
         return 0
+    if type(x) is LaunchValue:
+        return x.value
     module = type(x).__module__
     if module.startswith("torch"):
         return x.data_ptr()

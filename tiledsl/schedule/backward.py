@@ -101,7 +101,7 @@ class _Backward:
                     shape=("Br", "Bc"), deps=(s,), variant=mask.value)
         P = self.op(f"{p}recompute_p", OpKind.RECOMPUTE_P, loops, "backward", "P = exp(S - LSE)   (0 where LSE = -inf: "
                     "a row that sees no key)", shape=("Br", "Bc"), deps=(m, have["LSE"]))
-        P = add_dropout(self.g, f"{p}dropout", loops, Role.ALL, P)   # dV and dS read the dropped P's mask
+        P = add_dropout(self.g, f"{p}dropout", loops, role, P)   # dV and dS read the dropped P's mask
         out = {}
         if dkv and not dv_late:
             mma_dv()

@@ -12,6 +12,7 @@ tiledsl.serving.prefill.paged_prefill. Launches go to the caller's stream (runti
 """
 from __future__ import annotations
 
+from ..dispatch.dropout import refuse_dropout
 from ..dispatch.modified import keywords_key
 from ..errors import RuntimeInputError
 from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
@@ -52,7 +53,7 @@ PREFILL_MODS_MISSING = f"chunked prefill (q_len > {DECODE_MAX_QUERIES}) with mod
 def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool = False,
                     window: tuple[int, int] | None = None, scale: float | None = None, return_lse: bool = False,
                     k_scale=None, v_scale=None, validate: bool | None = None, softcap=None, alibi_slopes=None,
-                    sinks=None, score_mod=None, mask_mod=None, aux=None):
+                    sinks=None, score_mod=None, mask_mod=None, aux=None, dropout_p=0.0):
     """O (batch, queries, heads, dv) in q's dtype, or (O, LSE (batch, queries, heads) fp32, natural
     log) with `return_lse`. A query that sees no key gets O = 0, LSE = -inf. The kernel reads the
     block table and kv_lens itself; `validate=True` checks them on the host first (a sync;
@@ -67,7 +68,9 @@ def paged_attention(q, k_cache, v_cache, block_table, kv_lens, *, causal: bool =
     sinks (float32 (heads,)) and the expressions run in the paged decode kernel (up to DECODE_MAX_QUERIES queries),
     the tensors read by pointer on every call. The expressions' q_idx is a query's position in its sequence
     (kv_len - queries + i: the queries are the sequence's last), kv_idx a key's (logical, not its page slot).
-    Chunked prefill with modifications, and expressions over an FP8 cache, are refused, saying so."""
+    Chunked prefill with modifications, expressions over an FP8 cache and dropout_p (but 0) are refused, saying
+    so."""
+    refuse_dropout("paged_attention", dropout_p)
     mask, window, scale = mask_arguments("paged_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("paged_attention", "return_lse", return_lse)
     ks, vs = tensor_or_none(k_scale), tensor_or_none(v_scale)

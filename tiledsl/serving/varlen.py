@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..dispatch.dropout import refuse_dropout
 from ..dispatch.modified import keywords_key
 from ..mods.model import AUX_ALIBI, AUX_SINKS, NO_MODS
 from ..runtime.arguments import length_bound, mask_arguments, switch
@@ -65,7 +66,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
                      max_seqlen_k: int | None = None, *, causal: bool = False, window: tuple[int, int] | None = None,
                      scale: float | None = None, return_lse: bool = False, validate: bool | None = None,
                      softcap=None, alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None,
-                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
+                     q_descale=None, k_descale=None, v_descale=None, out_dtype=None, dropout_p=0.0):
     """Attention over packed sequences (module docstring). `window=(left, right)` is a sliding
     window around each sequence's bottom-right diagonal; it excludes causal. `max_seqlen_q/k`, when
     both given, bound the lengths and let the call run without host reads; `validate=True` (or
@@ -76,7 +77,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     score_mod, mask_mod and aux are attention's expressions over each sequence (module docstring), their aux
     tensors' shapes checked before launch (no sync).
     float8_e4m3fn q, k, v are FP8 attention (module docstring): `q_descale`, `k_descale`, `v_descale` (None: 1.0)
-    and `out_dtype` (bf16 or fp16, default bf16); forward only, no modifications."""
+    and `out_dtype` (bf16 or fp16, default bf16); forward only, no modifications. dropout_p (but 0) is refused."""
+    refuse_dropout("varlen_attention", dropout_p)
     mask, window, scale = mask_arguments("varlen_attention", causal, window, scale)   # before any spec is built
     causal, return_lse = mask is Mask.CAUSAL, switch("varlen_attention", "return_lse", return_lse)
     fp8 = "float8" in str(getattr(q, "dtype", ""))
