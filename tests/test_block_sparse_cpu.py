@@ -18,7 +18,7 @@ from tiledsl.errors import RuntimeInputError, SpecError
 from tiledsl.families import BUILT_MODS, layout_of, lower, missing_template, takes_mods
 from tiledsl.frontend.parse import load_specs, parse_text
 from tiledsl.layout.hopper import LISTED_TILES, TILE_LIST_BYTES
-from tiledsl.mods.model import Modifications
+from tiledsl.mods.model import Documents, Modifications
 from tiledsl.spec import DType, Family, KernelSpec, Mask, Problem, SeqLayout
 
 
@@ -233,6 +233,28 @@ def test_the_backward_refuses_more_steps_than_its_bits(device):
     table = device.index(np.ones((1, 1, -(-q_len // 128), 2), dtype=np.int32))
     with pytest.raises(RuntimeInputError, match=f"block_mask: a kv tile walks {STEP_BITS + 2} .* at most {STEP_BITS}"):
         attention_backward(q, k, k, o, lse, o, block_mask=table)
+
+
+def test_deterministic_dq_refuses_documents_with_blocks_before_anything_runs(device):
+    """Ordered dQ's turns: the documents' kernel starts a q tile's semaphore past every kv tile before its first
+    document, the writer counts block-visible tiles only; refused in both the backward call and the autograd
+    forward (which asks first), and deterministic=False still takes both."""
+    from tiledsl.dispatch.backward import attention_backward, modified_backward_refusal
+    mods = Modifications(blocks=(128, 128), document=Documents.IDS)
+    assert modified_backward_refusal("sm_90a", 128, 128, mods) == ""
+    assert "documents or blocks(...), not both" in modified_backward_refusal("sm_90a", 128, 128, mods, True)
+    q, o = device.tensor((1, 2, 256, 128)), device.tensor((1, 2, 256, 128))
+    lse = device.tensor((1, 2, 256), "float32")
+    table, ids = device.index(np.ones((1, 1, 2, 2), dtype=np.int32)), device.index(np.zeros((1, 256), dtype=np.int32))
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match=r"deterministic dQ takes documents or blocks\(\.\.\.\), not both"):
+        attention_backward(q, q, q, o, lse, o, deterministic=True, block_mask=table, document_ids=ids)
+    qg = device.tensor((1, 2, 256, 128), requires_grad=True)
+    with pytest.raises(RuntimeInputError, match="no gradient through the modifications.*not both"):
+        tiledsl.attention(qg, qg, qg, deterministic=True, block_mask=table, document_ids=ids)
+    assert len(device.launches) == launches   # refused before any kernel ran
+    attention_backward(q, q, q, o, lse, o, block_mask=table, document_ids=ids)
+    assert len(device.launches) > launches
 
 
 def _backward_cases() -> list:

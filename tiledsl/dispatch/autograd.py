@@ -90,14 +90,14 @@ def decode_mods(softcap, alibi: str, alibi_slopes, sinks, document_ids=None, doc
                                                      document_bounds))
 
 
-def gradient_refusal(mods, aux: dict, arch: str, head_dim: int, head_dim_v: int) -> str:
+def gradient_refusal(mods, aux: dict, arch: str, head_dim: int, head_dim_v: int, deterministic: bool = False) -> str:
     """Why a call with `mods` that needs a gradient can't have one ("" when it can), asked before the forward
     runs: the backward's (dispatch/backward.modified_backward_refusal), or ALiBi slopes or an expression's aux
     tensor that require grad (they are constants: no gradient flows to them, and a silent None would read as
     zero)."""
     from ..lower.expressions import expression_aux
     from ..mods.model import AUX_ALIBI
-    why = backward.modified_backward_refusal(arch, head_dim, head_dim_v, mods)
+    why = backward.modified_backward_refusal(arch, head_dim, head_dim_v, mods, deterministic)
     if why:
         return why
     if getattr(aux.get(AUX_ALIBI), "requires_grad", False):
@@ -129,7 +129,7 @@ def torch_modified_attention(q, k, v, causal, window, scale, kv_lens, return_lse
                                                           bool(deterministic), validate)
     elif wants_grad:
         from ..runtime.device import device_arch
-        why = gradient_refusal(mods, aux, device_arch(), q.shape[-1], v.shape[-1])
+        why = gradient_refusal(mods, aux, device_arch(), q.shape[-1], v.shape[-1], deterministic)
         if why:
             raise RuntimeInputError(f"attention: no gradient through the modifications ({', '.join(mods.config())})"
                                     f": {why}; call under torch.no_grad() for the forward alone")

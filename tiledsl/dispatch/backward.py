@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from ..errors import RuntimeInputError, SpecError
 from ..layout.backward import BACKWARD_DIM_MULTIPLE, backward_has_template, backward_layout
-from ..layout.backward_ws import ws_mods_refusal
+from ..layout.backward_ws import ws_mods_refusal, ws_ordered_refusal
 from ..mods.model import NO_MODS, Modifications
 from ..runtime.arguments import mask_arguments, switch
 from ..runtime.launch import SignatureCache
@@ -143,10 +143,11 @@ def modified_refusal(mods: Modifications) -> str:
             "spell none")
 
 
-def modified_backward_refusal(arch: str, head_dim: int, head_dim_v: int | None, mods: Modifications) -> str:
+def modified_backward_refusal(arch: str, head_dim: int, head_dim_v: int | None, mods: Modifications,
+                              deterministic: bool = False) -> str:
     """Why attention_backward can't differentiate attention with `mods` ("" when it can): asked by the forward
     before it runs, so a call that needs a gradient is refused before any kernel launches."""
-    why = ws_mods_refusal(mods)
+    why = ws_mods_refusal(mods) or (ws_ordered_refusal(mods) if deterministic else "")
     if why:
         return why
     if ws_refusal(arch, head_dim, head_dim_v, False):

@@ -95,6 +95,17 @@ def ws_has_template(spec: KernelSpec) -> str:
     if b.dq not in WS_DQ_MODES:
         return (f"the warp-specialized backward sums dQ as {', '.join(m.value for m in WS_DQ_MODES)}, not "
                 f"`dq accumulate {b.dq.value}`")
+    return ws_ordered_refusal(p.mods) if b.dq is DqAccumulate.ORDERED else ""
+
+
+def ws_ordered_refusal(mods) -> str:
+    """Why ordered (deterministic) dQ can't take these modifications ("" when it can). Documents start each q tile's
+    semaphore past every kv tile before its first document, while blocks(...) count a writer's turn over the
+    block-visible kv tiles only: together the two counts disagree and a writer would wait for a turn that never
+    comes."""
+    if mods.document is not None and mods.blocks is not None:
+        return ("the warp-specialized backward's deterministic dQ takes documents or blocks(...), not both yet "
+                "(deterministic=False takes both)")
     return ""
 
 
