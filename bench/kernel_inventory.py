@@ -2,7 +2,8 @@
 backward modules included) and every kernel the Python API picks (tuned table, fa2 picks for every
 head dim, decode, paged decode and chunked prefill, FP8 KV decode, varlen (FP8 varlen too), the backward, and
 softcap / ALiBi / sinks in the forward, decode, paged decode, varlen and backward kernels, documents in the backward;
-block-sparse forward and backward kernels; score_mod / mask_mod examples in the forward). A refactor that should
+block-sparse forward and backward kernels; score_mod / mask_mod examples in the forward, varlen, paged decode and
+backward; dropout forward and backward). A refactor that should
 change no kernel is checked by rendering before and after and comparing:
 identical sources compile to identical cubins; for sources that differ, both are compiled with
 nvcc (-cubin, sm_90a, the same file name) and the cubins compared byte for byte.
@@ -110,13 +111,11 @@ def modified_specs():
             dict(softcap=30.0, alibi_slopes="geometric", sinks=True)]
     for keywords in sets:
         mods, _ = modifications("inventory", **{k: (object() if v is True else v) for k, v in keywords.items()})
-        both = "softcap" in keywords and "alibi_slopes" in keywords   # the WS backward takes one of the two
         for mask in (Mask.NONE, Mask.CAUSAL):
             for d in (64, 128, 256):
                 yield "modified prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
                 yield "modified varlen", varlen_spec(ARCH, DType.BF16, d, mask, d, None, None, mods)
-                if not both:
-                    yield "modified backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d, mods=mods)
+                yield "modified backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d, mods=mods)
             for d in (64, 128):
                 for q_len in (1, 4):
                     yield "modified decode", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, q_len, mods)[0]
@@ -132,6 +131,21 @@ def modified_specs():
         for mask in (Mask.NONE, Mask.CAUSAL):
             for d in (64, 128):
                 yield "expression prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
+                yield "expression varlen", varlen_spec(ARCH, DType.BF16, d, mask, d, None, None, mods)
+                for q_len in (1, 4):
+                    yield "expression paged decode", paged_spec(DType.BF16, d, d, mask, 16, q_len, mods=mods)
+            for d in (64, 128, 256):
+                for deterministic in (False, True):
+                    yield "expression backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d,
+                                                                      deterministic=deterministic, mods=mods)
+    # dropout (the hopper forward and the warp-specialized backward)
+    mods, _ = modifications("inventory", dropout_p=0.1)
+    for mask in (Mask.NONE, Mask.CAUSAL):
+        for d in (64, 128, 256):
+            yield "dropout prefill", tuned_spec(ARCH, DType.BF16, d, mask, d, None, None, 4096, mods)[0]
+            for deterministic in (False, True):
+                yield "dropout backward", chosen_backward_spec(ARCH, DType.BF16, d, mask, d,
+                                                               deterministic=deterministic, mods=mods)
     # documents in the warp-specialized backward (ids and bounds; alone, with softcap and sinks), deterministic too
     for keywords in (dict(document_ids=True), dict(document_bounds=True), dict(document_ids=True, softcap=30.0,
                                                                                 sinks=True)):

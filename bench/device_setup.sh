@@ -1,0 +1,15 @@
+# Sourced on the device (`source bench/device_setup.sh`, carry [".whl", ".carry"]): the wheels, tiledsl, the cubin
+# cache carried from the last call, one BLAS thread per test worker.
+# The cubin cache travels as xz parts: save_cache writes $OUT/cache.part.*, which the next call carries in .carry/
+# (ignored by git), so kernels whose source did not change are not compiled again.
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site TILEDSL_CACHE_DIR=/tmp/tcache
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+mkdir -p /tmp/tcache && [ -e .carry/cache.part.aa ] && cat .carry/cache.part.* | xz -d | tar -C /tmp/tcache -xf - && echo "cache: $(ls /tmp/tcache/cubin | wc -l) cubins"
+save_cache() { tar -C /tmp/tcache -cf - cubin | xz -T16 -1 > /tmp/cache.tar.xz; split -b 15M /tmp/cache.tar.xz $OUT/cache.part.; }
+# gpu_tests NAME SECONDS FILES...: pytest -v on 15 workers into $OUT/NAME.log, SIGINT at the limit (the per-test
+# PASSED lines say what ran; xdist may then print no durations)
+gpu_tests() { local name=$1 limit=$2; shift 2; (cd tests && timeout -s INT $limit python3 -m pytest -v -m gpu -n 15 \
+  -p no:cacheprovider "$@" -rf --durations=20 2>&1 | grep -v "PytestBenchmarkWarning\|warner(" > $OUT/$name.log);
+  grep -E "^(FAILED|ERROR)|passed|failed" $OUT/$name.log | tail -25; }
