@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ws_backward_specs import spec_text, ws_spec
 from tiledsl.codegen import nvcc
 from tiledsl.codegen.render import render
 from tiledsl.dispatch.backward import chosen_backward_spec, modified_backward_refusal
@@ -22,26 +23,6 @@ from tiledsl.lower.backward import lower_backward
 from tiledsl.spec import DType, Mask
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = """attention bwd_expr {{
-    head_dim = {d}
-    dtype    = bf16
-    mask     = {mask}
-{mods}
-    backward {{
-        order      kv, q
-        tile       q = {tq}, kv = {tk}
-        warpgroups producer 1 regs 24, consumer 2 regs 240
-        pipeline   {stages} stages via tma
-        dq accumulate {dq}
-    }}
-}}
-"""
-TILES = {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
-D256_FORWARD = """    schedule {
-        tile     q = 64, kv = 32
-        warps    4 along q
-        pipeline 1 stage via cp.async
-    }"""
 BIAS = "score_mod = score + bias[h, q_idx - kv_idx + 4095]"
 TANH = "score_mod = 30 * tanh(score / 30)"
 SCALED = "score_mod = score * gain[h]"
@@ -49,10 +30,7 @@ WINDOW = "mask_mod  = kv_idx <= q_idx & q_idx - kv_idx < 1024 | kv_idx < 64"
 
 
 def spec(mods: list[str], d: int = 128, mask: str = "causal", dq: str = "tma_reduce"):
-    tq, tk, stages = TILES[d]
-    lines = "\n".join("    " + line for line in mods) + ("\n" + D256_FORWARD if d == 256 else "")
-    (s,) = parse_text(SPEC.format(d=d, mask=mask, mods=lines, tq=tq, tk=tk, stages=stages, dq=dq), "<expr>")
-    return s
+    return ws_spec("bwd_expr", mods, d, mask, dq)
 
 
 def steps(plan) -> list[str]:
@@ -156,8 +134,7 @@ def test_explain_shows_the_expressions_in_the_backward(capsys):
     ([WINDOW, "mask = prefix(64)"], "a mask_mod without prefix"),
 ])
 def test_what_stays_refused(mods, why):
-    text = SPEC.format(d=128, mask="none", mods="\n".join("    " + m for m in mods if not m.startswith("mask =")),
-                       tq=64, tk=128, stages=2, dq="tma_reduce")
+    text = spec_text("bwd_expr", [m for m in mods if not m.startswith("mask =")], 128, "none")
     if any(m.startswith("mask =") for m in mods):
         text = text.replace("mask     = none", "    ".join(m for m in mods if m.startswith("mask =")))
     try:

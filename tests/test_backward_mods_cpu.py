@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ws_backward_specs import ws_spec
 from tiledsl.codegen import nvcc
 from tiledsl.codegen.render import render
 from tiledsl.dispatch.autograd import decode_mods, encode_mods, mod_keywords
 from tiledsl.dispatch.backward import chosen_backward_spec, modified_backward_refusal
 from tiledsl.dispatch.modified import modifications
 from tiledsl.errors import RuntimeInputError, SpecError
-from tiledsl.frontend.parse import parse_text
 from tiledsl.layout.backward import backward_has_template
 from tiledsl.lower.backward import lower_backward
 from tiledsl.mods.model import NO_MODS, AlibiSlopes
@@ -26,36 +26,13 @@ from tiledsl.reference.forward import reference_attention
 from tiledsl.schedule.backward import build_backward_graph
 from tiledsl.spec import DType, Mask
 
-SPEC = """attention bwd_mods {{
-    head_dim = {d}
-    dtype    = bf16
-    mask     = {mask}
-{mods}
-    backward {{
-        order      kv, q
-        tile       q = {tq}, kv = {tk}
-        warpgroups producer 1 regs 24, consumer 2 regs 240
-        pipeline   {stages} stages via tma
-        dq accumulate {dq}
-    }}
-}}
-"""
-TILES = {64: (128, 128, 2), 128: (64, 128, 2), 256: (64, 64, 1)}
-D256_FORWARD = """    schedule {
-        tile     q = 64, kv = 32
-        warps    4 along q
-        pipeline 1 stage via cp.async
-    }"""
 MODS = {"softcap": ["softcap  = 30"], "alibi": ["alibi    = slopes"], "sinks": ["sinks    = per_head"],
         "softcap+sinks": ["softcap  = 30", "sinks    = per_head"],
         "alibi+sinks": ["alibi = geometric", "sinks = per_head"]}
 
 
 def spec(mods: list[str], d: int = 128, mask: str = "causal", dq: str = "tma_reduce"):
-    tq, tk, stages = TILES[d]
-    lines = "\n".join("    " + line for line in mods) + ("\n" + D256_FORWARD if d == 256 else "")
-    (s,) = parse_text(SPEC.format(d=d, mask=mask, mods=lines, tq=tq, tk=tk, stages=stages, dq=dq), "<mods>")
-    return s
+    return ws_spec("bwd_mods", mods, d, mask, dq)
 
 
 def steps(plan) -> list[str]:
@@ -131,9 +108,7 @@ def test_the_graph_gives_the_modification_the_consumers_and_explain_names_it():
 def test_modifications_without_a_template_are_refused_at_the_backward(mods, why):
     s = spec([m for m in mods if not m.startswith("mask")], mask="causal") if not mods[0].startswith("mask") else None
     if s is None:
-        tq, tk, stages = TILES[128]
-        (s,) = parse_text(SPEC.format(d=128, mask=mods[0].split("= ", 1)[1], mods="", tq=tq, tk=tk, stages=stages,
-                                      dq="tma_reduce"), "<mods>")
+        s = ws_spec("bwd_mods", [], 128, mods[0].split("= ", 1)[1])
     assert why in backward_has_template(s)
     with pytest.raises(SpecError, match=re.escape(why)):
         lower_backward(s)
