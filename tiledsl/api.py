@@ -69,7 +69,8 @@ def attention(q, k, v, causal: bool = False, window: tuple[int, int] | None = No
     dropout (redrawing the forward's mask from the (seed, offset) autograd saves; not beside score_mod or mask_mod):
     torch tensors that require grad go through autograd (under torch.compile the custom ops
     tiledsl::attention_forward_mods / attention_backward_mods; block_mask, prefix, the expressions and dropout run
-    eagerly there). The expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers: one
+    eagerly there); deterministic=True with both documents and block_mask is refused (layout.backward_ws:
+    ws_ordered_refusal). The expressions' aux tensors get no gradient (FlexAttention's rule for captured buffers: one
     that requires grad is refused; pass it detached). A score_mod without a gradient (floor of the score) and a
     call that needs a gradient through a problem the backward does not take are refused before it runs. Documents
     are runs of one id each (packed sequences); the host checks that where it checks kv_lens (`validate`;
