@@ -107,6 +107,23 @@ def test_attention_keeps_expressions_of_a_few_queries_on_the_batched_forward():
     assert spec.family.value == "decode"
 
 
+def test_explain_says_decode_reads_q_idx_as_the_querys_position(capsys):
+    """Decode's queries are their sequence's last: explain's score_mod and mask_mod steps give q_idx as the position
+    i + kv_len - q_len there; the batched forward's (and varlen's, within each sequence) stays the row i."""
+    from pathlib import Path
+    from tiledsl.cli.main import main
+    mods = Path(__file__).resolve().parent.parent / "specs" / "mods"
+    assert main(["explain", str(mods / "decode_expressions_d128.tile")]) in (0, None)
+    decode = capsys.readouterr().out
+    assert "(score = S, q_idx = i + kv_len - q_len, kv_idx = j)" in decode and "q_idx = i," not in decode
+    assert "q_idx - kv_idx < 256 | kv_idx < 16 (mask_mod, q_idx = i + kv_len - q_len)" in decode
+    for name in ("expressions_d128.tile", "varlen_expressions_d128.tile"):
+        assert main(["explain", str(mods / name)]) in (0, None)
+        forward = capsys.readouterr().out
+        assert "(score = S, q_idx = i, kv_idx = j)" in forward and "kv_len - q_len, kv_idx" not in forward
+        assert "q_idx = i + kv_len" not in forward
+
+
 # ---- the decode walk, compiled for the host -------------------------------------------------------------------
 
 WALK_MAIN = r"""
