@@ -4,6 +4,7 @@ error) answered in one clear message, and what the commands print readable by de
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,47 @@ def test_python_dash_m_tiledsl_is_the_command():
     done = subprocess.run([sys.executable, "-m", "tiledsl", "check", FA2], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "fa2_d64_bf16_q128_kv128_w4q_s2" in done.stdout
+
+
+# ---- relative spec paths -----------------------------------------------------------------------------------
+
+MODS_SPEC = "specs/mods/decode_expressions_d128.tile"
+
+
+@pytest.mark.parametrize("command", ["check", "explain"])
+def test_relative_spec_paths_are_read_from_the_current_folder(command, tmp_path):
+    """`python -m tiledsl check / explain` read a relative spec path from the folder they run in (the repository
+    root, or specs/ with mods/...), and from elsewhere say the path is not there and where they looked."""
+    run = lambda path, cwd: subprocess.run([sys.executable, "-m", "tiledsl", command, path], cwd=cwd,  # noqa: E731
+                                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                                           text=True, timeout=120)
+    for path, cwd in ((MODS_SPEC, ROOT), (MODS_SPEC[len("specs/"):], SPECS)):
+        done = run(path, cwd)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert "decode_d128_bf16_causal_smoddb4d1170_nq4" in done.stdout
+    done = run(MODS_SPEC, tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (f"error: {MODS_SPEC}: no such file or directory (looked up from the current folder "
+                           f"{tmp_path})\n")
+
+
+def test_a_current_folder_deleted_and_made_again_is_named_as_the_reason(tmp_path):
+    """A shell left in a folder that was deleted and made again (a checkout or worktree re-made under it) finds no
+    relative path while every absolute one works: the error says so instead of only "no such file"."""
+    folder = tmp_path / "checkout"
+    script = ("import os, shutil, sys\n"
+              "from tiledsl.cli.main import main\n"
+              "folder, spec = sys.argv[1], sys.argv[2]\n"
+              "os.makedirs(folder + '/specs/mods'); os.chdir(folder)\n"
+              "shutil.rmtree(folder); os.makedirs(folder + '/specs/mods'); shutil.copy(spec, folder + '/specs/mods')\n"
+              f"print('relative', main(['check', {MODS_SPEC!r}]))\n"
+              f"print('absolute', main(['check', folder + '/' + {MODS_SPEC!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(folder), str(ROOT / MODS_SPEC)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert "relative 2" in done.stdout and "absolute 0" in done.stdout, done.stdout + done.stderr
+    assert done.stderr == (f"error: {MODS_SPEC}: no such file or directory (the current folder no longer exists: it "
+                           "was deleted, or deleted and made again, after this shell entered it; cd into it again or "
+                           "give an absolute path)\n")
 
 
 # ---- compile -----------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ kv_len - queries + i, varlen's b the sequence and q_idx / kv_idx positions withi
 table and a sliding window with global tokens, batch 3 with kv_lens of 0, a tile and a half and a few thousand,
 GQA, 1, 2 and 4 queries, a paged cache through a shuffled block table (paged_attention and the planned
 PagedAttention, no host sync in run), forced split-KV, a two-stage walk with a mask that reads h, varlen
-sequences of 1, 17 and 1000 tokens; NaN-poisoned outputs, fresh random inputs; one compute-sanitizer run.
+sequences of 1, 17 and 1000 tokens (varlen_attention and the planned VarlenAttention); NaN-poisoned outputs, fresh random inputs; one compute-sanitizer run.
 Five distinct kernels (NVRTC takes tens of seconds each).
 
     python -m pytest -m gpu tests/test_gpu_serving_expressions.py
@@ -168,6 +168,38 @@ def test_varlen_runs_a_mask_mod_and_a_score_mod_over_three_sequences(monkeypatch
                                             **keywords)
         torch.cuda.synchronize()
         from .test_gpu_paged import errors as paged_errors
+        check(paged_errors(out.float().cpu().numpy(), lse.cpu().numpy().T, *want))
+
+
+def test_planned_varlen_reads_each_layers_aux_without_a_host_sync(monkeypatch):
+    """VarlenAttention(score_mod=, mask_mod=): plan once, run two layers' seq_bias (no host sync in run); the kernel
+    of the test above (the same tree, mask and head dim)."""
+    import torch
+
+    import tiledsl
+    from tiledsl.reference import serving
+    poison_outputs(monkeypatch)
+    lengths = [1, 17, 1000]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, KV_HEADS, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    keywords = dict(score_mod="score + seq_bias[b, h] * (kv_idx % 3)", mask_mod="q_idx - kv_idx < 300 | kv_idx < 8")
+    wrapper = tiledsl.VarlenAttention(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, dtype=torch.bfloat16,
+                                      device="cuda", max_batch=4, causal=True, **keywords)
+    wrapper.plan(cu, cu)
+    layers = [{"seq_bias": torch.randn(3, HEADS, device="cuda", dtype=torch.float32)} for _ in range(2)]
+    wrapper.run(q, k, v, aux=layers[0], return_lse=True)   # the first run prepares
+    outs = []
+    with no_host_sync():
+        for aux in layers:
+            out, lse = wrapper.run(q, k, v, aux=aux, return_lse=True)
+            outs.append((out.clone(), lse.clone()))
+    torch.cuda.synchronize()
+    from .test_gpu_paged import errors as paged_errors
+    for (out, lse), aux in zip(outs, layers):
+        want = serving.varlen_attention(*(x.double().cpu().numpy() for x in (q, k, v)), cu, cu, mask="causal",
+                                        mods=mods_of(**keywords), aux=host(aux))
         check(paged_errors(out.float().cpu().numpy(), lse.cpu().numpy().T, *want))
 
 

@@ -107,6 +107,23 @@ def test_attention_keeps_expressions_of_a_few_queries_on_the_batched_forward():
     assert spec.family.value == "decode"
 
 
+def test_explain_says_decode_reads_q_idx_as_the_querys_position(capsys):
+    """Decode's queries are their sequence's last: explain's score_mod and mask_mod steps give q_idx as the position
+    i + kv_len - q_len there; the batched forward's (and varlen's, within each sequence) stays the row i."""
+    from pathlib import Path
+    from tiledsl.cli.main import main
+    mods = Path(__file__).resolve().parent.parent / "specs" / "mods"
+    assert main(["explain", str(mods / "decode_expressions_d128.tile")]) in (0, None)
+    decode = capsys.readouterr().out
+    assert "(score = S, q_idx = i + kv_len - q_len, kv_idx = j)" in decode and "q_idx = i," not in decode
+    assert "q_idx - kv_idx < 256 | kv_idx < 16 (mask_mod, q_idx = i + kv_len - q_len)" in decode
+    for name in ("expressions_d128.tile", "varlen_expressions_d128.tile"):
+        assert main(["explain", str(mods / name)]) in (0, None)
+        forward = capsys.readouterr().out
+        assert "(score = S, q_idx = i, kv_idx = j)" in forward and "kv_len - q_len, kv_idx" not in forward
+        assert "q_idx = i + kv_len" not in forward
+
+
 # ---- the decode walk, compiled for the host -------------------------------------------------------------------
 
 WALK_MAIN = r"""
@@ -266,6 +283,9 @@ def test_planned_paged_runs_take_each_layers_aux(device):
         paged.run(q, k_cache, v_cache, aux={"bias": device.tensor((32, 100), "float32")})
     with pytest.raises(RuntimeInputError, match="aux tensors not read by this wrapper's kernel: other"):
         paged.run(q, k_cache, v_cache, aux={"bias": bias, "other": bias})
+    with pytest.raises(RuntimeInputError, match="PagedAttention.run: sinks / alibi_slopes are for a wrapper made "
+                                                "with them"):   # read by no kernel of this wrapper: not ignored
+        paged.run(q, k_cache, v_cache, aux={"bias": bias}, sinks=device.tensor((32,), "float32"))
 
 
 CU = [0, 1, 18, 1018]   # three sequences: 1, 17 and 1000 tokens
@@ -297,6 +317,109 @@ def test_varlen_expressions_refuse_a_gradient(device):
     q.requires_grad = True
     with pytest.raises(RuntimeInputError, match="the varlen kernels have no backward"):
         tiledsl.varlen_attention(q, k, v, cu, cu, 1000, 1000, mask_mod=WINDOW_GLOBAL)
+
+
+SEQ_BIAS = "score + seq_bias[b, h]"
+
+
+def planned_varlen(device, **keywords):
+    varlen = tiledsl.VarlenAttention(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, dtype="bfloat16",
+                                     device=device.torch.device("cuda", 0), max_batch=4, causal=True, **keywords)
+    varlen.plan(np.array(CU, np.int32), np.array(CU, np.int32))
+    return varlen
+
+
+def packed_inputs(device):
+    return tuple(device.tensor((TOTAL, h, 128)) for h in (HEADS, KV_HEADS, KV_HEADS))
+
+
+def test_planned_varlen_runs_take_each_layers_aux_and_only_launch(device, monkeypatch):
+    """VarlenAttention with score_mod / mask_mod runs varlen_attention's kernel with its arguments: the first run of
+    a signature checks the aux tensors against the plan's sequences, a warm run reads each layer's pointers and
+    launches (no parse, graph, render or compile)."""
+    import tiledsl.dispatch.modified as modified
+    from tests.test_launch_cpu import guarded_calls
+    checks = []
+    real = modified.check_launch
+    monkeypatch.setattr(modified, "check_launch", lambda *a, **kw: checks.append(kw) or real(*a, **kw))
+    varlen = planned_varlen(device, score_mod=SEQ_BIAS, mask_mod=WINDOW_GLOBAL)
+    q, k, v = packed_inputs(device)
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match=r"VarlenAttention.run: this wrapper's kernel reads seq_bias: pass "
+                                                r"run\(\.\.\., aux=\{'seq_bias': tensor\}\) for this layer"):
+        varlen.run(q, k, v)
+    assert len(device.launches) == launches and checks == []
+    varlen.run(q, k, v, out=device.tensor((TOTAL, HEADS, 128)),
+               aux={"seq_bias": device.tensor((3, HEADS), "float32")})
+    assert len(checks) == 1 and guarded_calls(device), "the first run should have built its kernel"
+    device.counts.clear()
+    for _ in range(2):
+        q, k, v = packed_inputs(device)
+        seq_bias, out = device.tensor((3, HEADS), "float32"), device.tensor((TOTAL, HEADS, 128))
+        launches = len(device.launches)
+        assert varlen.run(q, k, v, out=out, aux={"seq_bias": seq_bias}) is out
+        assert len(device.launches) == launches + 1
+        name, *_, values = device.last()
+        assert values[0] == q.data_ptr() and out.data_ptr() in values
+        assert values[-3] == seq_bias.data_ptr() and [x & 0xFFFFFFFF for x in values[-2:]] == [HEADS, 1]
+    assert guarded_calls(device) == {} and len(checks) == 1
+    # the same kernel, the same parameter list, the same aux arguments as the function's bounded call
+    cu = device.index(CU)
+    tiledsl.varlen_attention(q, k, v, cu, cu, 1000, 1000, causal=True, score_mod=SEQ_BIAS, mask_mod=WINDOW_GLOBAL,
+                             aux={"seq_bias": seq_bias})
+    function_name, *_, function_values = device.last()
+    assert function_name == name and "varlen" in name and "smod" in name and "mmod" in name
+    assert len(function_values) == len(values) and function_values[-3:] == values[-3:]
+
+
+def test_planned_varlen_aux_defaults_to_the_wrappers_and_refuses_bad_ones_by_name(device):
+    bias = device.tensor((3, HEADS), "float32")
+    varlen = planned_varlen(device, score_mod=SEQ_BIAS, aux={"seq_bias": bias})
+    q, k, v = packed_inputs(device)
+    varlen.run(q, k, v)
+    assert device.last()[-1][-3] == bias.data_ptr()
+    layer = device.tensor((3, HEADS), "float32")
+    varlen.run(q, k, v, aux={"seq_bias": layer})   # the run's replaces the wrapper's for that run
+    assert device.last()[-1][-3] == layer.data_ptr()
+    launches = len(device.launches)
+    with pytest.raises(RuntimeInputError, match=r"VarlenAttention.run: aux tensors not read by this wrapper's "
+                                                r"kernel: other \(it reads: seq_bias\)"):
+        varlen.run(q, k, v, aux={"seq_bias": layer, "other": layer})
+    with pytest.raises(RuntimeInputError, match=r"VarlenAttention.run: score_mod reads seq_bias\[b, h\]: index 0 "
+                                                r"\(b\) can reach 0\.\.2 for this launch"):
+        varlen.run(q, k, v, aux={"seq_bias": device.tensor((2, HEADS), "float32")})
+    with pytest.raises(RuntimeInputError, match=r"seq_bias must be float32, got torch.float16"):
+        varlen.run(q, k, v, aux={"seq_bias": device.tensor((3, HEADS), "float16")})
+    with pytest.raises(RuntimeInputError, match="VarlenAttention.run: sinks / alibi_slopes are for a wrapper made "
+                                                "with them"):
+        varlen.run(q, k, v, sinks=device.tensor((HEADS,), "float32"))
+    q.requires_grad = True
+    with pytest.raises(RuntimeInputError, match="VarlenAttention.run: the varlen kernels have no backward"):
+        varlen.run(q, k, v)
+    assert len(device.launches) == launches
+    plain = planned_varlen(device)
+    with pytest.raises(RuntimeInputError, match=r"aux tensors not read by this wrapper's kernel: seq_bias \(it "
+                                                r"reads: none\)"):
+        plain.run(*packed_inputs(device), aux={"seq_bias": bias})
+
+
+def test_planned_varlen_expressions_check_the_aux_against_each_plan(device):
+    """The aux check follows the plan: (sequences, heads) fits three sequences, not a re-plan of four."""
+    varlen = planned_varlen(device, mask_mod="keep[b] != 0")
+    q, k, v = packed_inputs(device)
+    keep = device.tensor((3,), "int32")
+    varlen.run(q, k, v, aux={"keep": keep})
+    assert device.last()[-1][-2] == keep.data_ptr()
+    varlen.plan(np.array([0, 1, 18, 500, 1018], np.int32), np.array([0, 1, 18, 500, 1018], np.int32))
+    with pytest.raises(RuntimeInputError, match=r"VarlenAttention.run: mask_mod reads keep\[b\]: index 0 \(b\) "
+                                                r"can reach 0\.\.3 for this launch"):
+        varlen.run(q, k, v, aux={"keep": keep})
+
+
+def test_an_fp8_varlen_wrapper_refuses_expressions():
+    with pytest.raises(RuntimeInputError, match="VarlenAttention: FP8 .* no kernel with score modifications"):
+        tiledsl.VarlenAttention(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, dtype="float8_e4m3fn",
+                                device="cuda", max_batch=4, mask_mod=WINDOW_GLOBAL)
 
 
 # ---- the float64 paged reference: decode's positions ------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import CliError, LaunchError, RuntimeInputError, SpecError
@@ -93,8 +94,20 @@ def error_text(err: BaseException) -> str | None:
     if isinstance(err, (RuntimeInputError, LaunchError, CliError)):
         return f"error: {err}"
     if isinstance(err, OSError):   # a spec path, -o, --dot, --record: name the path and what went wrong
-        return f"error: {err.filename or ''}: {_os_reason(err)}"
+        return f"error: {err.filename or ''}: {_os_reason(err)}{_relative_to(err)}"
     return None
+
+
+def _relative_to(err: OSError) -> str:
+    """A relative path that is not there was looked up from the current folder: say which one, or that it is
+    gone (a shell left in a folder that was deleted and made again finds no relative path, every absolute one)."""
+    if not isinstance(err, FileNotFoundError) or not err.filename or os.path.isabs(err.filename):
+        return ""
+    try:
+        return f" (looked up from the current folder {os.getcwd()})"
+    except FileNotFoundError:
+        return (" (the current folder no longer exists: it was deleted, or deleted and made again, after this shell "
+                "entered it; cd into it again or give an absolute path)")
 
 
 def _os_reason(err: OSError) -> str:

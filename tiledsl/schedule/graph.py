@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from .modify import SINK_INIT, add_dropout, add_score_mod, kv_loop_text, mask_key, mask_text
+from .modify import SINK_INIT, add_dropout, add_score_mod, kv_loop_text, mask_key, mask_text, query_index
 from .ops import Access, Barrier, Carry, EdgeKind, GraphError, Op, OpKind, Role, Space
 from .hopper import consumer_tile_math
 from ..layout.fa2 import fa2_page_ring
@@ -290,7 +290,7 @@ class _Builder:
         g.connect(wait_k, "mma_qk", "", EdgeKind.SYNC)
         scores = add_score_mod(g, "score_mod", loops, role, "tile", "mma_qk")
         g.add("mask", Op(OpKind.MASK, Space.REGISTERS, ("Br", "Bc"), loops, role, mask_key(g),
-                         mask_text(p), variant=p.mask.value))
+                         mask_text(p, query_index(spec)), variant=p.mask.value))
         g.connect(scores, "mask", "S")
         if state is not None:
             state_text = "O_i, m_i, l_i <- HBM; O_i *= l_i   (a q tile's first kv tile starts empty)"

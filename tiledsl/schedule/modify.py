@@ -14,14 +14,20 @@ from __future__ import annotations
 
 from ..mods.expr import ONE, source
 from ..mods.model import AlibiSlopes, Documents, Modifications
-from ..spec import Problem
+from ..spec import Family, KernelSpec, Problem
 from .ops import MASK_TEXT, Op, OpKind, Space
 
 SINK_INIT = (("m", "sink_h"), ("l", "1 (the sink's weight)"))   # the kv loop's running m, l with sinks
 
 
-def score_text(mods: Modifications) -> str:
-    """The score modification as pseudo-code, one step per modification, in their order."""
+def query_index(spec: KernelSpec) -> str:
+    """An expression's q_idx in the pseudo-code's terms (i: the query's row among the call's queries): decode's
+    queries are their sequence's last, so there q_idx is the query's position in its sequence; elsewhere i."""
+    return "i + kv_len - q_len" if spec.family is Family.DECODE else "i"
+
+
+def score_text(mods: Modifications, q_idx: str = "i") -> str:
+    """The score modification as pseudo-code, one step per modification, in their order; `q_idx`: query_index's."""
     steps = []
     if mods.softcap is not None:
         steps.append(f"S = {mods.softcap:g} * tanh(S / {mods.softcap:g})")
@@ -29,12 +35,13 @@ def score_text(mods: Modifications) -> str:
         slopes = "geometric slopes" if mods.alibi is AlibiSlopes.GEOMETRIC else "alibi_slopes"
         steps.append(f"S -= slope[b, h] * |i + kv_len - q_len - j|   ({slopes})")
     if mods.score_mod is not None:
-        steps.append(f"S = {source(mods.score_mod)}   (score = S, q_idx = i, kv_idx = j)")
+        steps.append(f"S = {source(mods.score_mod)}   (score = S, q_idx = {q_idx}, kv_idx = j)")
     return "; ".join(steps)
 
 
-def mask_text(problem: Problem) -> str:
-    """The mask op's pseudo-code: the spec's mask and every modification's term."""
+def mask_text(problem: Problem, q_idx: str = "i") -> str:
+    """The mask op's pseudo-code: the spec's mask and every modification's term; `q_idx`: query_index's (said
+    beside mask_mod where it is not the row i)."""
     mods = problem.mods
     terms = []
     if mods.document is not None:
@@ -43,7 +50,7 @@ def mask_text(problem: Problem) -> str:
     if mods.prefix is not None:
         terms.append(f"j <= i + kv_len - q_len or j < {mods.prefix} (prefix)")
     if mods.mask_mod is not None:
-        terms.append(f"{source(mods.mask_mod)} (mask_mod)")
+        terms.append(f"{source(mods.mask_mod)} (mask_mod" + ("" if q_idx == "i" else f", q_idx = {q_idx}") + ")")
     text = MASK_TEXT[problem.mask]
     if terms:
         text += "; and -inf unless " + " and ".join(terms) + "   (full tiles: no per-element mask)"
@@ -76,7 +83,7 @@ def add_score_mod(g, name: str, loops, role, key: str, scores: str, lag: int = 0
     if not mods.modifies_scores:
         return scores
     g.add(name, Op(OpKind.SCORE_MOD, Space.REGISTERS, ("Br", "Bc"), loops, role, _mod_key(g, "score"),
-                   score_text(mods), lag=lag))
+                   score_text(mods, query_index(g.spec)), lag=lag))
     g.connect(scores, name, "S")
     return name
 

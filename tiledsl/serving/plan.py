@@ -22,8 +22,8 @@ buffers are its own).
 
 `VarlenAttention` does the same for packed variable-length batches: `plan(cu_seqlens_q,
 cu_seqlens_k)` checks the offsets and builds the longest-first work list on the host, uploads both
-and the list in one copy; `run(q, k, v, out=None)` launches the hopper varlen kernel (with softcap, ALiBi
-and sinks as PagedAttention takes them).
+and the list in one copy; `run(q, k, v, out=None)` launches the hopper varlen kernel (with softcap, ALiBi,
+sinks, score_mod and mask_mod as PagedAttention takes them; varlen_attention's kernel and arguments).
 
 Up to DECODE_MAX_QUERIES queries per sequence (`plan(..., q_len=)`) run the paged decode kernel;
 more run chunked prefill (fa2 mma.sync over the paged cache).
@@ -225,19 +225,8 @@ class PagedAttention:
         if lse is None:
             lse = self.lse_view
         key = (signature(q), signature(k_cache), signature(v_cache), signature(out), signature(lse), self.plan_key)
-        layer = dict(aux or {})
-        unread = sorted(set(layer) - set(kernel.aux_names))
-        if unread:
-            raise RuntimeInputError(f"PagedAttention.run: aux tensors not read by this wrapper's kernel: "
-                                    f"{', '.join(unread)} (it reads: {', '.join(kernel.aux_names) or 'none'})")
-        aux = ()
-        if kernel.aux_names:
-            given = layer | {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
-            aux = tuple(self.aux.get(n) if given.get(n) is None else given[n] for n in kernel.aux_names)
-            key += tuple(map(signature, aux))
-        elif sinks is not None or alibi_slopes is not None:
-            raise RuntimeInputError("PagedAttention.run: sinks / alibi_slopes are for a wrapper made with them "
-                                    "(PagedAttention(..., sinks=True or a tensor, alibi_slopes=...))")
+        aux = layer_aux("PagedAttention.run", kernel.aux_names, self.aux, aux, sinks, alibi_slopes)
+        key += tuple(map(signature, aux))
         call = self._calls.get(key)
         if call is None:
             call = self._calls.put(key, self._prepare(kernel, fp8, q, k_cache, v_cache, out, lse, aux))
@@ -267,18 +256,39 @@ class PagedAttention:
             options["workspace"] = self.workspace
         if aux:
             from ..dispatch.modified import check_launch
-            missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
-            if missing:
-                built_in = missing[0] in (AUX_ALIBI, AUX_SINKS)
-                how = f"{missing[0]}=tensor" if built_in else f"aux={{{missing[0]!r}: tensor}}"
-                raise RuntimeInputError(f"PagedAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
-                                        f"run(..., {how}) for this layer")
+            refuse_missing_aux("PagedAttention.run", kernel.aux_names, aux)
             check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len,
                          width * self.page_size, ragged=True, where="PagedAttention.run", positions=True)
         if fp8 or aux:
             tensors += (tensor_or_none(self.k_scale), tensor_or_none(self.v_scale)) + aux
             options.update(k_scale=self.k_scale, v_scale=self.v_scale)
         return kernel.prepare_call(tensors, **options)
+
+
+def layer_aux(where: str, names: tuple, defaults: dict, aux: dict | None, sinks, alibi_slopes) -> tuple:
+    """A wrapper run's aux tensors in its kernel's order (`names`): the run's `aux` (the expressions' tensors by name),
+    `sinks` and `alibi_slopes` where given, else the wrapper's `defaults`. A tensor the kernel does not read is
+    refused by name (`where`: the run), not ignored."""
+    layer = dict(aux or {})
+    unread = sorted(set(layer) - set(names))
+    if unread:
+        raise RuntimeInputError(f"{where}: aux tensors not read by this wrapper's kernel: {', '.join(unread)} (it "
+                                f"reads: {', '.join(names) or 'none'})")
+    given = layer | {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+    if any(given[n] is not None and n not in names for n in (AUX_ALIBI, AUX_SINKS)):
+        wrapper = where.split(".")[0]
+        raise RuntimeInputError(f"{where}: sinks / alibi_slopes are for a wrapper made with them ({wrapper}(..., "
+                                "sinks=True or a tensor, alibi_slopes=...))")
+    return tuple(defaults.get(n) if given.get(n) is None else given[n] for n in names)
+
+
+def refuse_missing_aux(where: str, names: tuple, aux: tuple) -> None:
+    """A run's aux tensors (`names`' order) all given: the first missing one is named with how to pass it."""
+    missing = [n for n, t in zip(names, aux) if t is None or isinstance(t, bool)]
+    if missing:
+        how = f"{missing[0]}=tensor" if missing[0] in (AUX_ALIBI, AUX_SINKS) else f"aux={{{missing[0]!r}: tensor}}"
+        raise RuntimeInputError(f"{where}: this wrapper's kernel reads {', '.join(missing)}: pass run(..., {how}) "
+                                "for this layer")
 
 
 def _dtype(dtype) -> DType:
@@ -302,21 +312,27 @@ class VarlenAttention:
     or "per_tensor" and `out_dtype` (bf16 or fp16) pick its kernel; run() then takes q_descale, k_descale and
     v_descale (None: 1.0). Score modifications are part of the wrapper, as in PagedAttention (16-bit only):
     `softcap` (a float), `alibi_slopes` ("geometric", or a float32 (heads,) / (sequences, heads) tensor) and `sinks`
-    (a float32 (heads,) tensor, or True: each run passes its layer's `sinks=`), read by pointer on every run."""
+    (a float32 (heads,) tensor, or True: each run passes its layer's `sinks=`), read by pointer on every run.
+    `score_mod` / `mask_mod` (varlen_attention's: b the sequence, q_idx and kv_idx positions within it) are fixed
+    with the wrapper too, their aux tensors given by name in `aux` or by each run's `aux=` (which replace the
+    wrapper's for that run); a run whose tensors need a gradient is refused (varlen has no backward)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, dtype, device, max_batch: int,
                  max_items: int | None = None, causal: bool = False, window: tuple[int, int] | None = None,
                  scale: float | None = None, descale: str | None = None, out_dtype=None, softcap=None,
-                 alibi_slopes=None, sinks=None):
+                 alibi_slopes=None, sinks=None, score_mod=None, mask_mod=None, aux=None):
         from ..dispatch.modified import modifications
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device, self.max_batch = dtype, device, max_batch
         self.fp8_options = _fp8_options(_dtype(dtype), descale, out_dtype)
-        self.mods, _ = modifications("VarlenAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        self.mods, tensors = modifications("VarlenAttention", softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                           score_mod=score_mod, mask_mod=mask_mod, aux=aux)
         if self.mods.active and self.fp8_options is not None:
             raise RuntimeInputError("VarlenAttention: FP8 (float8_e4m3fn) attention has no kernel with score "
                                     "modifications; use dtype bf16 or fp16 for them")
-        self.aux = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}   # the runs' aux tensors unless a run passes its own
+        # the runs' aux tensors unless a run passes its own (a traced callable's captured tensors among them)
+        self.aux = tensors | {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
+        self.expressions = self.mods.score_mod is not None or self.mods.mask_mod is not None
         self.max_items = max_items or max_batch * 64
         self.causal, self.window, self.scale = causal, None if window is None else tuple(window), scale
         self.framework = _framework(device)
@@ -355,21 +371,18 @@ class VarlenAttention:
         return varlen_kernel(q, q, self.causal, self.window, self.scale, self.fp8_options, self.mods)
 
     def run(self, q, k, v, out=None, *, lse=None, return_lse: bool = False, q_descale=None, k_descale=None,
-            v_descale=None, sinks=None, alibi_slopes=None):
+            v_descale=None, sinks=None, alibi_slopes=None, aux=None):
         """O (total_q, heads, dv) of the planned batch for one layer's packed q, k, v (into `out`); an FP8 wrapper
-        takes the layer's descales. `sinks` / `alibi_slopes`: this layer's, for a wrapper made with them (None: the
-        wrapper's)."""
+        takes the layer's descales. `sinks` / `alibi_slopes` / `aux` (the expressions' tensors by name): this
+        layer's, for a wrapper made with them (None: the wrapper's)."""
         if self.planned is None:
             raise RuntimeInputError("VarlenAttention.run: call plan(cu_seqlens_q, cu_seqlens_k) first")
         total_q, total_k, cu_q, cu_k, work, items, most, kernel = self.planned
         descales = kernel.descale_tensors(q_descale, k_descale, v_descale)   # () unless FP8; refused on 16-bit
-        aux = ()
-        if kernel.aux_names:
-            given = {AUX_ALIBI: alibi_slopes, AUX_SINKS: sinks}
-            aux = tuple(self.aux[n] if given[n] is None else given[n] for n in kernel.aux_names)
-        elif sinks is not None or alibi_slopes is not None:
-            raise RuntimeInputError("VarlenAttention.run: sinks / alibi_slopes are for a wrapper made with them "
-                                    "(VarlenAttention(..., sinks=True or a tensor, alibi_slopes=...))")
+        aux = layer_aux("VarlenAttention.run", kernel.aux_names, self.aux, aux, sinks, alibi_slopes)
+        if self.expressions:
+            from .varlen import refuse_gradients
+            refuse_gradients("VarlenAttention.run", q, k, v, *aux)
         key = (signature(q), signature(k), signature(v), signature(out), signature(lse), id(work), items, most,
                tuple(map(signature, descales)), tuple(map(signature, aux)))
         call = self._calls.get(key)
@@ -389,10 +402,7 @@ class VarlenAttention:
         if not aux:
             return
         from ..dispatch.modified import check_launch
-        missing = [n for n, t in zip(kernel.aux_names, aux) if t is None or isinstance(t, bool)]
-        if missing:
-            raise RuntimeInputError(f"VarlenAttention.run: this wrapper's kernel reads {', '.join(missing)}: pass "
-                                    f"run(..., {missing[0]}=tensor) for this layer")
+        refuse_missing_aux("VarlenAttention.run", kernel.aux_names, aux)
         batch, q_len, kv_len = self.plan_shape
         check_launch(self.mods, dict(zip(kernel.aux_names, aux)), batch, self.num_heads, q_len, kv_len,
                      ragged=True, where="VarlenAttention.run")

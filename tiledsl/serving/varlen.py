@@ -92,7 +92,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     if expressions:   # their trees and aux tensors' signatures key the call (the tensors are read by pointer)
         keywords.update(score_mod=score_mod, mask_mod=mask_mod, aux=aux)
         mods, tensors = _modifications(keywords)
-        _refuse_gradients(q, k, v, *tensors.values())
+        refuse_gradients("varlen_attention", q, k, v, *tensors.values())
     bounded = max_seqlen_q is not None and max_seqlen_k is not None and not validate
     if bounded:
         head = (q, k, v, cu_seqlens_q, cu_seqlens_k, None, None)
@@ -128,11 +128,12 @@ def _modifications(keywords: dict):
     return modifications("varlen_attention", **keywords)
 
 
-def _refuse_gradients(*tensors) -> None:
-    """varlen has no backward: a call with expressions whose inputs need a gradient is refused, not run without it."""
+def refuse_gradients(where: str, *tensors) -> None:
+    """varlen has no backward: a call with expressions whose inputs need a gradient is refused, not run without it
+    (varlen_attention's and VarlenAttention.run's refusal, named by `where`)."""
     if any(getattr(t, "requires_grad", False) for t in tensors):
         from ..errors import RuntimeInputError
-        raise RuntimeInputError("varlen_attention: the varlen kernels have no backward, so score_mod / mask_mod give "
+        raise RuntimeInputError(f"{where}: the varlen kernels have no backward, so score_mod / mask_mod give "
                                 "no gradient there; call under torch.no_grad() or pass tensors that do not require "
                                 "grad (tiledsl.attention differentiates the batched forward's built-in modifications)")
 
