@@ -18,6 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC_FILES = sorted((ROOT / "specs").glob("*.tile"))
 
 
+def pytest_runtest_logreport(report):
+    """TILEDSL_TEST_TIMES=FILE: one line per test call as it ends (seconds, outcome, test id), written by the process
+    that reports (xdist's controller), so a run stopped at its time limit still says what took the time."""
+    path = os.environ.get("TILEDSL_TEST_TIMES")
+    if path and report.when == "call" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as times:
+            times.write(f"{report.duration:.1f} {report.outcome} {report.nodeid}\n")
+
+
 @pytest.fixture
 def spec_files() -> list[Path]:
     """Every bundled spec file, sorted."""
