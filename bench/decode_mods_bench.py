@@ -32,7 +32,7 @@ from tiledsl.dispatch.modified import modifications  # noqa: E402
 from tiledsl.dispatch.tuned import tuned_spec  # noqa: E402
 from tiledsl.serving.paged import paged_spec  # noqa: E402
 from tiledsl.spec import DType, Mask  # noqa: E402
-from tiledsl.tune.bench import record, time_ms  # noqa: E402
+from tiledsl.tune.bench import record, shuffled_pages, time_ms  # noqa: E402
 
 CAP, PAGE = 30.0, 16
 MODS = ("none", "softcap", "alibi", "sinks", "all")
@@ -89,18 +89,7 @@ def _error(out, ref) -> float:
 def paged(q, k, v):
     """q token-major and K, V in PAGE-key pages in random order: (q (batch, q_len, heads, d), k_cache, v_cache,
     block_table)."""
-    batch, kv_heads, n, d = k.shape
-    per_seq = -(-n // PAGE)
-    order = torch.randperm(batch * per_seq, device="cuda")
-
-    def cache(x):
-        padded = torch.zeros(batch, kv_heads, per_seq * PAGE, d, device="cuda", dtype=x.dtype)
-        padded[:, :, :n] = x
-        blocks = padded.transpose(1, 2).reshape(batch * per_seq, PAGE, kv_heads, d)
-        out = torch.empty_like(blocks)
-        out[order] = blocks
-        return out
-    return q.transpose(1, 2).contiguous(), cache(k), cache(v), order.view(batch, per_seq).to(torch.int32)
+    return (q.transpose(1, 2).contiguous(),) + shuffled_pages(k, v, PAGE)
 
 
 def graph_ms(fn) -> float:

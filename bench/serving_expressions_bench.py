@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import tiledsl  # noqa: E402
 from tiledsl.dispatch.modified import modifications  # noqa: E402
-from tiledsl.tune.bench import record, time_ms  # noqa: E402
+from tiledsl.tune.bench import record, shuffled_pages, time_ms  # noqa: E402
 
 BATCH, HEADS, KV_HEADS, D, KEYS, PAGE = 8, 32, 8, 128, 8192, 16
 EXPRESSIONS = {"none": {}, "bias": {"score_mod": "score + bias[h, q_idx - kv_idx + 8191]"},
@@ -42,18 +42,7 @@ def aux_of(mod: str, heads: int) -> dict:
 
 def paged(k, v):
     """K, V (batch, kv heads, n, d) in PAGE-key pages in random order: (k_cache, v_cache, block_table)."""
-    batch, kv_heads, n, d = k.shape
-    per_seq = -(-n // PAGE)
-    order = torch.randperm(batch * per_seq, device="cuda")
-
-    def cache(x):
-        padded = torch.zeros(batch, kv_heads, per_seq * PAGE, d, device="cuda", dtype=x.dtype)
-        padded[:, :, :n] = x
-        blocks = padded.transpose(1, 2).reshape(batch * per_seq, PAGE, kv_heads, d)
-        out = torch.empty_like(blocks)
-        out[order] = blocks
-        return out
-    return cache(k), cache(v), order.view(batch, per_seq).to(torch.int32)
+    return shuffled_pages(k, v, PAGE)
 
 
 def check(mod: str) -> str:

@@ -119,6 +119,24 @@ def random_inputs(problem, batch: int, heads: int, q_len: int, kv_len: int, kv_h
         return tuple(cupy.random.standard_normal(s, dtype=cupy.float32).astype(cupy.float16) for s in shapes)
 
 
+def shuffled_pages(k, v, page: int):
+    """K, V (batch, kv heads, n, d) torch tensors in `page`-key pages placed in random order, as a paged cache holds
+    them: (k_cache, v_cache (pages, page, kv heads, d), block_table int32 (batch, pages per sequence))."""
+    import torch
+    batch, kv_heads, n, d = k.shape
+    per_seq = -(-n // page)
+    order = torch.randperm(batch * per_seq, device=k.device)
+
+    def cache(x):
+        padded = torch.zeros(batch, kv_heads, per_seq * page, d, device=x.device, dtype=x.dtype)
+        padded[:, :, :n] = x
+        blocks = padded.transpose(1, 2).reshape(batch * per_seq, page, kv_heads, d)
+        out = torch.empty_like(blocks)
+        out[order] = blocks
+        return out
+    return cache(k), cache(v), order.view(batch, per_seq).to(torch.int32)
+
+
 def patch_source(kernel, patches) -> None:
     """Apply (old, new) text patches to `kernel.source` (A/B experiments on generated CUDA). Each
     `old` must occur exactly once: a patch whose target is gone raises instead of timing the
